@@ -1,0 +1,5 @@
+import sys
+
+from postrl.cli import main
+
+sys.exit(main())

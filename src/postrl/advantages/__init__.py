@@ -1,0 +1,57 @@
+"""Advantage estimators.
+
+Each estimator reads batch fields by its positional parameter names and returns advantages ``[N]`` (one per
+completion, broadcast over its tokens) or ``[N, T]``. Group statistics are vectorised with scatter-adds over
+``group_ids`` (no Python loop over groups); rows where ``valid`` is False take no part in any statistic and get
+advantage 0 (the trainer also masks them out of the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from postrl.registry import register
+
+
+def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None):
+    """Per-row group mean, unbiased group std and group size, counting only valid rows.
+
+    Returns (mean [N], std [N], count [N]); std is 0 for groups with fewer than 2 valid rows.
+    """
+    x = x.to(torch.float64)
+    v = torch.ones_like(x, dtype=torch.bool) if valid is None else valid.bool()
+    x0 = torch.where(v, x, torch.zeros_like(x))
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    ng = int(inv.max()) + 1 if inv.numel() else 0
+    cnt = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, v.to(torch.float64))
+    s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, x0)
+    mean = s / cnt.clamp(min=1)
+    dev = torch.where(v, x - mean[inv], torch.zeros_like(x))
+    ss = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, dev * dev)
+    var = torch.where(cnt > 1, ss / (cnt - 1).clamp(min=1), torch.zeros_like(ss))
+    return mean[inv], var.sqrt()[inv], cnt[inv]
+
+
+@register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards")
+def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+         scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps), with the unbiased std of the completion's group g.
+
+    scale='group' (default; verl ``norm_adv_by_std_in_grpo=True``, TRL ``scale_rewards='group'``);
+    scale='batch': divide by the unbiased std of all valid rewards of the batch (TRL ``scale_rewards='batch'``);
+    scale='none': A_i = r_i - mean_g r (verl ``norm_adv_by_std_in_grpo=False``, TRL ``scale_rewards='none'``).
+    eps: verl 1e-6 (default), TRL 1e-4, OpenRLHF 1e-9. A group of one completion has A = 0.
+    Shapes: reward [N], group_ids [N], valid [N] bool -> [N].
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"advantage.scale: expected group, batch or none, got '{scale}'")
+    v = torch.isfinite(reward) if valid is None else (valid.bool() & torch.isfinite(reward))
+    mean, std, _ = group_stats(reward, group_ids, v)
+    adv = reward.to(torch.float64) - mean
+    if scale == "group":
+        adv = adv / (std + eps)
+    elif scale == "batch":
+        rv = reward[v].to(torch.float64)
+        bstd = rv.std() if rv.numel() > 1 else torch.zeros((), dtype=torch.float64)
+        adv = adv / (bstd + eps)
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)

@@ -1,0 +1,80 @@
+"""Loading models and tokenizers, prompt encoding, and per-token log-probs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from postrl.errors import PostrlError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
+    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder written by ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    p = Path(path)
+    if not p.is_dir():
+        raise PostrlError(f"model.path '{p}': no such folder (expected a folder written by save_pretrained)")
+    if not (p / "config.json").is_file():
+        raise PostrlError(f"model.path '{p}': no config.json in it (expected a folder written by save_pretrained)")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
+        raise PostrlError(f"model.path '{p}': cannot load a tokenizer from it ({type(e).__name__})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype])
+    except Exception as e:  # noqa: BLE001
+        raise PostrlError(f"model.path '{p}': cannot load a causal LM from it ({type(e).__name__}: {e})") from None
+    prepare_tokenizer(tokenizer)
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer) -> None:
+    """Left padding for generation; a pad token (EOS when the tokenizer has none)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int]:
+    """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
+    and ``chat_template='auto'``; the plain text otherwise. SFT, RL and eval all encode prompts here."""
+    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                        temperature: float = 1.0, with_entropy: bool = False):
+    """log pi(o_t | q, o_<t) for every completion token, from one forward over [prompt; completion].
+
+    prompt_ids/prompt_mask [N, P] left-padded; completion_ids [N, T]. Logits are divided by ``temperature``
+    (the sampler's convention; 0 means greedy and is treated as 1). Returns (logp [N, T], entropy [N, T] or None).
+    Only the last T+1 positions go through the LM head (``logits_to_keep``).
+    """
+    T = completion_ids.shape[1]
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
+    logits = out.logits[:, :-1, :].float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logz
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(logits, dim=-1)
+            ent = logz - (p * logits).sum(-1)
+    return logp, ent

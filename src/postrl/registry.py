@@ -1,0 +1,136 @@
+"""Named registries, one per stage kind.
+
+A stage is a plain function (or a small class when it keeps state) registered under a name::
+
+    from postrl import registry
+
+    @registry.register("reward", "my_reward", source="my paper")
+    def my_reward(prompts, completions, **columns):
+        return [float(len(c) < 10) for c in completions]
+
+Config names the stage (``rewards: [{name: my_reward}]``) or gives an import path
+(``my_pkg.rewards:my_reward``), which is imported on first use. ``names(kind)`` lists what is registered,
+``get(kind, name)`` returns the callable, ``info(kind, name)`` its description and source.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from postrl.errors import ConfigError
+
+KINDS = ("reward", "shaping", "filter", "advantage", "loss", "regularizer", "aggregation", "task")
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    name: str
+    fn: Any
+    description: str
+    source: str
+
+
+_REGISTRY: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+_LOADED = False
+
+
+def _first_line(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _REGISTRY:
+        raise ConfigError(f"unknown stage kind '{kind}'; valid kinds: {', '.join(KINDS)}")
+
+
+def register(kind: str, name: str | None = None, *, source: str = "", description: str | None = None) -> Callable:
+    """Decorator registering ``fn`` under ``kind``/``name`` (default: the function's name).
+
+    ``source`` names the paper or anchor the method comes from; ``description`` defaults to the docstring's
+    first line. Registering a name twice replaces the earlier entry only if it is the same object (re-import).
+    """
+    _check_kind(kind)
+
+    def deco(fn: Any) -> Any:
+        key = name or fn.__name__
+        old = _REGISTRY[kind].get(key)
+        if old is not None and getattr(old.fn, "__qualname__", None) != getattr(fn, "__qualname__", None):
+            raise ValueError(f"{kind} '{key}' is already registered by {old.fn!r}")
+        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source)
+        return fn
+
+    return deco
+
+
+def _load_builtins() -> None:
+    """Import the modules that register postrl's own stages (once)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for mod in ("postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.data"):
+        importlib.import_module(mod)
+
+
+def _import_path(kind: str, path: str) -> Entry:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{kind} '{path}': cannot import module '{module_name}' ({e})") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
+    fn = getattr(module, attr)
+    return Entry(kind, path, fn, _first_line(fn), module_name)
+
+
+def names(kind: str) -> list[str]:
+    """Sorted names registered for ``kind``."""
+    _check_kind(kind)
+    _load_builtins()
+    return sorted(_REGISTRY[kind])
+
+
+def entry(kind: str, name: str) -> Entry:
+    """The registry entry for ``name``; ``module.path:attr`` imports a user's stage."""
+    _check_kind(kind)
+    _load_builtins()
+    if name in _REGISTRY[kind]:
+        return _REGISTRY[kind][name]
+    if ":" in name:
+        return _import_path(kind, name)
+    valid = ", ".join(names(kind)) or "(none)"
+    raise ConfigError(f"unknown {kind} '{name}'; valid: {valid} (or an import path 'module:function')")
+
+
+def get(kind: str, name: str) -> Any:
+    """The callable registered as ``kind``/``name`` (or imported from ``module:attr``)."""
+    return entry(kind, name).fn
+
+
+def all_entries() -> list[Entry]:
+    _load_builtins()
+    return [e for k in KINDS for e in sorted(_REGISTRY[k].values(), key=lambda e: e.name)]
+
+
+def check_params(kind: str, name: str, params: dict[str, Any], where: str) -> None:
+    """Raise ConfigError if ``params`` holds a keyword the stage does not accept.
+
+    Stages declare their parameters as keyword-only arguments (after ``*``); that is the whole schema.
+    """
+    fn = get(kind, name)
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    sig = inspect.signature(target)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    for key in params:
+        if key not in valid:
+            raise ConfigError(
+                f"{where}: unknown parameter '{key}' for {kind} '{name}'; valid: {', '.join(valid) or '(none)'}"
+            )

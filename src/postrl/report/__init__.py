@@ -1,0 +1,1 @@
+"""Run reports and the live console."""

@@ -1,0 +1,291 @@
+"""CPU (or any single-device) generation backend for any Hugging Face causal LM.
+
+:class:`HFGenerator` samples with the model's KV cache: one forward over the left-padded prompts (with an
+explicit attention mask and position ids), then one token per step, feeding only the new token. Rows that
+finish (EOS or a stop string) are dropped from the running batch and its cache, so a long straggler does not
+pay for the rows that are already done.
+
+Sampling draws only from a ``torch.Generator`` seeded with ``seed``: one uniform number per (row, step), turned
+into a token by the inverse CDF of that row's (top-k / top-p filtered) distribution. So the same seed gives the
+same output, and a row's sample does not depend on ``batch_size`` or on which other rows have finished.
+The log-prob of each sampled token is ``log_softmax(logits / temperature)`` of the *unfiltered* distribution
+(temperature 1 when greedy), which is what a full forward recompute in the trainer gives.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
+
+__all__ = ["HFGenerator", "left_pad"]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(ids, mask)``, both ``[len(seqs), max_len]`` long tensors.
+
+    ``mask`` is 1 on real tokens and 0 on padding (which sits on the left).
+    """
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        if len(seq):
+            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from float32 ``logits`` [B, V]; return (tokens [B], their log-probs [B]).
+
+    ``u`` [B] holds one uniform draw in [0, 1) per row (unused when greedy). A row's token is the inverse CDF of
+    its filtered distribution at ``u``, so a row's sample depends only on its own logits and its own draw, not on
+    which other rows share the batch.
+    """
+    if params.temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+    scaled = logits / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass *before* it is below top_p (so the token crossing the threshold stays).
+        remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        filtered = torch.empty_like(filtered).scatter_(1, order, sorted_logits)
+    cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)
+    # First token whose CDF exceeds u * total: never a zero-probability token (its CDF does not rise).
+    target = u.double()[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+class HFGenerator(GenerationBackend):
+    """Generate with a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids, past_key_values)``).
+
+    ``batch_size`` caps the rows (prompts x n) run through the model at once; ``None`` runs all rows together.
+    Results depend on ``seed`` but not on ``batch_size`` (up to float noise in batched matmuls).
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int | None = None):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.pad_id = int(pad)
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+            params = {}
+        self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> list[int]:
+        """The tokenizer's EOS plus any EOS ids in the model's generation config (as ``model.generate`` uses)."""
+        ids: list[int] = []
+        for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+            if source is None:
+                continue
+            for i in source if isinstance(source, (list, tuple)) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """No-op: the generator shares the training module, so it always sees the current weights."""
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if params.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        if params.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {params.top_k}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+
+        rows = [list(p) for p in prompt_ids for _ in range(n)]
+        num_rows = len(rows)
+        all_prompt_ids, all_prompt_mask = left_pad(rows, self.pad_id)
+        max_new = params.max_new_tokens
+        comp_ids = torch.full((num_rows, max(max_new, 1)), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros((num_rows, max(max_new, 1)), dtype=torch.float32)
+        lengths = torch.zeros(num_rows, dtype=torch.long)
+        ended = torch.zeros(num_rows, dtype=torch.bool)
+
+        model = self.model
+        device = self._device()
+        chunk = self.batch_size or max(num_rows, 1)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                # One uniform draw per (row, step), taken up front: a row's samples depend on the seed and its own
+                # logits only, not on batch_size or on which rows have already finished.
+                noise = None
+                if params.temperature > 0 and max_new > 0:
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(int(seed))
+                    noise = torch.rand((num_rows, max_new), generator=gen, device=device)
+                for start in range(0, num_rows, chunk):
+                    end = min(start + chunk, num_rows)
+                    c_ids, c_lp, c_len, c_end = self._generate_chunk(
+                        rows[start:end], params, None if noise is None else noise[start:end], device
+                    )
+                    comp_ids[start:end] = c_ids
+                    logprobs[start:end] = c_lp
+                    lengths[start:end] = c_len
+                    ended[start:end] = c_end
+        finally:
+            model.train(was_training)
+
+        width = max(int(lengths.max()) if num_rows else 0, 1)
+        comp_ids = comp_ids[:, :width].clone()
+        logprobs = logprobs[:, :width].clone()
+        completion_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        texts = [self._text(comp_ids[i, : int(lengths[i])].tolist(), params.stop) for i in range(num_rows)]
+        return Generation(
+            prompt_ids=all_prompt_ids,
+            prompt_mask=all_prompt_mask,
+            completion_ids=comp_ids,
+            completion_mask=completion_mask,
+            logprobs=logprobs,
+            truncated=~ended,
+            texts=texts,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        dev = getattr(self.model, "device", None)
+        if isinstance(dev, torch.device):
+            return dev
+        try:
+            return next(self.model.parameters()).device
+        except StopIteration:  # pragma: no cover - a model without parameters
+            return torch.device("cpu")
+
+    def _text(self, tokens: list[int], stop: list[str]) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def _hit_stop(self, tokens: list[int], stop: list[str]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return any(s in text for s in stop if s)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            **self._logits_kw,
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def _can_compact(cache) -> bool:
+        """Only drop finished rows from caches whose every layer is a plain (or sliding) dynamic KV layer."""
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError:  # pragma: no cover - older transformers
+            return False
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
+
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, noise: torch.Tensor | None, device):
+        """Generate for one chunk of rows; returns (ids [B, M], logprobs [B, M], lengths [B], ended [B]) on CPU."""
+        num = len(rows)
+        max_new = params.max_new_tokens
+        out_ids = torch.full((num, max(max_new, 1)), self.pad_id, dtype=torch.long)
+        out_lp = torch.zeros((num, max(max_new, 1)), dtype=torch.float32)
+        lengths = torch.zeros(num, dtype=torch.long)
+        ended = torch.zeros(num, dtype=torch.bool)
+        if max_new == 0 or num == 0:
+            return out_ids, out_lp, lengths, ended
+
+        ids, mask = left_pad(rows, self.pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        width = ids.shape[1]
+        # The attention mask for the whole run, filled in one column per step.
+        attn = torch.zeros((num, width + max_new), dtype=torch.long, device=device)
+        attn[:, :width] = mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos = mask.sum(-1)  # position of the next token in each row
+
+        logits, cache = self._forward(ids, mask, positions, self._new_cache())
+        compact = self._can_compact(cache)
+        rows_idx = torch.arange(num, device=device)  # original row of each row of the running batch
+        live = torch.ones(num, dtype=torch.bool, device=device)  # used only when the cache cannot be compacted
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        stops = [s for s in params.stop if s]
+        # Host-side copy of every row's sampled tokens, for stop-string checks.
+        history: list[list[int]] = [[] for _ in range(num)]
+
+        for t in range(max_new):
+            tokens, lp = _sample(logits, params, None if noise is None else noise[rows_idx, t])
+            sel = live.nonzero().squeeze(1)
+            orig = rows_idx[sel]
+            orig_cpu = orig.cpu()
+            out_ids[orig_cpu, t] = tokens[sel].cpu()
+            out_lp[orig_cpu, t] = lp[sel].float().cpu()
+            lengths[orig_cpu] = t + 1
+
+            done = torch.zeros_like(live)
+            if eos.numel():
+                done = torch.isin(tokens, eos) & live
+            if stops:
+                done_cpu = done.cpu()
+                tok_cpu = tokens.cpu().tolist()
+                for k, r in zip(sel.tolist(), orig_cpu.tolist()):
+                    history[r].append(tok_cpu[k])
+                    if not done_cpu[k] and self._hit_stop(history[r], stops):
+                        done[k] = True
+            ended[rows_idx[done].cpu()] = True
+
+            if t == max_new - 1:
+                break
+            keep = live & ~done
+            if not keep.any():
+                break
+            if compact and not keep.all():
+                idx = keep.nonzero().squeeze(1)
+                cache.batch_select_indices(idx)
+                rows_idx, tokens, next_pos, attn = rows_idx[idx], tokens[idx], next_pos[idx], attn[idx]
+                live = torch.ones(len(idx), dtype=torch.bool, device=device)
+            else:
+                live = keep
+                tokens = torch.where(live, tokens, torch.full_like(tokens, self.pad_id))
+            attn[:, width + t] = live.long()
+            logits, cache = self._forward(tokens[:, None], attn[:, : width + t + 1], next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+        return out_ids, out_lp, lengths, ended

@@ -1,0 +1,1 @@
+"""Training: the RL trainer, the SFT warm start, checkpoints."""

@@ -1,0 +1,294 @@
+"""The HF generation backend: greedy parity with ``model.generate``, padding, log-probs, seeds, EOS, stops."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from postrl.models.tiny import build_model, build_tokenizer
+from postrl.rollout.base import SamplingParams
+from postrl.rollout.hf import HFGenerator, left_pad
+
+PROMPTS = ["12+3=", "a", "hello world", "x*y"]
+
+
+def _reinit(model, seed: int = 1, std: float = 0.3):
+    # The default init gives a model whose greedy output just repeats the last token; larger random weights make
+    # varied text (and the occasional EOS), so parity tests compare something non-trivial.
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return _reinit(build_model(tok, size="nano", seed=0))
+
+
+@pytest.fixture(scope="module")
+def eos_model(tok, model):
+    """The same model with an untied lm_head whose bias pushes EOS up, so rows end at varied lengths."""
+    m = copy.deepcopy(model)
+    m.config.tie_word_embeddings = False
+    head = torch.nn.Linear(m.config.hidden_size, m.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.get_input_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = 1.5
+    m.lm_head = head
+    return m.eval()
+
+
+def _ids(tok, texts):
+    return [tok.encode(t) for t in texts]
+
+
+def _recompute_logprobs(model, prompt, completion, temperature):
+    """Full, uncached forward over prompt + completion; log_softmax(logits / T) gathered at the completion."""
+    seq = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0].float()
+    pred = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)] / temperature
+    return torch.log_softmax(pred, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+def _row(gen, i):
+    length = int(gen.completion_mask[i].sum())
+    return gen.completion_ids[i, :length].tolist()
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [9], [1, 2]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9], [0, 1, 2]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+def test_greedy_matches_hf_generate(tok, model):
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    for prompt in _ids(tok, PROMPTS):
+        out = gen.generate([prompt], 1, params, seed=0)
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=20,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(prompt) :].tolist()
+        assert _row(out, 0) == ref
+        assert out.truncated[0].item() == (tok.eos_token_id not in ref)
+        # Greedy log-probs are of the temperature-1 distribution.
+        lp = _recompute_logprobs(model, prompt, ref, 1.0)
+        torch.testing.assert_close(out.logprobs[0, : len(ref)], lp, atol=1e-4, rtol=0)
+    # The varied outputs make this a real check (not a model that repeats one token).
+    assert len(set(_row(gen.generate(_ids(tok, PROMPTS[:1]), 1, params, 0), 0))) > 3
+
+
+def test_left_padded_batch_matches_single_prompts(tok, model):
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    prompts = _ids(tok, PROMPTS)
+    batch = gen.generate(prompts, 2, params, seed=0)
+    assert batch.prompt_ids.shape == (8, max(len(p) for p in prompts))
+    for i, prompt in enumerate(prompts):
+        alone = gen.generate([prompt], 1, params, seed=0)
+        for j in range(2):
+            r = i * 2 + j
+            assert _row(batch, r) == _row(alone, 0)
+            assert batch.texts[r] == alone.texts[0]
+            assert batch.truncated[r] == alone.truncated[0]
+            n = len(_row(alone, 0))
+            torch.testing.assert_close(batch.logprobs[r, :n], alone.logprobs[0, :n], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "which,params",
+    [
+        ("model", SamplingParams(max_new_tokens=24, temperature=0.7)),
+        ("model", SamplingParams(max_new_tokens=24, temperature=0.7, top_k=10, top_p=0.9)),
+        ("eos_model", SamplingParams(max_new_tokens=24, temperature=0.7)),
+    ],
+)
+def test_logprobs_match_full_forward(tok, model, eos_model, which, params):
+    m = model if which == "model" else eos_model
+    prompts = _ids(tok, PROMPTS)
+    out = HFGenerator(m, tok).generate(prompts, 3, params, seed=7)
+    lengths = out.completion_mask.sum(1).long()
+    if which == "eos_model":
+        assert len(set(lengths.tolist())) > 3  # rows finished at different steps
+    for r in range(len(prompts) * 3):
+        completion = _row(out, r)
+        lp = _recompute_logprobs(m, prompts[r // 3], completion, params.temperature)
+        torch.testing.assert_close(out.logprobs[r, : len(completion)], lp, atol=1e-4, rtol=0)
+        assert (out.logprobs[r, len(completion) :] == 0).all()
+        assert (out.completion_ids[r, len(completion) :] == tok.pad_token_id).all()
+
+
+def test_seed_determinism(tok, model):
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    prompts = _ids(tok, PROMPTS[:2])
+    a = gen.generate(prompts, 4, params, seed=123)
+    b = gen.generate(prompts, 4, params, seed=123)
+    c = gen.generate(prompts, 4, params, seed=124)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert a.texts == b.texts
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # The n samples of one prompt differ from each other.
+    assert len({tuple(_row(a, r)) for r in range(4)}) == 4
+    # Sampling uses only its own generator: the global RNG is neither used nor advanced.
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    d = gen.generate(prompts, 4, params, seed=123)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(d.completion_ids, a.completion_ids)
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(tok, model):
+    gen = HFGenerator(model, tok)
+    prompts = _ids(tok, PROMPTS)
+    greedy = gen.generate(prompts, 1, SamplingParams(max_new_tokens=16, temperature=0.0), seed=0)
+    topk = gen.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1), seed=5)
+    topp = gen.generate(prompts, 2, SamplingParams(max_new_tokens=16, temperature=1.0, top_p=1e-6), seed=6)
+    for r in range(len(prompts) * 2):
+        assert _row(topk, r) == _row(greedy, r // 2)
+        assert _row(topp, r) == _row(greedy, r // 2)
+        # At temperature 1 the (unfiltered) log-probs are the greedy ones, not 0 from the filtered distribution.
+        n = len(_row(greedy, r // 2))
+        torch.testing.assert_close(topk.logprobs[r, :n], greedy.logprobs[r // 2, :n], atol=1e-5, rtol=0)
+        assert (topk.logprobs[r, :n] < 0).all()
+
+
+def test_eos_ends_rows(tok, eos_model):
+    eos = tok.eos_token_id
+    gen = HFGenerator(eos_model, tok)
+    out = gen.generate(_ids(tok, PROMPTS), 4, SamplingParams(max_new_tokens=20, temperature=1.0), seed=3)
+    lengths = out.completion_mask.sum(1).long()
+    assert out.completion_ids.shape[1] == int(lengths.max())  # trimmed to the longest completion
+    n_eos = 0
+    for r in range(16):
+        ids = out.completion_ids[r].tolist()
+        if eos in ids:
+            n_eos += 1
+            e = ids.index(eos)
+            assert lengths[r] == e + 1  # EOS itself is in the completion, mask 1
+            assert out.completion_mask[r, : e + 1].eq(1).all() and out.completion_mask[r, e + 1 :].eq(0).all()
+            assert all(t == tok.pad_token_id for t in ids[e + 1 :])
+            assert out.logprobs[r, e] < 0 and out.logprobs[r, e + 1 :].eq(0).all()
+            assert not out.truncated[r]
+            assert out.texts[r] == tok.decode(ids[:e], skip_special_tokens=True) and "</s>" not in out.texts[r]
+        else:
+            assert lengths[r] == 20 and out.truncated[r]
+    assert 4 <= n_eos < 16
+
+    # A head that always prefers EOS: every completion is exactly [EOS], one column, empty text.
+    forced = copy.deepcopy(eos_model)
+    with torch.no_grad():
+        forced.lm_head.bias[eos] = 100.0
+    out = HFGenerator(forced, tok).generate(_ids(tok, PROMPTS), 2, SamplingParams(max_new_tokens=10), seed=0)
+    assert out.completion_ids.tolist() == [[eos]] * 8
+    assert out.completion_mask.tolist() == [[1.0]] * 8
+    assert not out.truncated.any()
+    assert out.texts == [""] * 8
+
+
+def test_stop_strings(tok, model):
+    gen = HFGenerator(model, tok)
+    prompts = _ids(tok, PROMPTS)
+    free = gen.generate(prompts, 1, SamplingParams(max_new_tokens=20, temperature=0.0), seed=0)
+    text = free.texts[2]
+    stop = text[5:7]  # a substring of prompt 2's greedy output
+    out = gen.generate(prompts, 1, SamplingParams(max_new_tokens=20, temperature=0.0, stop=[stop, "@@"]), seed=0)
+    cut = text.find(stop)
+    assert out.texts[2] == text[:cut]
+    assert not out.truncated[2]
+    # The completion runs up to and including the token that completed the stop string (one char per token here).
+    assert _row(out, 2) == _row(free, 2)[: cut + len(stop)]
+    assert out.completion_mask[2].sum() == cut + len(stop)
+    # Rows whose text never contains a stop string are unchanged.
+    for r in range(4):
+        if stop not in free.texts[r]:
+            assert _row(out, r) == _row(free, r) and out.texts[r] == free.texts[r]
+            assert out.truncated[r] == free.truncated[r]
+
+
+def test_max_new_tokens_and_truncation(tok, model):
+    gen = HFGenerator(model, tok)
+    out = gen.generate(_ids(tok, PROMPTS), 2, SamplingParams(max_new_tokens=5, temperature=1.0), seed=0)
+    assert out.completion_ids.shape == (8, 5)
+    for r in range(8):
+        if tok.eos_token_id not in out.completion_ids[r].tolist():
+            assert out.truncated[r] and out.completion_mask[r].sum() == 5
+    assert out.truncated.dtype == torch.bool and out.completion_mask.dtype == torch.float32
+
+
+def test_rows_are_prompt_major_and_batch_size_invariant(tok, model):
+    prompts = _ids(tok, PROMPTS[:3])
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    full = HFGenerator(model, tok).generate(prompts, 3, params, seed=11)
+    chunked = HFGenerator(model, tok, batch_size=2).generate(prompts, 3, params, seed=11)
+    width = full.prompt_ids.shape[1]
+    for r in range(9):
+        p = prompts[r // 3]
+        assert full.prompt_ids[r, width - len(p) :].tolist() == p
+        assert full.prompt_mask[r].sum() == len(p)
+        assert full.prompt_ids[r, : width - len(p)].eq(tok.pad_token_id).all()
+    assert torch.equal(full.prompt_ids, chunked.prompt_ids)
+    assert torch.equal(full.completion_ids, chunked.completion_ids)
+    torch.testing.assert_close(full.logprobs, chunked.logprobs, atol=1e-4, rtol=0)
+    # Greedy rows of one prompt are identical; each block matches that prompt generated alone.
+    greedy = HFGenerator(model, tok).generate(prompts, 3, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
+    for i, p in enumerate(prompts):
+        alone = HFGenerator(model, tok).generate([p], 1, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
+        assert all(_row(greedy, 3 * i + j) == _row(alone, 0) for j in range(3))
+
+
+def test_without_cache_compaction_same_result(tok, eos_model, monkeypatch):
+    prompts = _ids(tok, PROMPTS)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, stop=["e"])
+    a = HFGenerator(eos_model, tok).generate(prompts, 3, params, seed=2)
+    monkeypatch.setattr(HFGenerator, "_can_compact", staticmethod(lambda cache: False))
+    b = HFGenerator(eos_model, tok).generate(prompts, 3, params, seed=2)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    assert a.texts == b.texts and torch.equal(a.truncated, b.truncated)
+
+
+def test_mode_restored_and_outputs_are_ordinary_tensors(tok, model):
+    gen = HFGenerator(model, tok)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    ref = gen.generate(_ids(tok, PROMPTS), 1, params, seed=0)
+    model.train()
+    try:
+        out = gen.generate(_ids(tok, PROMPTS), 1, params, seed=0)
+        assert model.training
+    finally:
+        model.eval()
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    for t in (out.prompt_ids, out.completion_ids, out.completion_mask, out.logprobs, out.truncated):
+        assert not torch.is_inference(t)
+    out.logprobs.mul_(1.0)  # in-place use by a trainer outside inference mode works
+
+
+def test_rejects_bad_input(tok, model):
+    gen = HFGenerator(model, tok)
+    with pytest.raises(ValueError):
+        gen.generate([[]], 1, SamplingParams(), seed=0)
+    with pytest.raises(ValueError):
+        gen.generate([[5]], 0, SamplingParams(), seed=0)
+    with pytest.raises(ValueError):
+        HFGenerator(model, tok, batch_size=0)
