@@ -210,7 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse cannot take positionals after an option (`eval RUN --task t task.digits=3`): KEY=VALUE items that
+    # it left over are overrides of the command; anything else is an error as usual.
+    bad = [x for x in extra if x.startswith("-") or "=" not in x]
+    field = "items" if hasattr(args, "items") else "overrides" if hasattr(args, "overrides") else None
+    if bad or (extra and field is None):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
+    if extra:
+        getattr(args, field).extend(extra)
     if not hasattr(args, "fn"):
         parser.print_help()
         return 0 if args.command is None else 2

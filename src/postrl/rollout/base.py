@@ -52,8 +52,12 @@ class GenerationBackend(ABC):
     """Generates completions for already-tokenised prompts."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
-        """Sample ``n`` completions for each prompt; the same ``seed`` gives the same result."""
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
+                 seed: int | list[int]) -> Generation:
+        """Sample ``n`` completions for each prompt; the same ``seed`` gives the same result.
+
+        ``seed`` may be one int per prompt: then a prompt's samples depend only on its own seed, so the trainer
+        gets the same rollouts whatever the number of processes the prompts are spread over."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # pragma: no cover - trivial for in-process backends
         """Make the backend generate with ``model``'s current weights (a no-op when it shares the module)."""

@@ -113,7 +113,8 @@ class HFGenerator(GenerationBackend):
         """No-op: the generator shares the training module, so it always sees the current weights."""
 
     # ------------------------------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
+                 seed: int | list[int]) -> Generation:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if params.max_new_tokens < 0:
@@ -146,9 +147,15 @@ class HFGenerator(GenerationBackend):
                 # logits only, not on batch_size or on which rows have already finished.
                 noise = None
                 if params.temperature > 0 and max_new > 0:
-                    gen = torch.Generator(device=device)
-                    gen.manual_seed(int(seed))
-                    noise = torch.rand((num_rows, max_new), generator=gen, device=device)
+                    seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed)]
+                    if len(seeds) > 1 and len(seeds) != len(prompt_ids):
+                        raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts")
+                    blocks = []
+                    for s in seeds:  # one seed per prompt: its samples do not depend on the other prompts
+                        gen = torch.Generator(device=device)
+                        gen.manual_seed(s)
+                        blocks.append(torch.rand((num_rows // len(seeds), max_new), generator=gen, device=device))
+                    noise = torch.cat(blocks)
                 for start in range(0, num_rows, chunk):
                     end = min(start + chunk, num_rows)
                     c_ids, c_lp, c_len, c_end = self._generate_chunk(

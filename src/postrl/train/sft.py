@@ -67,7 +67,7 @@ def run_sft(model, tokenizer, source: PromptSource, *, steps: int, batch_size: i
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(out.loss.item())
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()

@@ -174,7 +174,9 @@ class Trainer:
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.model.chat_template) for r in rows]
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop))
-        gen = self.backend.generate(prompt_ids, G, params, _seed(cfg.seed, step, self.rank, "rollout"))
+        first = self.rank * per_rank  # global index of this process's first prompt
+        seeds = [_seed(cfg.seed, step, first + i, "rollout") for i in range(len(rows))]
+        gen = self.backend.generate(prompt_ids, G, params, seeds)
         keys = [k for k in rows[0] if k != "prompt"] if rows else []
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in keys}
         group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * cfg.train.prompts_per_step \
@@ -257,12 +259,12 @@ class Trainer:
                         w = weights[sel].to(logp.device)
                         pg = (w * loss_mat).sum()
                         loss = pg
-                        stats = {"pg_loss": float(pg), "entropy": float((w * ent).sum())}
+                        stats = {"pg_loss": pg.item(), "entropy": float((w * ent).sum())}
                         if self.kl_fn is not None:
                             kl = self.kl_fn(logp, batch.ref_logprobs[idx].to(logp.device))
                             kl_term = (w * kl).sum()
                             loss = loss + cfg.kl.coef * kl_term
-                            stats["kl"] = float(kl_term)
+                            stats["kl"] = kl_term.item()
                         for key, val in info.items():
                             if val.dtype == torch.bool:
                                 stats[key] = float((w * val.float()).sum())
@@ -312,12 +314,22 @@ class Trainer:
         return m
 
     def _reduce(self, metrics: dict) -> dict:
+        """Average metrics over processes; keys ending in min / max are reduced as min / max."""
         if self.world == 1:
             return metrics
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.acc.device)
-        t = self.acc.reduce(t, reduction="mean")
-        return dict(zip(keys, t.tolist()))
+        import torch.distributed as dist
+
+        out = {}
+        for op, pick in ((dist.ReduceOp.MAX, lambda k: k.endswith("max")),
+                         (dist.ReduceOp.MIN, lambda k: k.endswith("min")),
+                         (dist.ReduceOp.SUM, lambda k: not k.endswith(("max", "min")))):
+            keys = sorted(k for k in metrics if pick(k))
+            t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.acc.device)
+            dist.all_reduce(t, op=op)
+            if op == dist.ReduceOp.SUM:
+                t = t / self.world
+            out.update(zip(keys, t.tolist()))
+        return out
 
     def _write_samples(self, step: int, batch: RolloutBatch, k: int = 2) -> None:
         G = self.cfg.rollout.group_size

@@ -1,0 +1,65 @@
+"""Prompt sources: built-in procedural tasks, data files, Hugging Face datasets, reasoning-gym.
+
+``load_source({"name": "arithmetic", "digits": 3})`` builds a source from its config; ``name`` is a registered
+task, ``file`` (:class:`FileSource`) or ``dataset`` (:class:`DatasetSource`). ``verify_row(completion, row)``
+scores a completion with the verifier of the task named by the row's ``task`` column.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from postrl import registry
+from postrl.data.base import PromptSource, stable_hash
+from postrl.data.files import DatasetSource, FileSource, RowsSource, read_rows
+from postrl.data.reasoning_gym import ReasoningGymSource
+from postrl.data.tasks import ArithmeticTask, CountdownTask, ProceduralTask, is_held_out
+from postrl.errors import ConfigError
+
+__all__ = [
+    "ArithmeticTask",
+    "CountdownTask",
+    "DatasetSource",
+    "FileSource",
+    "ProceduralTask",
+    "PromptSource",
+    "ReasoningGymSource",
+    "RowsSource",
+    "is_held_out",
+    "load_source",
+    "read_rows",
+    "stable_hash",
+    "verify_row",
+]
+
+
+def load_source(spec: dict[str, Any]) -> PromptSource:
+    """The prompt source described by ``spec = {"name": ..., **params}``.
+
+    An unknown name raises the registry's ConfigError listing the valid tasks; an unknown parameter raises a
+    ConfigError naming it and the valid ones.
+    """
+    if not isinstance(spec, dict):
+        raise ConfigError(f"task: expected a mapping with a 'name' key, got {spec!r}")
+    params = dict(spec)
+    name = params.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"task: missing 'name' (one of: {', '.join(registry.names('task'))})")
+    cls = registry.get("task", name)
+    registry.check_params("task", name, params, where="task")
+    return cls(**params)
+
+
+def verify_row(completion: str, row: dict) -> float | None:
+    """Score ``completion`` with the verifier of ``row["task"]``; None when the row has no (known) task."""
+    task = row.get("task")
+    if not isinstance(task, str) or not task:
+        return None
+    # Only registered names: a data file's column must not trigger an import path ('module:attr').
+    if task not in registry.names("task"):
+        return None
+    cls = registry.get("task", task)
+    # Data sources delegate here; a row naming one would recurse.
+    if not isinstance(cls, type) or not issubclass(cls, PromptSource) or issubclass(cls, RowsSource):
+        return None
+    return cls.verify(completion, row)

@@ -1,0 +1,298 @@
+"""Prompt sources backed by data: a local file (JSONL, JSON, CSV, parquet) or a Hugging Face dataset.
+
+Training order: epoch ``e`` is the training rows permuted by ``random.Random(stable_hash(seed, e))``;
+``train_rows(step, n, seed)`` returns positions ``step*n .. step*n+n-1`` of the endless concatenation of those
+permutations, so every training row is seen exactly once per epoch and the position is a function of the step.
+
+Evaluation: the rows of ``eval_path`` (or ``eval_split``) when given, else the last ``eval_fraction`` of a fixed
+permutation of the rows (the same for every run seed, so no run ever trains on them).
+
+``verifier`` names a task (e.g. ``arithmetic``) whose ``verify`` scores the rows; every row then carries
+``task = verifier`` and the rows need whatever columns that verifier reads (``answer`` for arithmetic).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from postrl.data.base import PromptSource, stable_hash
+from postrl.errors import ConfigError, DataError
+from postrl.registry import register
+
+SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
+_SPLIT_SEED = "postrl-eval-split"
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}: line {lineno} is a {type(obj).__name__}, expected a JSON object")
+            rows.append(obj)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
+    for i, obj in enumerate(data, 1):
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}: row {i} is a {type(obj).__name__}, expected a JSON object")
+    return data
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8", newline="") as f:
+        # Short rows give None for the missing fields: drop them so the column check reports them.
+        return [{k: v for k, v in row.items() if k is not None and v is not None} for row in csv.DictReader(f)]
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow; install it with pip install 'postrl[data]'") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several types for a corrupt file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"{path}: cannot read parquet ({type(e).__name__}: {first})") from None
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL / JSON (list of objects) / CSV / parquet file, chosen by suffix."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{p}: file not found")
+    if p.is_dir():
+        raise DataError(f"{p}: is a directory, expected a {', '.join(SUFFIXES)} file")
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        rows = _read_jsonl(p)
+    elif suffix == ".json":
+        rows = _read_json(p)
+    elif suffix == ".csv":
+        rows = _read_csv(p)
+    elif suffix == ".parquet":
+        rows = _read_parquet(p)
+    else:
+        raise DataError(f"{p}: unsupported file type '{p.suffix}'; expected one of {', '.join(SUFFIXES)}")
+    if not rows:
+        raise DataError(f"{p}: no rows (empty file)")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+def _check_verifier(verifier: str | None) -> None:
+    if verifier is None:
+        return
+    from postrl import registry
+
+    cls = registry.get("task", verifier)  # unknown name -> ConfigError listing the valid ones
+    if isinstance(cls, type) and issubclass(cls, RowsSource):
+        raise ConfigError(f"task: verifier '{verifier}' is a data source, not a task with a verifier")
+
+
+class RowsSource(PromptSource):
+    """Shared epoch/eval logic over an in-memory list of rows (``FileSource``, ``DatasetSource``)."""
+
+    _PERM_CACHE = 4
+
+    def _setup(
+        self,
+        label: str,
+        rows: list[dict],
+        eval_rows: list[dict] | None,
+        eval_label: str | None,
+        prompt_column: str,
+        columns: list[str] | None,
+        eval_fraction: float,
+        verifier: str | None,
+    ) -> None:
+        if not isinstance(eval_fraction, (int, float)) or not 0.0 <= eval_fraction < 1.0:
+            raise ConfigError(f"task: eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
+        if columns is not None and (
+            not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns)
+        ):
+            raise ConfigError(f"task: columns must be a list of column names, got {columns!r}")
+        _check_verifier(verifier)
+        self.label = label
+        self.prompt_column = prompt_column
+        self.columns = list(columns) if columns is not None else None
+        self.verifier = verifier
+        rows = [self._normalize(label, i, r) for i, r in enumerate(rows, 1)]
+        if eval_rows is not None:
+            self._eval = [self._normalize(eval_label or label, i, r) for i, r in enumerate(eval_rows, 1)]
+            self._train = rows
+        else:
+            order = list(range(len(rows)))
+            random.Random(stable_hash(_SPLIT_SEED, len(rows))).shuffle(order)
+            n_eval = int(round(len(rows) * eval_fraction))
+            if eval_fraction > 0 and len(rows) >= 2:
+                n_eval = max(1, n_eval)
+            n_eval = min(n_eval, len(rows) - 1)
+            held = set(order[len(rows) - n_eval :])
+            self._eval = [rows[i] for i in order[len(rows) - n_eval :]]
+            self._train = [r for i, r in enumerate(rows) if i not in held]
+        self._perms: dict[tuple[int, int], list[int]] = {}
+
+    def _normalize(self, label: str, rownum: int, row: dict) -> dict:
+        if self.prompt_column not in row:
+            cols = ", ".join(map(str, row)) or "(none)"
+            raise DataError(f"{label}: row {rownum} has no prompt column '{self.prompt_column}' (columns: {cols})")
+        prompt = row[self.prompt_column]
+        if not isinstance(prompt, str):
+            raise DataError(
+                f"{label}: row {rownum} column '{self.prompt_column}' is a {type(prompt).__name__}, expected a string"
+            )
+        if self.columns is None:
+            out = {k: v for k, v in row.items() if k != self.prompt_column}
+        else:
+            out = {}
+            for c in self.columns:
+                if c not in row:
+                    cols = ", ".join(map(str, row))
+                    raise DataError(f"{label}: row {rownum} has no column '{c}' (columns: {cols})")
+                out[c] = row[c]
+        out["prompt"] = prompt
+        if self.verifier is not None:
+            out["task"] = self.verifier
+        return out
+
+    def __len__(self) -> int:
+        return len(self._train)
+
+    def _perm(self, seed: int, epoch: int) -> list[int]:
+        key = (seed, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = list(range(len(self._train)))
+            random.Random(stable_hash(seed, epoch)).shuffle(perm)
+            if len(self._perms) >= self._PERM_CACHE:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = perm
+        return perm
+
+    def train_rows(self, step: int, n: int, seed: int) -> list[dict]:
+        size = len(self._train)
+        out = []
+        for pos in range(step * n, step * n + n):
+            epoch, i = divmod(pos, size)
+            out.append(dict(self._train[self._perm(seed, epoch)[i]]))
+        return out
+
+    def eval_rows(self, n: int, seed: int) -> list[dict]:
+        return [dict(r) for r in self._eval[:n]]
+
+    @staticmethod
+    def verify(completion: str, row: dict) -> float | None:
+        from postrl.data import verify_row
+
+        return verify_row(completion, row)
+
+
+@register("task", "file", source="local JSONL / JSON / CSV / parquet file")
+class FileSource(RowsSource):
+    """Rows of a local JSONL, JSON (list of objects), CSV or parquet file."""
+
+    name = "file"
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        prompt_column: str = "prompt",
+        columns: list[str] | None = None,
+        eval_fraction: float = 0.1,
+        eval_path: str | None = None,
+        verifier: str | None = None,
+    ):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"task 'file': path must be a file path, got {path!r}")
+        self.path = str(path)
+        rows = read_rows(path)
+        eval_rows = read_rows(eval_path) if eval_path is not None else None
+        self._setup(str(path), rows, eval_rows, str(eval_path) if eval_path else None, prompt_column, columns,
+                    eval_fraction, verifier)
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "loading a dataset needs the 'datasets' package; install it with pip install 'postrl[data]'"
+        ) from None
+    return datasets
+
+
+def _load_split(name_or_path: str, split: str, config_name: str | None) -> list[dict]:
+    datasets = _import_datasets()
+    p = Path(name_or_path)
+    try:
+        if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
+                           or (p / "state.json").exists()):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(f"{name_or_path}: no split '{split}'; splits: {', '.join(ds)}")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name_or_path, config_name, split=split)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, DatasetNotFoundError ...)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{name_or_path}: cannot load split '{split}' ({msg})") from None
+    rows = ds.to_list()
+    if not rows:
+        raise DataError(f"{name_or_path}: split '{split}' has no rows")
+    return rows
+
+
+@register("task", "dataset", source="Hugging Face datasets (load_dataset / load_from_disk)")
+class DatasetSource(RowsSource):
+    """Rows of a Hugging Face dataset (hub name or ``save_to_disk`` folder)."""
+
+    name = "dataset"
+
+    def __init__(
+        self,
+        *,
+        name_or_path: str,
+        split: str = "train",
+        config_name: str | None = None,
+        prompt_column: str = "prompt",
+        columns: list[str] | None = None,
+        eval_fraction: float = 0.1,
+        eval_split: str | None = None,
+        verifier: str | None = None,
+    ):
+        self.name_or_path = str(name_or_path)
+        rows = _load_split(self.name_or_path, split, config_name)
+        eval_rows = _load_split(self.name_or_path, eval_split, config_name) if eval_split is not None else None
+        self._setup(f"{name_or_path}[{split}]", rows, eval_rows,
+                    f"{name_or_path}[{eval_split}]" if eval_split else None, prompt_column, columns,
+                    eval_fraction, verifier)

@@ -1,0 +1,520 @@
+"""Atomic, resumable training checkpoints.
+
+Layout of one run::
+
+    run_dir/checkpoints/step-00000100/
+        config.json, generation_config.json, model.safetensors (or shards + model.safetensors.index.json)
+        tokenizer.json, tokenizer_config.json, ...      (tokenizer.save_pretrained)
+        optimizer.pt, scheduler.pt                      (state_dicts, torch.save)
+        rng.pt                                          (python / numpy / torch CPU / torch CUDA RNG states)
+        trainer_state.json                              (caller's state dict + "step"; written last)
+
+The folder is a normal Hugging Face model folder: ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load it directly.
+
+Atomicity: everything is written into a hidden sibling ``.step-XXXXXXXX.tmp-<pid>``, every file and folder is
+fsynced, and only then is the folder renamed to ``step-XXXXXXXX`` (one ``rename``). A crash at any point leaves
+either the previous checkpoints untouched or the new one complete; a ``step-*`` folder is never half written.
+Re-saving an existing step swaps the two folders atomically (``renameat2(RENAME_EXCHANGE)`` on Linux); where
+that is unavailable the old folder is renamed aside to ``.step-XXXXXXXX.old-<pid>`` first, and a crash in that
+short window is repaired by the next :func:`latest_checkpoint` / :func:`save_checkpoint` (the aside folder is
+renamed back).
+
+Only the process that calls :func:`save_checkpoint` has its RNG state recorded; in multi-process training call
+it on the main process only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import inspect
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from postrl.errors import ConfigError, PostrlError
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# A temporary folder whose writer is still alive is left alone unless nothing in it changed for this long
+# (covers a pid reused by another process, e.g. after a container restart).
+STALE_TMP_SECONDS = 3600.0
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-(\d+)$")
+_OLD_RE = re.compile(r"^\.step-(\d+)\.old-(\d+)$")
+
+
+# --------------------------------------------------------------------------------------------------- public API
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    state: dict,
+    keep_last: int | None = 2,
+) -> Path:
+    """Write ``run_dir/checkpoints/step-{step:08d}/`` atomically and return its path.
+
+    ``tokenizer``, ``optimizer`` and ``scheduler`` may be ``None`` (their files are then not written).
+    ``state`` must be JSON-serialisable; ``step`` is added to it. After the new checkpoint is in place, all but
+    the newest ``keep_last`` complete checkpoints are deleted (the one just written is always kept;
+    ``keep_last=None`` keeps everything) and temporary folders left by crashed saves are removed.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"checkpoint step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be an int >= 1 (or None to keep all), got {keep_last!r}")
+    if not isinstance(state, dict):
+        raise ConfigError(f"trainer state must be a dict, got {type(state).__name__}")
+    # Serialise the state first: a bad state fails before anything touches the disk.
+    try:
+        state_json = json.dumps({**state, "step": step}, indent=2, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"trainer state for checkpoint step {step} is not JSON-serialisable: {exc}") from None
+
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    created = not root.is_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if created:
+        _fsync_dir(root.parent)
+
+    name = _step_name(step)
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    if tmp.exists():  # our own leftover from an earlier failed attempt at this step
+        shutil.rmtree(tmp)
+
+    try:
+        tmp.mkdir()
+        _save_model(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+        torch.save(_rng_state(), tmp / RNG_FILE)
+        # Written last: its presence marks a complete checkpoint.
+        (tmp / STATE_FILE).write_text(state_json + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    _cleanup(root, keep=final, keep_last=keep_last)
+    return final
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint (``step-*`` folder with ``trainer_state.json``) under ``run_dir``, or None.
+
+    Temporary folders of unfinished saves are ignored.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return None
+    _recover_aside(root)
+    complete = _complete_checkpoints(root)
+    return complete[-1][1] if complete else None
+
+
+def load_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    model,
+    optimizer=None,
+    scheduler=None,
+    restore_rng: bool = True,
+) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` into already-constructed objects; return its state.
+
+    Weights are copied into ``model`` in place (tied weights stay tied). ``optimizer`` / ``scheduler`` get their
+    state_dicts loaded when given; RNG states are restored when ``restore_rng``. The returned dict is the saved
+    trainer state (including ``step``). Every required file is checked before anything is modified.
+    """
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise PostrlError(f"checkpoint folder {ckpt} does not exist")
+
+    weight_files = _weight_files(ckpt)
+    required = [STATE_FILE]
+    if optimizer is not None:
+        required.append(OPTIMIZER_FILE)
+    if scheduler is not None:
+        required.append(SCHEDULER_FILE)
+    if restore_rng:
+        required.append(RNG_FILE)
+    missing = [f for f in required if not (ckpt / f).is_file()]
+    if weight_files is None:
+        missing.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE})")
+    else:
+        missing += [f.name for f in weight_files if not f.is_file()]
+    if missing:
+        raise PostrlError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
+
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PostrlError(f"checkpoint {ckpt}: cannot read {STATE_FILE}: {exc}") from None
+    if not isinstance(state, dict):
+        raise PostrlError(f"checkpoint {ckpt}: {STATE_FILE} must hold a JSON object")
+
+    _load_weights(ckpt, weight_files, model)
+    if optimizer is not None:
+        optimizer.load_state_dict(_torch_load(ckpt / OPTIMIZER_FILE))
+    if scheduler is not None:
+        scheduler.load_state_dict(_torch_load(ckpt / SCHEDULER_FILE))
+    if restore_rng:
+        _set_rng_state(_torch_load(ckpt / RNG_FILE), ckpt)
+    return state
+
+
+# --------------------------------------------------------------------------------------------------- saving
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _save_model(model, directory: Path) -> None:
+    kwargs: dict[str, Any] = {}
+    try:
+        # transformers 4.x: a real parameter (default True since 4.35); 5.x always writes safetensors and
+        # silently swallows unknown kwargs into **kwargs, so only pass it where it means something.
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+            kwargs["safe_serialization"] = True
+    except (TypeError, ValueError):
+        pass
+    model.save_pretrained(str(directory), **kwargs)
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()  # ('MT19937', uint32[624], pos, has_gauss, cached_gaussian)
+    state = {
+        "python": random.getstate(),
+        # Plain Python types so that torch.load(weights_only=True) can read it back.
+        "numpy": {
+            "bit_generator": str(np_state[0]),
+            "key": [int(x) for x in np_state[1]],
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    if sys.platform == "win32":  # directories cannot be opened/fsynced there
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+        for fname in filenames:
+            _fsync_file(Path(dirpath) / fname)
+        _fsync_dir(Path(dirpath))
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2). False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` visible as ``final`` with a single rename."""
+    root = final.parent
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _rename_exchange(tmp, final):
+        # ``tmp`` now holds the previous checkpoint of this step.
+        _fsync_dir(root)
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        aside = root / f".{final.name}.old-{os.getpid()}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(aside, final)  # put the previous checkpoint back
+            raise
+        _fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
+    _fsync_dir(root)
+
+
+# --------------------------------------------------------------------------------------------------- cleanup
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of complete ``step-*`` folders, oldest first."""
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir() and os.path.isfile(os.path.join(entry.path, STATE_FILE)):
+            out.append((int(m.group(1)), Path(entry.path)))
+    out.sort()
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return False
+    return True
+
+
+def _last_modified(path: Path) -> float:
+    newest = 0.0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for p in [dirpath, *(os.path.join(dirpath, f) for f in filenames)]:
+            try:
+                newest = max(newest, os.stat(p).st_mtime)
+            except OSError:
+                pass
+    return newest
+
+
+def _is_stale(path: Path, pid: int) -> bool:
+    """A temporary folder is stale when its writer is dead, or when nothing in it changed for a long time
+    (the pid may belong to an unrelated process now, or to us after a container restart)."""
+    if pid != os.getpid() and not _pid_alive(pid):
+        return True
+    return time.time() - _last_modified(path) > STALE_TMP_SECONDS
+
+
+def _recover_aside(root: Path) -> None:
+    """Rename back a ``.step-N.old-<pid>`` folder whose ``step-N`` vanished (crash during a same-step re-save)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        m = _OLD_RE.match(name)
+        if not m:
+            continue
+        aside = root / name
+        final = root / _step_name(int(m.group(1)))
+        if final.exists() or not (aside / STATE_FILE).is_file() or not _is_stale(aside, int(m.group(2))):
+            continue
+        try:
+            os.rename(aside, final)
+        except OSError:
+            continue  # someone else recovered it first
+        _fsync_dir(root)
+
+
+def _cleanup(root: Path, keep: Path, keep_last: int | None) -> None:
+    _recover_aside(root)
+    # Stale temporary / aside folders of crashed saves.
+    for name in os.listdir(root):
+        m = _TMP_RE.match(name) or _OLD_RE.match(name)
+        if m and _is_stale(root / name, int(m.group(2))):
+            shutil.rmtree(root / name, ignore_errors=True)
+    if keep_last is None:
+        return
+    complete = _complete_checkpoints(root)
+    others = [p for _, p in complete if p != keep]
+    for path in others[: max(0, len(others) - (keep_last - 1))]:
+        _remove_checkpoint(path)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that no partially deleted ``step-*`` folder is ever visible: rename, then delete."""
+    doomed = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return  # already gone (another process pruned it)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def _weight_files(ckpt: Path) -> list[Path] | None:
+    single = ckpt / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    index = ckpt / WEIGHTS_INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PostrlError(f"checkpoint {ckpt}: cannot read {WEIGHTS_INDEX_FILE}: {exc}") from None
+    return [ckpt / n for n in names]
+
+
+def _tied_aliases(model) -> dict[str, set[str]]:
+    """For each parameter/buffer name, the other names that refer to the same tensor (tied weights)."""
+    groups: dict[tuple, list[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape)) if t.data_ptr() else (id(t),)
+        groups.setdefault(key, []).append(name)
+    aliases: dict[str, set[str]] = {}
+    for names in groups.values():
+        for n in names:
+            aliases[n] = set(names) - {n}
+    return aliases
+
+
+def _load_weights(ckpt: Path, files: list[Path], model) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    model_keys = set(model.state_dict().keys())
+    file_keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            file_keys.update(h.keys())
+    aliases = _tied_aliases(model)
+    unexpected = file_keys - model_keys
+    missing = {k for k in model_keys - file_keys if not (aliases.get(k, set()) & file_keys)}
+
+    if unexpected or missing:
+        # transformers >= 5 saves some architectures (e.g. MoE models with fused experts) in their original
+        # checkpoint layout, whose keys differ from the in-memory state_dict; let transformers convert them.
+        _load_weights_via_from_pretrained(ckpt, model, unexpected, missing)
+        return
+
+    for f in files:  # shard by shard, to keep peak memory at one shard
+        sd = load_file(str(f), device="cpu")
+        try:
+            model.load_state_dict(sd, strict=False)
+        except RuntimeError as exc:  # shape mismatch
+            raise PostrlError(f"checkpoint {ckpt} does not fit this model: {_one_line(exc)}") from None
+        del sd
+
+
+def _load_weights_via_from_pretrained(ckpt: Path, model, unexpected: set[str], missing: set[str]) -> None:
+    def mismatch() -> PostrlError:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} weights (e.g. {sorted(missing)[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unknown weights (e.g. {sorted(unexpected)[0]})")
+        return PostrlError(f"checkpoint {ckpt} does not match this model: {'; '.join(parts)}")
+
+    if not hasattr(type(model), "from_pretrained") or getattr(model, "config", None) is None:
+        raise mismatch()
+    try:
+        loaded = type(model).from_pretrained(str(ckpt), config=model.config, dtype=model.dtype)
+    except Exception:
+        raise mismatch() from None
+    sd = loaded.state_dict()
+    del loaded
+    aliases = _tied_aliases(model)
+    model_keys = set(model.state_dict().keys())
+    still_missing = {k for k in model_keys - set(sd) if not (aliases.get(k, set()) & set(sd))}
+    if still_missing or set(sd) - model_keys:
+        raise mismatch()
+    try:
+        model.load_state_dict(sd, strict=False)
+    except RuntimeError as exc:
+        raise PostrlError(f"checkpoint {ckpt} does not fit this model: {_one_line(exc)}") from None
+
+
+def _torch_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise PostrlError(f"cannot read {path}: {_one_line(exc)}") from None
+
+
+def _set_rng_state(rng: dict, ckpt: Path) -> None:
+    try:
+        py = rng["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        n = rng["numpy"]
+        np.random.set_state(
+            (n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+        torch.set_rng_state(rng["torch"])
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise PostrlError(f"checkpoint {ckpt}: {RNG_FILE} is malformed: {_one_line(exc)}") from None
+    cuda_states = rng.get("torch_cuda")
+    if cuda_states and torch.cuda.is_available():
+        n_dev = torch.cuda.device_count()
+        for i, s in enumerate(cuda_states[:n_dev]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
