@@ -2,8 +2,21 @@
 
 Each estimator reads batch fields by its positional parameter names and returns advantages ``[N]`` (one per
 completion, broadcast over its tokens) or ``[N, T]``. Group statistics are vectorised with scatter-adds over
-``group_ids`` (no Python loop over groups); rows where ``valid`` is False take no part in any statistic and get
-advantage 0 (the trainer also masks them out of the loss).
+``group_ids`` (no Python loop over groups); rows where ``valid`` is False (or whose reward is NaN) take no part
+in any statistic and get advantage 0 (the trainer also masks them out of the loss).
+
+Conventions shared by every estimator here:
+- groups may have unequal sizes; a group with a single valid completion has no baseline other than its own
+  reward, so its advantage is 0 (verl instead uses baseline 0 for a singleton group, i.e. A = r; postrl does not
+  train on an unnormalised raw reward silently);
+- statistics are computed in float64 and returned as float32;
+- inputs an estimator needs beyond the rollout batch (``greedy_reward``, ``token_entropy``, ``values``,
+  ``prompt_logprob``, ``info_gain``) are produced by the trainer (``postrl.train.producers``) when the configured
+  estimator names them as positional parameters.
+
+Modules: ``outcome`` (anchor-matched outcome estimators: dr_grpo, rloo, reinforce_pp(_baseline), remax, opo, gpg,
+pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, role_aware, mapo, rl_zvp, confidence_scaled,
+riskpo, aem, information_gain), ``tournament`` (rank_tournament).
 """
 
 from __future__ import annotations
@@ -11,6 +24,43 @@ from __future__ import annotations
 import torch
 
 from postrl.registry import register
+
+
+def valid_mask(reward: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows that take part: ``valid`` (when given) and a finite reward."""
+    v = torch.isfinite(reward)
+    return v if valid is None else (v & valid.bool())
+
+
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(inverse index [N] in 0..ng-1, ng): dense group numbers for scatter/index_add."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
+
+
+def group_sum(x: torch.Tensor, inv: torch.Tensor, ng: int) -> torch.Tensor:
+    """Per-group sums [ng] of ``x`` [N] (float64)."""
+    return torch.zeros(ng, dtype=torch.float64, device=x.device).index_add_(0, inv, x.to(torch.float64))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the entries where ``mask`` is 1; unbiased var (verl ``masked_whiten``,
+    ``verl.utils.torch_functional``, eps 1e-8). Fewer than 2 masked entries: only centred. Masked-out entries: 0.
+    Sums are taken per row, then over rows in float64; the result has x's dtype."""
+    m = mask.to(x.dtype)
+    xm = x * m
+
+    def total(t: torch.Tensor) -> float:
+        return float((t.sum(-1) if t.dim() > 1 else t).sum(dtype=torch.float64))
+
+    n = total(m)
+    if n < 1:
+        return torch.zeros_like(x)
+    mean = total(xm) / n
+    if n < 2:
+        return (x - mean) * m
+    var = max(total(xm * x) - n * mean * mean, 0.0) / (n - 1)  # sum over masked (x - mean)^2 = sum x^2 - n mean^2
+    return (x - mean).mul_(m).mul_((var + eps) ** -0.5)
 
 
 def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None):
@@ -55,3 +105,7 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
         bstd = rv.std() if rv.numel() > 1 else torch.zeros((), dtype=torch.float64)
         adv = adv / (bstd + eps)
     return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
+# Estimators in submodules register themselves on import.
+from postrl.advantages import gae, outcome, shaped, tournament  # noqa: E402,F401

@@ -1,0 +1,167 @@
+"""GAE with a value head: the critic of PPO.
+
+The value head is a linear map from the policy's last hidden state at the position that predicts completion token
+t (the state s_t before emitting o_t) to V(s_t). It is trained on the *detached* hidden states (a stop-gradient
+probe on the shared trunk): its loss never reaches the policy's weights, so no value-loss coefficient has to be
+balanced against the policy loss, and it has its own AdamW optimizer. The trainer (``Trainer.advantages``)
+computes the hidden states with a no-grad forward, fills ``batch.extra['values']`` with :meth:`GAE.values`, calls
+the estimator, then :meth:`GAE.fit` regresses the head on the returns of this batch (PPO clipped value loss).
+Head weights and optimizer state are saved in the checkpoint through ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from postrl import jsonstate
+from postrl.advantages import masked_whiten, valid_mask
+from postrl.registry import register
+
+
+def token_rewards(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] with the outcome reward on each row's last masked token (0 elsewhere; rows without tokens: 0)."""
+    T = mask.shape[-1]
+    pos = torch.arange(T, device=mask.device, dtype=torch.float32)
+    m = (mask > 0).to(torch.float32)
+    last = (m * pos).amax(-1).long()  # index of the last masked token (0 for a row without tokens: skipped)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(m.sum(-1) > 0).flatten()
+    out[rows, last[rows]] = reward.to(torch.float32)[rows]
+    return out
+
+
+def gae_advantages_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                           lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) over the masked tokens (verl ``compute_gae_advantage_return`` without its whitening).
+
+    delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1}; V and A after the last masked token
+    are 0 (terminal); unmasked positions pass the running values through. Returns (advantages, returns = A + V),
+    both [N, T] in the values' dtype (at least float32). The recursion runs over T (vectorised over rows).
+    """
+    dt = torch.promote_types(values.dtype, torch.float32)
+    # time-major copies: each step of the recursion reads one contiguous row
+    vl, mk = values.to(dt).t().contiguous(), mask.to(dt).t().contiguous()
+    base = (rewards.to(dt) - values.to(dt)).t().contiguous()  # r_t - V_t
+    T, N = vl.shape
+    next_v = torch.zeros(N, dtype=dt, device=vl.device)
+    last = torch.zeros(N, dtype=dt, device=vl.device)
+    adv = torch.empty_like(vl)
+    for t in range(T - 1, -1, -1):
+        cur = torch.add(torch.add(base[t], next_v, alpha=gamma), last, alpha=gamma * lam)  # delta_t + g l A_{t+1}
+        next_v = torch.lerp(next_v, vl[t], mk[t])  # V_t where masked, else carried over
+        last = torch.lerp(last, cur, mk[t])
+        adv[t] = last
+    adv = adv.t().contiguous()
+    return adv, adv + values.to(dt)
+
+
+@register("advantage", "gae", source="GAE (Schulman et al. 2016) with a value head, as in PPO/InstructGPT; "
+          "verl adv_estimator=gae")
+class GAE:
+    """GAE(gamma, lambda) advantages from a value head on the policy's hidden states (PPO's critic).
+
+    Token rewards: the outcome reward r_i on the last completion token, 0 elsewhere. delta_t = r_t + gamma V_{t+1}
+    - V_t, A_t = sum_k (gamma lam)^k delta_{t+k}; returns R_t = A_t + V_t (regression target of the value head).
+    ``whiten=True`` (default, verl): A is whitened over all valid tokens of the batch (unbiased var, eps 1e-8).
+    Defaults: gamma 1.0 (verl, OpenRLHF), lam 0.95 (OpenRLHF / TRL PPO; verl's default is 1.0), value loss
+    0.5 * token-mean of max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) with c = ``value_clip`` 0.5 (verl
+    ``critic.cliprange_value``), ``value_epochs`` 4 full-batch AdamW steps at ``value_lr`` 1e-3 per RL step.
+    Matches verl ``compute_gae_advantage_return`` given the same values. Any group size (G = 1 included).
+    Shapes: reward [N], values [N, T], completion_mask [N, T], valid [N] -> [N, T].
+    """
+
+    def __init__(self, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, value_lr: float = 1e-3,
+                 value_epochs: int = 4, value_clip: float | None = 0.5):
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"advantage.lam: expected a value in [0, 1], got {lam}")
+        if value_lr <= 0:
+            raise ValueError(f"advantage.value_lr: expected a value > 0, got {value_lr}")
+        if value_epochs < 1:
+            raise ValueError(f"advantage.value_epochs: expected an integer >= 1, got {value_epochs}")
+        if value_clip is not None and value_clip <= 0:
+            raise ValueError(f"advantage.value_clip: expected a value > 0 or null, got {value_clip}")
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
+        self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
+        self.head: torch.nn.Linear | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ---------------------------------------------------------------------------------------- the estimator
+    def __call__(self, reward: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        v = valid_mask(reward, valid)
+        mask = completion_mask.float() * v.unsqueeze(-1)
+        r = torch.where(v, reward.float(), torch.zeros_like(reward, dtype=torch.float32))
+        adv, _ = gae_advantages_returns(token_rewards(r, mask), values.float(), mask, self.gamma, self.lam)
+        if self.whiten:
+            adv = masked_whiten(adv, mask)
+        return (adv * mask).to(torch.float32)
+
+    # ---------------------------------------------------------------------------------------- the value head
+    def _make_head(self, hidden: int) -> None:
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.value_lr, weight_decay=0.0)
+
+    @torch.no_grad()
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """V(s_t) [N, T] from hidden states [N, T, H] (the head is created, zero-initialised, on first use)."""
+        if self.head is None:
+            self._make_head(hidden.shape[-1])
+        return self.head(hidden.float()).squeeze(-1)
+
+    def fit(self, hidden: torch.Tensor, reward: torch.Tensor, completion_mask: torch.Tensor,
+            valid: torch.Tensor | None, old_values: torch.Tensor,
+            all_reduce: Callable[[torch.Tensor], None] | None = None) -> dict:
+        """Regress the head on this batch's GAE returns; returns metrics. ``all_reduce`` averages a gradient
+        tensor in place across processes (identical heads on every rank)."""
+        v = valid_mask(reward, valid)
+        mask = completion_mask.double() * v.unsqueeze(-1)
+        r = torch.where(v, reward.double(), torch.zeros_like(reward, dtype=torch.float64))
+        _, returns = gae_advantages_returns(token_rewards(r, mask), old_values, mask, self.gamma, self.lam)
+        sel = mask > 0
+        feats = hidden[sel].float()
+        target = returns[sel].float()
+        old = old_values[sel].float()
+        if self.head is None:
+            self._make_head(hidden.shape[-1])
+        n = max(int(sel.sum()), 1)
+        loss_val = 0.0
+        for _ in range(self.value_epochs):
+            self.optimizer.zero_grad(set_to_none=False)
+            pred = self.head(feats).squeeze(-1)
+            err = (pred - target) ** 2
+            if self.value_clip is not None:
+                clipped = old + (pred - old).clamp(-self.value_clip, self.value_clip)
+                err = torch.maximum(err, (clipped - target) ** 2)
+            loss = 0.5 * err.sum() / n
+            loss.backward()
+            if all_reduce is not None:
+                for p in self.head.parameters():
+                    all_reduce(p.grad)
+            self.optimizer.step()
+            loss_val = float(loss.detach())
+        ev = 0.0
+        if sel.any():
+            var = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
+            ev = float(1 - (target - old).var(unbiased=False) / var) if var > 0 else 0.0
+        return {"value/loss": loss_val, "value/explained_variance": ev,
+                "value/mean": float(old.mean()) if old.numel() else 0.0}
+
+    # ---------------------------------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict:
+        if self.head is None:
+            return {}
+        return jsonstate.encode({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()})
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        state = jsonstate.decode(state)
+        self._make_head(state["head"]["weight"].shape[-1])
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,266 @@
+"""Tier B advantage estimators from the seed papers (see METHODS.md section 3).
+
+Where an abstract leaves the formula open, the docstring says "after <paper>" and states what was assumed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from postrl.advantages import group_index, group_stats, group_sum, grpo, valid_mask
+from postrl.registry import register
+
+
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of x [N, T] over the mask (0 for rows without tokens), float64."""
+    m = mask.to(x.dtype)
+    return (x * m).sum(-1).to(torch.float64) / m.sum(-1).to(torch.float64).clamp(min=1.0)
+
+
+# ------------------------------------------------------------------------------------------------------ GDPO
+@register("advantage", "gdpo", source="GDPO: Group reward-Decoupled Normalization Policy Optimization; "
+          "TRL multi_objective_aggregation='normalize_then_sum'")
+def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.Tensor,
+         valid: torch.Tensor | None = None, *, eps: float = 1e-4, batch_norm: bool = True) -> torch.Tensor:
+    """z-score every reward component within its group, sum with the weights, then normalise over the batch.
+
+    "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization": GRPO on the
+    summed reward maps distinct reward combinations to identical advantages (e.g. (0,0)/(1,0) and (0,0)/(1,1) both
+    give +-0.707); normalising each component first keeps them apart.
+      z_i^k = (r_i^k - mean_g r^k) / (std_g r^k + eps)    (unbiased std; 0 for a component constant in the group)
+      s_i   = sum_k w_k z_i^k
+      A_i   = (s_i - mean_B s) / (std_B s + eps)           (batch_norm=True; False: A_i = s_i)
+    eps 1e-4 and the unbiased std: TRL ``multi_objective_aggregation='normalize_then_sum'``, which this matches
+    numerically. A NaN component is left out of that component's statistics and adds 0 to s_i (TRL nanmean /
+    nansum); rows with ``valid`` False are excluded and get 0. Under DDP, "batch" is this process's rows (TRL
+    normalises over the gathered batch).
+    Shapes: rewards [N, K], reward_weights [K], group_ids [N], valid [N] -> [N].
+    """
+    N, K = rewards.shape
+    v = torch.isfinite(rewards).any(-1) if valid is None else (valid.bool() & torch.isfinite(rewards).any(-1))
+    s = torch.zeros(N, dtype=torch.float64)
+    for k in range(K):  # K reward components (a handful), not groups
+        x = rewards[:, k]
+        vk = v & torch.isfinite(x)
+        mean, std, _ = group_stats(x, group_ids, vk)
+        z = (x.to(torch.float64) - mean) / (std + eps)
+        s = s + float(reward_weights[k]) * torch.where(vk, z, torch.zeros_like(z))
+    if batch_norm:
+        sv = s[v]
+        mu = sv.mean() if sv.numel() else torch.zeros((), dtype=torch.float64)
+        sd = sv.std() if sv.numel() > 1 else torch.zeros((), dtype=torch.float64)
+        s = (s - mu) / (sd + eps)
+    return torch.where(v, s, torch.zeros_like(s)).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ role-aware
+@register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning")
+def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
+               columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
+               role_weights: dict | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO with statistics and reward weights taken per (group, role label).
+
+    After "Structured Role-Aware Policy Optimization for Multimodal Reasoning" (the abstract: the policy is
+    penalised differently depending on the role it reasons in). Assumed reading: each completion carries a role
+    (or task) label in the data column ``column`` (default 'role'); its reward is r_i = sum_k w_{role(i),k} r_i^k
+    with per-role weights ``role_weights = {role: {reward_name: weight}}`` (names not listed keep the run's
+    ``rewards[].weight``), and A_i = (r_i - mean_{g,role} r) / (std_{g,role} r + eps) over the completions of the
+    same group and role (unbiased std, eps 1e-6 as grpo). A (group, role) cell with one valid completion gets 0.
+    Shapes: rewards [N, K], reward_names [K], reward_weights [K], group_ids [N], columns {column: [N]} -> [N].
+    """
+    if column not in columns:
+        raise ValueError(f"advantage.column: the batch has no column '{column}'; columns: "
+                         f"{', '.join(sorted(columns)) or '(none)'}")
+    labels = [str(x) for x in columns[column]]
+    names = list(reward_names)
+    W = reward_weights.to(torch.float64).unsqueeze(0).repeat(len(labels), 1)
+    for role, weights in (role_weights or {}).items():
+        if not isinstance(weights, dict):
+            raise ValueError(f"advantage.role_weights.{role}: expected a mapping reward name -> weight")
+        rows = torch.tensor([lab == str(role) for lab in labels], dtype=torch.bool)
+        for name, w in weights.items():
+            if name not in names:
+                raise ValueError(f"advantage.role_weights.{role}: unknown reward '{name}'; rewards: {', '.join(names)}")
+            W[rows, names.index(name)] = float(w)
+    r = (rewards.to(torch.float64) * W).sum(-1)
+    role_ids = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
+    rid = torch.tensor([role_ids[lab] for lab in labels], dtype=torch.long)
+    inv, _ = group_index(group_ids)
+    cell = inv * max(len(role_ids), 1) + rid
+    return grpo(r, cell, valid, scale="group", eps=eps)
+
+
+# ------------------------------------------------------------------------------------------------------ MAPO
+@register("advantage", "mapo", source="MAPO: Mixed Advantage Policy Optimization for Long-Horizon Multi-Turn Dialogue")
+def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, mix: float = 0.5,
+         eps: float = 1e-6) -> torch.Tensor:
+    """A_i = mix * (r_i - mean_g r)/(std_g r + eps) + (1 - mix) * (r_i - mean_B r)/(std_B r + eps).
+
+    After "MAPO: Mixed Advantage Policy Optimization": a mixed estimator combining turn-level normalisation (over
+    the rollouts that share a turn's state, i.e. a group) with batch-level normalisation. Assumed: the mix is a
+    convex combination with weight ``mix`` (default 0.5; 1 = GRPO, 0 = batch whitening); unbiased stds, eps 1e-6.
+    In a single-turn batch a turn is the prompt; multi-turn rollouts give each turn's completions their own group
+    id and the turn's Monte-Carlo return as ``reward``. The batch term is defined for a singleton group, so such a
+    row keeps it (its group term is 0).
+    Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    """
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"advantage.mix: expected a value in [0, 1], got {mix}")
+    v = valid_mask(reward, valid)
+    turn = grpo(reward, group_ids, v, scale="group", eps=eps).to(torch.float64)
+    rv = reward[v].to(torch.float64)
+    mu = rv.mean() if rv.numel() else torch.zeros((), dtype=torch.float64)
+    sd = rv.std() if rv.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    batch = (reward.to(torch.float64) - mu) / (sd + eps)
+    adv = mix * turn + (1 - mix) * batch
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ RL-ZVP
+@register("advantage", "rl_zvp", source="No Prompt Left Behind: Exploiting Zero-Variance Prompts in LLM RL via "
+          "Entropy-Guided Advantage Shaping (RL-ZVP)")
+def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor, token_entropy: torch.Tensor,
+           valid: torch.Tensor | None = None, *, alpha: float = 0.1, threshold: float = 0.5,
+           eps: float = 1e-6) -> torch.Tensor:
+    """GRPO on groups with reward variance; token advantages +- alpha * normalised entropy on zero-variance groups.
+
+    "No Prompt Left Behind" (RL-ZVP): a group whose valid rewards are all equal (n >= 2) gets
+      A_{i,t} = s_g * alpha * H_{i,t} / (mean_{j in g, t'} H_{j,t'} + eps),
+    s_g = +1 when the group's reward is > ``threshold`` (all correct) and -1 otherwise (all wrong); H_{i,t} is the
+    policy's token entropy (``token_entropy``, from a no-grad forward the trainer runs), normalised by the mean
+    entropy of the group's tokens so that alpha is the mean magnitude. Every other group: the GRPO advantage
+    (unbiased std, eps 1e-6) on all its tokens. Assumed (the abstract leaves them open): the normalisation by the
+    group's mean token entropy, alpha 0.1, threshold 0.5 (rewards in [0, 1]).
+    Shapes: reward [N], group_ids [N], completion_mask [N, T], token_entropy [N, T], valid [N] -> [N, T].
+    """
+    if alpha < 0:
+        raise ValueError(f"advantage.alpha: expected a value >= 0, got {alpha}")
+    v = valid_mask(reward, valid)
+    mean, std, n = group_stats(reward, group_ids, v)
+    base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
+    zvp = v & (n > 1) & (std == 0)
+    inv, ng = group_index(group_ids)
+    m = completion_mask.to(torch.float32) * v.unsqueeze(-1)
+    H = torch.nan_to_num(token_entropy.to(torch.float32)).mul_(m)
+    h_mean = group_sum(H.sum(-1), inv, ng) / group_sum(m.sum(-1), inv, ng).clamp(min=1.0)
+    # per-row scale of the entropy (zero-variance groups) and per-row GRPO advantage (the others)
+    scale = torch.where(zvp, torch.where(mean > threshold, 1.0, -1.0) * alpha / (h_mean[inv] + eps), 0.0)
+    base = torch.where(zvp, 0.0, base)
+    return torch.addcmul(base.to(torch.float32).unsqueeze(-1), H, scale.to(torch.float32).unsqueeze(-1)).mul_(m)
+
+
+# ------------------------------------------------------------------------------------------------------ ProGRPO/ARM
+@register("advantage", "confidence_scaled", source="Back to Basics: Revisiting Exploration in RL for LLM Reasoning "
+          "via Generative Probabilities (ProGRPO / ARM)")
+def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor,
+                      completion_mask: torch.Tensor, prompt_logprob: torch.Tensor, valid: torch.Tensor | None = None,
+                      *, gamma: float = 1.0, min_scale: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages; positive ones are scaled down for answers more confident than their prompt is familiar.
+
+    After "Back to Basics: Revisiting Exploration in RL for LLM Reasoning via Generative Probabilities" (ARM:
+    Prompt Perplexity and Answer Confidence in the advantage, attenuating over-confident correct paths):
+      c_i = exp(mean_t log pi(o_{i,t}))  (answer confidence, from the sampler's log-probs)
+      PPL(q) = exp(-mean_t log pi(q_t))  (prompt perplexity, ``prompt_logprob`` = mean_t log pi(q_t), trainer no-grad)
+      w_i = clamp((c_i * PPL(q))^(-gamma), min_scale, 1);  A_i = w_i * A_i^GRPO if A_i^GRPO > 0, else A_i^GRPO.
+    Assumed (the abstract gives no formula): this product form, gamma 1.0, min_scale 0.1; "correct" = positive
+    GRPO advantage. Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T],
+    prompt_logprob [N], valid [N] -> [N].
+    """
+    if gamma < 0 or not 0 < min_scale <= 1:
+        raise ValueError(f"advantage: expected gamma >= 0 and 0 < min_scale <= 1, got {gamma}, {min_scale}")
+    v = valid_mask(reward, valid) & torch.isfinite(prompt_logprob)
+    base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
+    conf_log = _seq_mean(sampler_logprobs, completion_mask)
+    w = torch.exp(-gamma * (conf_log - prompt_logprob.to(torch.float64))).clamp(min_scale, 1.0)
+    adv = torch.where(base > 0, base * w, base)
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ RiskPO
+def group_lower_quantile(x: torch.Tensor, group_ids: torch.Tensor, v: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-row lower alpha-quantile of its group's valid values: the ceil(alpha n)-th smallest (n valid rows)."""
+    inv, ng = group_index(group_ids)
+    xv = torch.where(v, x.to(torch.float64), torch.full_like(x, math.inf, dtype=torch.float64))
+    order = torch.sort(xv, stable=True).indices
+    order = order[torch.sort(inv[order], stable=True).indices]  # by group, then value
+    size = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, torch.ones_like(inv))
+    start = torch.cumsum(size, 0) - size
+    n = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, v.long())
+    k = (torch.ceil(alpha * n.to(torch.float64)).long() - 1).clamp(min=0)
+    q = xv[order[(start + k).clamp(max=len(x) - 1)]] if len(x) else torch.zeros(0, dtype=torch.float64)
+    return q[inv]
+
+
+@register("advantage", "riskpo", source="RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM "
+          "Post-Training")
+def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, alpha: float = 0.25,
+           omega: float = 0.5, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """GRPO on the Mixed-VaR utility u_i = omega * psi_alpha(r_i) / alpha + (1 - omega) * r_i.
+
+    After "RiskPO: Risk-based Policy Optimization" (a Mixed Value-at-Risk objective weighting several regions of
+    the reward distribution, emphasising the lower tail). Assumed reading: MVaR = omega * CVaR_alpha +
+    (1 - omega) * mean, whose score-function gradient has per-sample weight
+    psi_alpha(r) = (r - q_alpha) 1{r <= q_alpha} / alpha for the CVaR part (q_alpha = the group's lower
+    alpha-quantile, the ceil(alpha n)-th smallest valid reward). A_i = (u_i - mean_g u) / (std_g u + eps)
+    (scale='group') or u_i - mean_g u (scale='none'). Defaults alpha 0.25, omega 0.5 (assumed); the bundling of
+    questions is not implemented. omega = 0 gives GRPO.
+    Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    """
+    if not 0 < alpha <= 1 or not 0 <= omega <= 1:
+        raise ValueError(f"advantage: expected 0 < alpha <= 1 and 0 <= omega <= 1, got {alpha}, {omega}")
+    if scale not in ("group", "none"):
+        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
+    v = valid_mask(reward, valid)
+    r = torch.where(v, reward.to(torch.float64), torch.zeros_like(reward, dtype=torch.float64))
+    q = group_lower_quantile(reward, group_ids, v, alpha)
+    psi = torch.where(r <= q, r - q, torch.zeros_like(r)) / alpha
+    u = omega * psi + (1 - omega) * r
+    return grpo(u, group_ids, v, scale=scale, eps=eps)
+
+
+# ------------------------------------------------------------------------------------------------------ AEM
+@register("advantage", "aem", source="AEM: Adaptive Entropy Modulation for Multi-Turn Agentic Reinforcement Learning")
+def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
+        valid: torch.Tensor | None = None, *, beta: float = 0.2, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = A_i^GRPO * max(0, 1 + beta * sign(A_i^GRPO) * z_i), z_i = relative response surprisal in the group.
+
+    After "AEM: Adaptive Entropy Modulation" (entropy drift is governed by the product of a response's advantage
+    and its relative surprisal; a response-level uncertainty proxy rescales advantages). Response surprisal
+    s_i = -mean_t log pi_old(o_{i,t}) (sampler log-probs, response level rather than token level);
+    z_i = (s_i - mean_g s) / (std_g s + eps). Rare correct responses (A > 0, z > 0) and confident wrong ones
+    (A < 0, z < 0) are amplified, confident correct and rare wrong ones damped: the updates that would collapse
+    entropy weigh less, and as positives come to dominate the net effect moves toward exploitation. The factor is
+    clipped at 0 so a sign never flips. Assumed: this linear form and beta 0.2.
+    Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T], valid [N] -> [N].
+    """
+    if beta < 0:
+        raise ValueError(f"advantage.beta: expected a value >= 0, got {beta}")
+    v = valid_mask(reward, valid)
+    base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
+    s = -_seq_mean(sampler_logprobs, completion_mask)
+    mean, std, _ = group_stats(s, group_ids, v)
+    z = (s - mean) / (std + eps)
+    adv = base * (1 + beta * torch.sign(base) * z).clamp(min=0)
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ IGPO
+@register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)")
+def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
+                     valid: torch.Tensor | None = None, *, ig_weight: float = 1.0, answer_column: str = "answer",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A_i = GRPO(r_i + ig_weight * IG_i): outcome reward plus the turn's information gain about the answer.
+
+    "Information Gain-based Policy Optimization" (IGPO): a turn's reward is the increase of the policy's
+    probability of producing the ground-truth answer. Single-turn (postrl's rollouts):
+    IG_i = log pi(a* | q, o_i) - log pi(a* | q), summed over the answer's tokens, computed by the trainer with a
+    no-grad forward of the policy (``info_gain``); a* is the data column ``answer_column`` (default 'answer').
+    The dense and the outcome reward are added (weight ``ig_weight``, default 1.0) and group-normalised as GRPO
+    (unbiased std, eps 1e-6). Rows with a NaN IG (no answer) are excluded.
+    Shapes: reward [N], group_ids [N], info_gain [N], valid [N] -> [N].
+    """
+    v = valid_mask(reward, valid) & torch.isfinite(info_gain)
+    r = reward.to(torch.float64) + ig_weight * torch.nan_to_num(info_gain.to(torch.float64))
+    return grpo(r, group_ids, v, eps=eps)

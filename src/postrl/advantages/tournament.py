@@ -1,0 +1,110 @@
+"""ArenaRL's tournament ranking as an advantage estimator."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable
+
+import torch
+
+from postrl.advantages import group_index, grpo, valid_mask
+from postrl.registry import register
+
+
+def bracket_order(size: int) -> list[int]:
+    """Standard seeded bracket of ``size`` (a power of two) slots: the seed (0-based) in each slot, so that seed 0
+    meets seed size-1 first and the two best seeds can only meet in the final: 4 -> [0, 3, 1, 2]."""
+    order = [0]
+    while len(order) < size:
+        m = 2 * len(order)
+        order = [x for s in order for x in (s, m - 1 - s)]
+    return order
+
+
+def _load_judge(judge: str) -> Callable:
+    module, _, attr = judge.partition(":")
+    if not attr:
+        raise ValueError(f"advantage.judge: expected 'module:function', got '{judge}'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"advantage.judge: cannot load '{judge}' ({e})") from None
+
+
+@register("advantage", "rank_tournament", source="ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based "
+          "Relative Ranking")
+def rank_tournament(reward: torch.Tensor, group_ids: torch.Tensor, prompts: list, completions: list,
+                    valid: torch.Tensor | None = None, *, judge: str | None = None, seed: int = 0,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Seeded single-elimination tournament inside each group; the round reached is ranked, then GRPO-normalised.
+
+    "ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based Relative Ranking": pairwise comparisons in a
+    seeded single-elimination bracket (n - 1 judge calls per group) replace pointwise scores. Seeding: by the
+    pointwise ``reward`` (ties broken by a permutation drawn from ``seed``), placed in the standard bracket (best
+    seed meets worst; byes, for groups that are not a power of two, go to the best seeds). Each match:
+    ``judge(prompts, first, second) -> list[P(first wins)]`` (an import path 'module:function', called once per
+    round with every match of every group); P > 0.5: first wins, P = 0.5: the better seed. Default judge (None):
+    the higher reward wins, and completions with equal rewards share the mean of their scores (so all-equal rewards
+    give 0). Score u_i = number of rounds survived (champion = log2(bracket size)); completions eliminated in the
+    same round tie. A_i = (u_i - mean_g u) / (std_g u + eps) (unbiased std).
+    Assumed (the abstract leaves it open): ranks map to advantages through this round count and group z-score.
+    Invalid rows do not play and get 0.
+    Shapes: reward [N], group_ids [N], prompts / completions [N] lists, valid [N] -> [N].
+    """
+    v = valid_mask(reward, valid)
+    judge_fn = _load_judge(judge) if judge else None
+    N = len(reward)
+    if N == 0:
+        return torch.zeros(0)
+    inv, ng = group_index(group_ids)
+    # seed rank within each group: by reward (desc), ties by a seeded random permutation; invalid rows last
+    gen = torch.Generator().manual_seed(int(seed))
+    tie = torch.randperm(N, generator=gen)
+    r = torch.where(v, reward.to(torch.float64), torch.full((N,), -math.inf, dtype=torch.float64))
+    order = torch.argsort(tie)  # random base order, then stable sorts: reward desc, group
+    order = order[torch.sort(-r[order], stable=True).indices]
+    order = order[torch.sort(inv[order], stable=True).indices]
+    size = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, torch.ones_like(inv))
+    start = torch.cumsum(size, 0) - size
+    rank = torch.empty(N, dtype=torch.long)
+    rank[order] = torch.arange(N) - start[inv[order]]
+    n_valid = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, v.long())
+    S = 1 << max(0, math.ceil(math.log2(max(int(n_valid.max()), 1))))
+    slot_of_seed = torch.empty(S, dtype=torch.long)
+    slot_of_seed[torch.tensor(bracket_order(S))] = torch.arange(S)
+    slots = torch.full((ng, S), -1, dtype=torch.long)
+    rows = torch.nonzero(v).flatten()
+    slots[inv[rows], slot_of_seed[rank[rows]]] = rows
+    survived = torch.zeros(N, dtype=torch.float64)
+    cur = slots
+    while cur.shape[1] > 1:
+        a, b = cur[:, 0::2], cur[:, 1::2]
+        both = (a >= 0) & (b >= 0)
+        a_wins = b < 0  # a bye (or two) advances the other side
+        if both.any():
+            ia, ib = a[both], b[both]
+            if judge_fn is None:
+                p = torch.where(reward[ia] > reward[ib], 1.0, torch.where(reward[ia] < reward[ib], 0.0, 0.5))
+            else:
+                out = judge_fn([prompts[i] for i in ia.tolist()], [completions[i] for i in ia.tolist()],
+                               [completions[i] for i in ib.tolist()])
+                p = torch.as_tensor([float(x) for x in out], dtype=torch.float64)
+                if p.numel() != ia.numel():
+                    raise ValueError(f"advantage.judge returned {p.numel()} values for {ia.numel()} matches")
+            win = (p > 0.5) | ((p == 0.5) & (rank[ia] < rank[ib]))
+            a_wins = a_wins.clone()
+            a_wins[both] = win
+        winner = torch.where(a_wins, a, b)
+        adv_rows = winner[winner >= 0]
+        survived[adv_rows] += 1
+        cur = winner
+    if judge_fn is None:  # the reward judge cannot tell equal rewards apart: they share their mean score
+        key = torch.stack([inv.to(torch.float64),
+                           torch.where(v, reward.to(torch.float64), torch.zeros(N, dtype=torch.float64))], 1)
+        _, tie = torch.unique(key, dim=0, return_inverse=True)
+        nt = int(tie.max()) + 1
+        tot = torch.zeros(nt, dtype=torch.float64).index_add_(0, tie, survived)
+        cnt = torch.zeros(nt, dtype=torch.float64).index_add_(0, tie, torch.ones(N, dtype=torch.float64))
+        survived = (tot / cnt)[tie]
+    return grpo(survived, group_ids, v, eps=eps)

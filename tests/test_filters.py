@@ -1,0 +1,331 @@
+"""Data filters, prompt selectors and rollout options: hand-computed values, the trainer's refill loop (regenerates
+until full, hits its cap with a warning, judges the raw reward), checkpointed state, and the expanding options."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from postrl import registry
+from postrl.batch import RolloutBatch
+from postrl.config import load_config
+from postrl.data.base import stable_hash
+from postrl.data.filters import (InSight, PassRateCurriculum, PromptCurriculum, beta_mutual_information,
+                                 dynamic_sampling, prompt_key, range_filter)
+from postrl.data.rollout_options import CureBranching, ExpandContext, MultiTemperature, RetryFromFailure
+from postrl.errors import ConfigError
+from postrl.models.tiny import build_local
+from postrl.rollout.base import Generation, SamplingParams
+from postrl.rollout.hf import left_pad
+from postrl.train import stage_ops
+from postrl.train.trainer import Trainer
+
+nan = float("nan")
+
+
+@registry.register("reward", "filters_coin", source="test: 1 for about a quarter of the completions")
+def filters_coin(prompts, completions, **_):
+    """1.0 when hash(prompt, completion) % 4 == 0 (so a group of 4 is all-zero about a third of the time)."""
+    return [float(stable_hash(p, c) % 4 == 0) for p, c in zip(prompts, completions)]
+
+
+# ----------------------------------------------------------------------------------------------- keep masks
+def test_dynamic_sampling_keeps_groups_with_raw_variance_only():
+    # columns: correct (raw, verifiable), length bonus (makes the shaped reward vary in every group)
+    rewards = torch.tensor([[1.0, 0.1], [1.0, 0.9], [0.0, 0.2], [1.0, 0.3], [0.0, 0.5], [nan, 0.1], [1.0, 0.0],
+                            [0.0, 0.0]])
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    keep = dynamic_sampling(rewards, ["correct", "len"], g)
+    assert keep.tolist() == [False, False, True, True, False, False, True, True]  # all-right / NaN-only: dropped
+    assert dynamic_sampling(rewards, ["correct", "len"], g, reward="len").tolist() == [True] * 6 + [False] * 2
+    # a shaping stage rewrote the correct column (e.g. a truncation penalty): the filter reads the raw matrix
+    shaped = rewards.clone()
+    shaped[:, 0] = 0.0
+    keep = dynamic_sampling(shaped, ["correct", "len"], g, raw_rewards=rewards, raw_reward_names=("correct", "len"))
+    assert keep.tolist() == [False, False, True, True, False, False, True, True]
+    with pytest.raises(ValueError, match="no reward source named 'acc' in this run; rewards: correct, len"):
+        dynamic_sampling(rewards, ["correct", "len"], g, reward="acc")
+
+
+def test_range_filter_hand_values():
+    r = torch.tensor([[0.0], [0.0], [1.0], [0.0], [1.0], [1.0], [1.0], [0.5]])
+    g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # means 0, 0.5, 1, 0.75
+    assert range_filter(r, ["correct"], g).tolist() == [False, False, True, True, False, False, True, True]
+    assert range_filter(r, ["correct"], g, low=0.6).tolist() == [False] * 6 + [True, True]
+    with pytest.raises(ValueError, match="low < high"):
+        range_filter(r, ["correct"], g, low=0.5, high=0.5)
+
+
+# ----------------------------------------------------------------------------------------------- selectors
+def test_beta_mutual_information_hand_values():
+    one = torch.tensor([1.0])
+    assert torch.allclose(beta_mutual_information(one, one, 1), torch.tensor([math.log(2) - 0.5], dtype=torch.float64))
+    # n = 2 under Beta(1, 1): P(00) = P(11) = 1/3, P(01) = P(10) = 1/6; E[H_b(p)] = 1/2 per rollout
+    h = 2 / 3 * math.log(3) + 1 / 3 * math.log(6)
+    assert torch.allclose(beta_mutual_information(one, one, 2), torch.tensor([h - 1.0], dtype=torch.float64))
+    # more evidence at the same mean belief: less to learn
+    mi = beta_mutual_information(torch.tensor([1.0, 5.0, 50.0]), torch.tensor([1.0, 5.0, 50.0]), 8)
+    assert mi[0] > mi[1] > mi[2] > 0
+
+
+def test_insight_posterior_selection_and_state():
+    sel = InSight()
+    rows = [{"prompt": p} for p in ("easy", "hard", "new", "mid")]
+    sel.observe([(prompt_key("easy"), 8.0, 8.0), (prompt_key("hard"), 0.0, 8.0), (prompt_key("mid"), 4.0, 8.0)])
+    assert sel.post[prompt_key("easy")] == [8.0, 0.0]
+    pick = sel.select(rows, 2, seed=0, group_size=8)
+    assert sorted(pick) == [2, 3]  # the unseen prompt and the mid-difficulty one; solved / hopeless ones wait
+    s = sel.scores([prompt_key(p) for p in ("easy", "hard", "new", "mid")], 8)
+    assert s[2] > s[3] > s[0] and torch.isclose(s[0], s[1])
+    sel2 = InSight(decay=0.5)
+    sel2.observe([("k", 2.0, 4.0)])
+    sel2.observe([("k", 4.0, 4.0)])
+    assert sel2.post["k"] == [5.0, 1.0]  # 0.5 * [2, 2] + [4, 0]
+    other = InSight()
+    other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
+    assert other.select(rows, 2, seed=0, group_size=8) == pick
+
+
+def test_pass_rate_curriculum_ema_and_sampling():
+    sel = PassRateCurriculum(target=0.5, width=0.05, ema=0.5)
+    sel.observe([("k", 1.0, 2.0)])
+    sel.observe([("k", 2.0, 2.0)])
+    assert sel.rate["k"] == 0.75  # first sets 0.5, then 0.5 * 0.5 + 0.5 * 1
+    rows = [{"prompt": p} for p in ("a", "b", "c")]
+    sel.observe([(prompt_key("a"), 0.0, 4.0), (prompt_key("b"), 2.0, 4.0), (prompt_key("c"), 4.0, 4.0)])
+    assert sel.select(rows, 1, seed=1, group_size=4) == [1]  # the one at the target difficulty
+    other = PassRateCurriculum()
+    other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
+    assert other.rate == sel.rate
+
+
+def test_pcl_value_probe_learns_and_selects_mid_difficulty():
+    torch.manual_seed(0)
+    sel = PromptCurriculum(lr=0.1, epochs=100)
+    rows = [{"prompt": f"p{i}"} for i in range(4)]
+    feats = torch.eye(4)
+    first = sel.select(rows, 4, seed=0, group_size=4, features=feats)
+    assert sorted(first) == [0, 1, 2, 3]
+    assert torch.allclose(sel.predict(feats), torch.full((4,), 0.5))  # zero-initialised probe
+    sel.observe([(prompt_key(f"p{i}"), r * 4, 4.0) for i, r in enumerate([0.0, 0.25, 0.5, 1.0])])
+    pred = sel.predict(feats)
+    assert pred[0] < 0.2 and pred[3] > 0.8 and abs(float(pred[2]) - 0.5) < 0.1
+    assert sel.select(rows, 1, seed=0, group_size=4, features=feats) == [2]
+    other = PromptCurriculum(lr=0.1, epochs=100)
+    other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
+    assert torch.equal(other.predict(feats), pred)
+
+
+def test_selector_summary_counts_fresh_groups_only():
+    b = fake_batch(rewards=[1.0, 0.0, 1.0, 1.0], groups=[0, 0, 1, 1])
+    b.extra["branch"] = torch.tensor([False, False, True, True])
+    assert InSight().summarize(b) == [(prompt_key("q"), 1.0, 2.0)]
+
+
+# ----------------------------------------------------------------------------------------------- rollout options
+class FakeBackend:
+    """Generates completion tokens that encode (temperature, prompt, sample): 100*T + 10*prompt + j."""
+
+    pad_id = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, n, params, seed):
+        self.calls.append((len(prompt_ids), n, params.temperature))
+        N = len(prompt_ids) * n
+        comp = torch.tensor([[int(100 * params.temperature) + 10 * i + j, 1] for i in range(len(prompt_ids))
+                             for j in range(n)])
+        pid, pmask = left_pad([p for p in prompt_ids for _ in range(n)], 0)
+        return Generation(prompt_ids=pid, prompt_mask=pmask, completion_ids=comp,
+                          completion_mask=torch.ones(N, 2), logprobs=torch.full((N, 2), -0.5),
+                          truncated=torch.zeros(N, dtype=torch.bool), texts=[f"t{x[0]}" for x in comp.tolist()])
+
+
+def test_multi_temperature_interleaves_groups():
+    mt = MultiTemperature(temperatures=[0.5, 1.0])
+    assert mt.plan(5) == [0.5, 1.0, 0.5, 1.0, 0.5]
+    with pytest.raises(ConfigError, match="group_size=1 is smaller than the 2 temperatures"):
+        mt.plan(1)
+    be = FakeBackend()
+    gen, temps = stage_ops.generate_multi_temperature(be, [[5], [6]], SamplingParams(), mt.plan(3), [1, 2])
+    assert sorted(be.calls) == [(2, 1, 1.0), (2, 2, 0.5)]
+    # prompt-major rows: prompt 0 -> j = 0 (T 0.5, first sample), 1 (T 1.0), 2 (T 0.5, second sample)
+    assert gen.completion_ids[:, 0].tolist() == [50, 100, 51, 60, 110, 61]
+    assert temps.tolist() == [0.5, 1.0, 0.5, 0.5, 1.0, 0.5]
+    assert gen.prompt_ids[:, 0].tolist() == [5, 5, 5, 6, 6, 6]
+
+
+def fake_batch(rewards, groups, comp=None, lens=None, logp=None):
+    N = len(rewards)
+    comp = torch.tensor(comp) if comp is not None else torch.arange(N * 3).reshape(N, 3) + 10
+    T = comp.shape[1]
+    lens = torch.tensor(lens) if lens is not None else torch.full((N,), T)
+    mask = (torch.arange(T)[None] < lens[:, None]).float()
+    r = torch.tensor(rewards).unsqueeze(-1)
+    return RolloutBatch(prompt_ids=torch.tensor([[0, 5, 6]] * N), prompt_mask=torch.tensor([[0, 1, 1]] * N),
+                        completion_ids=comp, completion_mask=mask, group_ids=torch.tensor(groups),
+                        sampler_logprobs=torch.tensor(logp) if logp is not None else -torch.ones(N, T) * mask,
+                        truncated=torch.zeros(N, dtype=torch.bool), prompts=["q"] * N,
+                        completions=[f"c{i}" for i in range(N)], columns={"answer": [str(i) for i in range(N)]},
+                        reward_names=["correct"], rewards=r, reward=r[:, 0], valid=torch.ones(N, dtype=torch.bool))
+
+
+def fake_ctx(be, G=2):
+    return ExpandContext(generate=lambda ids, n, seeds: be.generate(ids, n, SamplingParams(), seeds),
+                         decode=lambda ids: "".join("\n" if i == 3 else f"<{i}>" for i in ids), group_size=G, seed=0)
+
+
+def test_cure_branches_at_the_highest_entropy_token():
+    b = fake_batch([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1], comp=[[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 0]],
+                   lens=[3, 3, 3, 2])
+    b.extra["token_entropy"] = torch.tensor([[0.1, 0.9, 2.0], [5.0, 5.0, 5.0], [0.7, 0.2, 9.0], [0.1, 0.2, 0.0]])
+    be = FakeBackend()
+    out = CureBranching(branches=1, group_size=3).expand(b, fake_ctx(be))
+    # first row of each group; the last token is never the branch point: row 0 -> t* = 1, row 2 -> t* = 0
+    assert out.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert out.prompt_ids[0].tolist() == [5, 6, 10] and out.prompt_ids[3, -2:].tolist() == [5, 6]
+    assert out.completions[0] == "<10>" + "t100" and out.completions[3] == "t110"
+    assert out.extra["branch"].all() and out.columns["answer"] == ["0"] * 3 + ["2"] * 3
+
+
+def test_retry_restarts_at_the_failing_step_and_trains_the_suffix():
+    # row 0 failed: tokens 7, '\n', 8, 9 with the most surprising token at 3 -> restart after the newline (t = 2)
+    b = fake_batch([0.0, 1.0], [0, 0], comp=[[7, 3, 8, 9], [7, 7, 7, 7]],
+                   logp=[[-0.1, -0.1, -0.2, -3.0], [-1.0, -1.0, -1.0, -1.0]])
+    be = FakeBackend()
+    out = RetryFromFailure(retries=2).expand(b, fake_ctx(be))
+    assert out.group_ids.tolist() == [0, 0, 0]  # the failed suffix + 2 retries form one group
+    assert out.prompt_ids[0].tolist()[-4:] == [5, 6, 7, 3]  # prompt + shared prefix: no gradient on it
+    assert out.completion_ids[0, :2].tolist() == [8, 9] and out.completion_mask[0].tolist()[:2] == [1.0, 1.0]
+    assert out.sampler_logprobs[0, :2].tolist() == pytest.approx([-0.2, -3.0])
+    assert out.completions[0] == "c0" and out.completions[1] == "<7>\nt100"
+    assert RetryFromFailure().expand(fake_batch([1.0, 1.0], [0, 0]), fake_ctx(be)) is None  # nothing failed
+
+
+def test_stage_checks():
+    cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        stage_ops.check_stages(cfg, [(dynamic_sampling, {}, "dynamic_sampling")])
+    cfg = load_config(None, ["rollout.group_size=1"])
+    assert "every advantage is 0" in stage_ops.check_stages(cfg, [])[0]
+    with pytest.raises(ConfigError, match="at most one prompt selector"):
+        stage_ops.check_stages(cfg, [(InSight(), {}, "insight"), (PassRateCurriculum(), {}, "pass_rate_curriculum")])
+
+
+# ----------------------------------------------------------------------------------------------- in the trainer
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("nano-filters")
+    build_local(path, size="nano", seed=0)
+    return path
+
+
+def small(model_dir, out, *extra):
+    return [f"model.path={model_dir}", f"output_dir={out}", "task.name=arithmetic", "task.digits=1",
+            "rollout.max_new_tokens=3", "rollout.group_size=4", "train.prompts_per_step=8", "train.steps=2",
+            "train.save_every=0", "train.eval_size=4", "train.eval_k=1", "optim.lr=1e-3", *extra]
+
+
+def group_ranges(b: RolloutBatch, col: torch.Tensor) -> list[float]:
+    out = []
+    for gid in dict.fromkeys(b.group_ids.tolist()):
+        v = col[b.group_ids == gid]
+        out.append(float(v.max() - v.min()))
+    return out
+
+
+def test_dynamic_sampling_regenerates_until_full(model_dir, tmp_path):
+    cfg = load_config(None, small(model_dir, tmp_path / "ds", "rewards=[{name: correct}, {name: filters_coin}]",
+                                  "filters=[{name: dynamic_sampling, reward: filters_coin, max_attempts: 10}]"))
+    tr = Trainer(cfg, tmp_path / "ds")
+    b = tr.rollout(0)
+    tr.score(b)
+    first = group_ranges(b, b.rewards[:, 1])
+    assert 0.0 in first  # some groups of the first round carry no signal...
+    out = tr.filter(b)
+    m = tr.stage_metrics
+    assert m["filter/attempts"] >= 2 and m["filter/cap_hit"] == 0.0 and m["filter/target_groups"] == 8
+    assert m["filter/dropped_groups"] >= first.count(0.0)
+    assert out.num_groups == 8 and len(out) == 32 and out.valid.all()  # ...the batch is full again
+    assert min(group_ranges(out, out.raw_rewards[:, 1])) > 0  # every kept group varies in the raw reward
+
+
+def test_dynamic_sampling_cap_uses_raw_reward_and_warns(model_dir, tmp_path, caplog):
+    # the shaped reward (correct + coin) varies, the raw `correct` column is all 0 for an untrained model
+    cfg = load_config(None, small(model_dir, tmp_path / "cap", "rewards=[{name: correct}, {name: filters_coin}]",
+                                  "filters=[{name: dynamic_sampling, max_attempts: 3}]"))
+    tr = Trainer(cfg, tmp_path / "cap")
+    b = tr.rollout(0)
+    tr.score(b)
+    assert max(group_ranges(b, b.reward)) > 0  # the shaped reward alone would have kept some groups
+    with caplog.at_level(logging.WARNING, logger="postrl.filters"):
+        out = tr.filter(b)
+    assert "kept 0 of 8 groups after 3 generation rounds (max_attempts=3)" in caplog.text
+    m = tr.stage_metrics
+    assert m["filter/cap_hit"] == 1.0 and m["filter/attempts"] == 3 and m["filter/padded_groups"] == 8
+    assert m["filter/dropped_groups"] == 24
+    assert out.num_groups == 8 and len(out) == 32 and not out.valid.any()  # full shape, masked out of the update
+    tr.advantages(out)
+    assert torch.all(out.advantages == 0)
+
+
+def test_stateful_filters_and_value_head_resume_exactly(model_dir, tmp_path, monkeypatch):
+    extra = ["rewards=[{name: filters_coin}]", "filters=[{name: insight, reward: filters_coin}]",
+             "advantage.name=gae", "train.steps=4", "train.save_every=2", "train.prompts_per_step=4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(load_config(None, small(model_dir, a, *extra)), a).train()
+    state = json.loads((a / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert len(state["filters"]["0:insight"]["post"]) == 8  # 2 steps x 4 prompts observed
+    assert state["advantage"]["0:gae"]["head"]["weight"]["shape"] == [1, 64]
+
+    real = Trainer.train_step
+
+    def crash(self, step):
+        if step == 2:
+            raise RuntimeError("crash")
+        return real(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash)
+    with pytest.raises(RuntimeError):
+        Trainer(load_config(None, small(model_dir, b, *extra)), b).train()
+    monkeypatch.setattr(Trainer, "train_step", real)
+    cfg = load_config(None, [], base=__import__("yaml").safe_load((b / "config.yaml").read_text()))
+    Trainer(cfg, b, resume=True).train()
+
+    def rows(run):
+        # timings vary; the diagnostics' alarm history is theirs to checkpoint
+        skip = ("time/", "throughput/", "memory/", "alarms")
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)}
+                for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    # selector posterior and value head (weights + optimizer) restored exactly (json: a NaN-safe comparison)
+    assert json.dumps(rows(a)) == json.dumps(rows(b))
+
+
+def test_rollout_options_train_end_to_end(model_dir, tmp_path):
+    out = tmp_path / "opts"
+    cfg = load_config(None, small(model_dir, out, "rewards=[{name: correct}, {name: filters_coin}]",
+                                  "filters=[{name: pass_rate_curriculum, reward: filters_coin}, "
+                                  "{name: multi_temperature, temperatures: [0.7, 1.3]}, {name: cure_branching}, "
+                                  "{name: retry_from_failure, reward: filters_coin}, "
+                                  "{name: range_filter, reward: filters_coin, low: 0.0, high: 1.0, max_attempts: 2}]",
+                                  "advantage.name=rl_zvp"))
+    tr = Trainer(cfg, out)
+    b = tr.rollout(0)
+    assert b.extra["temperature"].tolist()[:4] == pytest.approx([0.7, 1.3, 0.7, 1.3])
+    tr.score(b)
+    n0 = b.num_groups
+    f = tr.filter(b)
+    assert f.extra["branch"].any() and f.num_groups >= n0  # branched and retried groups were added
+    tr.advantages(f)
+    assert torch.isfinite(f.advantages).all()
+    tr.train()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["pg_loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert all(r["filter/curriculum/tracked"] > 0 for r in rows)
