@@ -1,0 +1,219 @@
+"""Regularisers (kind ``regularizer``), configured as ``regularizers: [{name: ..., coef: ..., <params>}]``.
+
+A regulariser reads per-token fields by positional parameter name (``logp``, ``old_logp``, ``ref_logp``,
+``advantages``, ``mask``, ``entropy`` (differentiable), ``logits`` ([N, T, V], differentiable, temperature
+applied; computed only when a stage asks for it), ``sampler_logp``, ``lengths``) and returns either
+- a tensor R [N, T]: the trainer adds ``coef * sum(w * R)`` to the loss (w = the aggregation's weights), or
+- a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``.
+A stateful regulariser is a class: ``__init__`` takes the keyword parameters, ``__call__`` the fields;
+``end_step(stats)`` runs once per training step with the step's metrics reduced over processes (``entropy`` =
+aggregated token entropy), and ``state_dict`` / ``load_state_dict`` put its state in the checkpoint.
+A stage that only selects on a field lists it in ``no_grad_fields`` (the trainer then computes it without
+gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as verl and TRL do per batch they see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from postrl.registry import register
+
+
+def _top_quantile_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, what: str) -> torch.Tensor:
+    """1[H_t >= quantile_{1-q}(H over valid tokens)] on valid tokens (TRL ``get_high_entropy_mask``)."""
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"regularizers.{what}.q: expected 0 < q <= 1, got {q}")
+    valid = mask > 0
+    h = entropy.detach()
+    if not bool(valid.any()):
+        return torch.zeros_like(valid)
+    thr = torch.quantile(h[valid].float(), 1.0 - q)
+    return (h >= thr) & valid
+
+
+# ---------------------------------------------------------------------------------------------- entropy
+
+
+@register("regularizer", "entropy_bonus", source="Williams & Peng 1991 entropy regularisation; "
+          "verl actor.entropy_coeff")
+def entropy_bonus(entropy: torch.Tensor) -> torch.Tensor:
+    """R_t = -H_t (token entropy of the temperature-scaled policy); loss += coef * agg(R), i.e. -alpha H with
+    alpha = ``coef`` (verl ``entropy_coeff``: pg_loss - entropy_coeff * agg_loss(entropy), same aggregation)."""
+    return -entropy
+
+
+@register("regularizer", "adaptive_entropy", source="Skywork Open Reasoner 1 (adaptive entropy control)")
+class AdaptiveEntropy:
+    """R_t = -alpha H_t with alpha adapted toward a target entropy (after Skywork-OR1's adaptive entropy control).
+
+    After each step, with H the step's aggregated token entropy:
+    alpha <- clip(alpha + delta * sgn(target - H), 0, max_alpha) (H == target: unchanged).
+    Defaults target = 0.2 nats, delta = 0.005, init = 0.0, max_alpha = 0.1 (postrl's; target and step follow the
+    Skywork-OR1 report's scale). alpha is saved in the checkpoint. ``coef`` multiplies the term (default 1).
+    """
+
+    def __init__(self, *, target: float = 0.2, delta: float = 0.005, init: float = 0.0, max_alpha: float = 0.1):
+        if target < 0 or delta < 0 or init < 0 or max_alpha < init:
+            raise ValueError("regularizers.adaptive_entropy: expected target, delta, init >= 0 and max_alpha >= init "
+                             f"(got {target}, {delta}, {init}, {max_alpha})")
+        self.target, self.delta, self.max_alpha = float(target), float(delta), float(max_alpha)
+        self.alpha = float(init)
+
+    def __call__(self, entropy: torch.Tensor) -> torch.Tensor:
+        return -self.alpha * entropy
+
+    def end_step(self, stats: dict) -> None:
+        h = stats.get("entropy")
+        if h is None or h != h:  # no measurement (or NaN): keep alpha
+            return
+        step = self.delta if h < self.target else (-self.delta if h > self.target else 0.0)
+        self.alpha = min(max(self.alpha + step, 0.0), self.max_alpha)
+
+    def state_dict(self) -> dict:
+        return {"alpha": self.alpha}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alpha = float(state["alpha"])
+
+
+@register("regularizer", "top_entropy_tokens", source="Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive "
+          "Effective RLVR (Wang et al. 2025); TRL top_entropy_quantile")
+def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2) -> dict:
+    """Update only the top-q fraction of tokens by entropy ("forking tokens"): pg_mask_t = 1[H_t >= tau],
+    tau = torch.quantile(H over the valid tokens, 1 - q) (linear interpolation); the policy-loss matrix is
+    multiplied by the mask, the aggregation's normaliser is unchanged (TRL ``top_entropy_quantile=q``, which
+    multiplies ``per_token_loss`` by the same mask). Default q = 0.2 (the paper's top 20%). ``coef`` unused."""
+    return {"pg_mask": _top_quantile_mask(entropy, mask, q, "top_entropy_tokens").to(entropy.dtype)}
+
+
+top_entropy_tokens.no_grad_fields = ("entropy",)  # selection only: the trainer need not differentiate the entropy
+
+
+@register("regularizer", "entropy_band", source="SPINE: Token-Selective Test-Time Reinforcement Learning with "
+          "Entropy-Band Regularization")
+def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2, low: float = 0.7,
+                 high: float = 2.0) -> torch.Tensor:
+    """Entropy-band regulariser on forking tokens (after SPINE):
+    R_t = f_t * (relu(low - H_t) + relu(H_t - high)), f_t = 1[H_t in the top-q by entropy] (as
+    ``top_entropy_tokens``): entropy is pushed up below the band (sustain exploration) and down above it
+    (suppress noisy updates), untouched inside. SPINE also updates only forking tokens: combine with
+    ``top_entropy_tokens``. Assumed where the abstract is open: a hinge (linear) penalty and an absolute band in
+    nats; defaults q = 0.2, low = 0.7 (about the 80th-percentile token entropy reported by the 80/20 paper),
+    high = 2.0 are postrl's, to tune per model."""
+    if not low <= high:
+        raise ValueError(f"regularizers.entropy_band: expected low <= high, got {low} > {high}")
+    fork = _top_quantile_mask(entropy, mask, q, "entropy_band").to(entropy.dtype)
+    return fork * (torch.relu(low - entropy) + torch.relu(entropy - high))
+
+
+@register("regularizer", "entropy_smoothing", source="EPO: Entropy-regularized Policy Optimization for LLM Agents "
+          "Reinforcement Learning")
+class EntropySmoothing:
+    """Keep the policy's entropy near its running historical mean (after EPO's entropy smoothing regulariser).
+
+    H_hist = mean of the last ``window`` steps' aggregated token entropies; H_b = mean token entropy of the
+    current forward pass (detached); s = sgn(H_b - H_hist) if |H_b - H_hist| > band * H_hist, else 0;
+    R_t = s (H_t - H_hist). Aggregated (weights summing to 1) the term is |H - H_hist| while the entropy is out of
+    the band and 0 inside, and its gradient moves the entropy back toward H_hist; 0 before any history.
+    Assumed where the abstract is open: a hinge on the batch-mean entropy (a per-token band would flatten the
+    forking structure), relative band; defaults window = 10, band = 0.1 are postrl's. EPO's other parts:
+    entropy regularisation is ``entropy_bonus``; its phase-based weighting is not implemented. History in the
+    checkpoint.
+    """
+
+    def __init__(self, *, window: int = 10, band: float = 0.1):
+        if window < 1 or band < 0:
+            raise ValueError(f"regularizers.entropy_smoothing: expected window >= 1, band >= 0 (got {window}, {band})")
+        self.window, self.band = int(window), float(band)
+        self.history: list[float] = []
+
+    @property
+    def reference(self) -> float | None:
+        return sum(self.history) / len(self.history) if self.history else None
+
+    def __call__(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ref = self.reference
+        if ref is None or not bool((mask > 0).any()):
+            return torch.zeros_like(entropy)
+        hb = float((entropy.detach() * mask).sum() / mask.sum())
+        s = 0.0 if abs(hb - ref) <= self.band * ref else (1.0 if hb > ref else -1.0)
+        return s * (entropy - ref)
+
+    def end_step(self, stats: dict) -> None:
+        h = stats.get("entropy")
+        if h is None or h != h:
+            return
+        self.history = (self.history + [float(h)])[-self.window:]
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [float(x) for x in state["history"]][-self.window:]
+
+
+# ---------------------------------------------------------------------------------------------- distributions
+
+
+@register("regularizer", "lp_reg", source="Low-probability Tokens Sustain Exploration in Reinforcement Learning with "
+          "Verifiable Reward (Lp-Reg)")
+def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.02,
+           negative_only: bool = False) -> torch.Tensor:
+    """KL toward a proxy that drops presumed-noise tokens and renormalises (after Lp-Reg):
+
+    p = softmax(logits) at each position (detached for the proxy); kept set K = {v : p_v >= min_p * max_u p_u};
+    proxy q_v = p_v 1[v in K] / sum_{u in K} p_u (detached); R_t = KL(q || pi_theta) = sum_{v in K} q_v
+    (log q_v - log pi_theta(v)) (= -log sum_{v in K} pi_theta(v) in value). Its gradient moves probability from
+    the dropped tokens to the kept ones in proportion, so kept low-probability tokens ("reasoning sparks") are
+    shielded from elimination. ``negative_only``: apply only where A_t < 0 (where over-penalisation happens).
+    Assumed where the abstract is open: a min-p style relative threshold (default min_p = 0.02, postrl's) and
+    KL(proxy || policy) direction. Needs the full logits [N, T, V] (memory: N T V floats).
+    """
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"regularizers.lp_reg.min_p: expected 0 <= min_p < 1, got {min_p}")
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    with torch.no_grad():
+        p = logq.exp()
+        keep = p >= min_p * p.max(-1, keepdim=True).values
+        proxy = torch.where(keep, p, torch.zeros_like(p))
+        proxy = proxy / proxy.sum(-1, keepdim=True)
+        log_proxy = torch.where(keep, proxy.clamp(min=1e-30).log(), torch.zeros_like(p))
+    r = (proxy * (log_proxy - logq)).sum(-1)
+    if negative_only:
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        r = r * (adv < 0).to(r.dtype)
+    return r
+
+
+@register("regularizer", "f_divergence", source="The Choice of Divergence: A Neglected Key to Mitigating Diversity "
+          "Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)")
+def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
+                 divergence: str = "forward_kl", importance_weight: bool = True, cap: float = 2.0) -> torch.Tensor:
+    """Mass-covering f-divergence to the initial (reference) policy, estimated on samples of it (after DPH-RL).
+
+    D_f(pi_theta || pi_ref) = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per sampled token:
+    ``forward_kl`` = KL(pi_ref || pi_theta): f(t) = t - 1 - log t (the generator -log t plus t - 1, which leaves
+    the divergence unchanged since E_ref[t] = 1, makes each term >= 0 and its gradient 0 where pi_theta = pi_ref);
+    ``js`` = Jensen-Shannon: f(t) = (t log t - (1 + t) log((1 + t) / 2)) / 2.
+    The batch is sampled from the policy that generated it, not pi_ref: each token is importance-weighted
+    toward pi_ref by w_t = sg(min(exp(ref_logp_t - old_logp_t), cap)) (token level, truncated at ``cap`` = 2.0);
+    ``importance_weight=False`` treats the rows as samples of pi_ref (w = 1). R_t = w_t f(t_t).
+    Assumed where the abstract is open: per-token generator terms on the sampled tokens with token-level IS
+    weights; DPH-RL applies the term to pre-sampled completions of the initial policy on prompts it already
+    solves, which in postrl is a data choice (the rows the regulariser sees), not part of this stage.
+    Needs a reference model (loaded automatically).
+    """
+    if divergence not in ("forward_kl", "js"):
+        raise ValueError(f"regularizers.f_divergence.divergence: expected 'forward_kl' or 'js', got {divergence!r}")
+    if cap <= 0:
+        raise ValueError(f"regularizers.f_divergence.cap: expected a value > 0, got {cap}")
+    log_t = (logp - ref_logp).clamp(-20.0, 20.0)
+    t = torch.exp(log_t)
+    if divergence == "forward_kl":
+        f = t - 1.0 - log_t
+    else:
+        f = 0.5 * (t * log_t - (1.0 + t) * torch.log((1.0 + t) / 2.0))
+    if not importance_weight:
+        return f
+    w = torch.exp((ref_logp - old_logp).clamp(-20.0, 20.0)).clamp(max=cap).detach()
+    return w * f
