@@ -1,0 +1,847 @@
+"""postrl sandbox harness: the trusted supervisor that runs INSIDE the sandbox.
+
+Started by :mod:`postrl.sandbox.core` as ``python -I -S -c <this file> REPORT_FD`` with the run's spec on stdin
+(``<length>\\n<marshal blob>`` then a one-line nonce). It imports only built-in modules (no json, re, enum,
+subprocess: interpreter start-up is most of a sandbox run's cost). It
+
+1. drops to the sandbox uid when it starts as root (no-new-privs, bounding set cleared, not dumpable, so the
+   program cannot read its memory or descriptors through /proc or ptrace);
+2. runs the program in a child process (its own session) under rlimits: address space, CPU seconds, file size,
+   processes, open files, no core dumps:
+
+   - ``run``: a forked child executes the program as ``__main__`` (stdout/stderr go straight to the host);
+   - ``stdio``: one fresh ``python main.py`` per case (exec'd, so it holds none of the expected outputs); the
+     harness itself compares the output;
+   - ``asserts`` / ``calls``: a forked child executes the program as module ``solution`` and then the tests in
+     order, reporting each result on a private pipe; the harness (not the child) was told how many tests there
+     are, so a child that exits early, at import or mid-way, leaves the remaining tests failed, never passed;
+     a test that crashes or (with a per-test timeout) hangs fails alone and the rest run in a fresh child;
+
+3. reads the nonce only after every child has been started, and writes ONE JSON report, tagged with it, on
+   REPORT_FD (a descriptor no program process holds). The host accepts nothing else as a result; text the program
+   prints, whatever it looks like, is just output.
+
+Limits of the in-process test kinds: the test code runs in the program's own interpreter (that is what calling
+its functions means), so a program that deliberately rewrites objects in its own memory can still lie about the
+tests it is tested by (e.g. an object whose ``__eq__`` always answers True passes ``assert f(x) == y``). ``calls``
+tests reject results that are not plain data; ``stdio`` tests are compared outside the program.
+"""
+
+import errno
+import marshal
+import os
+import resource
+import select
+import sys
+import time
+
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+_MSG_MAX = 400
+_MAXFD = 65536
+SIG = {"KILL": 9, "XCPU": 24, "XFSZ": 25, "names": {}}  # replaced by the host's values (spec["signals"])
+
+_ESC = {i: "\\u%04x" % i for i in range(32)}
+_ESC[ord('"')] = '\\"'
+_ESC[ord("\\")] = "\\\\"
+
+
+def _jdump(x):
+    """JSON text of plain data (the json module would import re and enum: too slow for every run)."""
+    if x is None:
+        return "null"
+    if x is True:
+        return "true"
+    if x is False:
+        return "false"
+    t = type(x)
+    if t is int:
+        return str(x)
+    if t is float:
+        return repr(x) if x == x and x not in (float("inf"), float("-inf")) else "null"
+    if t is str:
+        return '"' + x.encode("utf-8", "replace").decode("utf-8").translate(_ESC) + '"'
+    if t is list or t is tuple:
+        return "[" + ",".join(_jdump(v) for v in x) + "]"
+    if t is dict:
+        return "{" + ",".join(_jdump(str(k)) + ":" + _jdump(v) for k, v in x.items()) + "}"
+    return _jdump(str(x))
+
+
+def _short(text, n=_MSG_MAX):
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _unhex(text):
+    try:
+        return bytes.fromhex(text).decode("utf-8", "replace")
+    except ValueError:
+        return "(unreadable message)"
+
+
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        b = os.read(fd, min(65536, n - got))
+        if not b:
+            raise EOFError("spec truncated")
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _read_line(fd, limit=128):
+    out = b""
+    while not out.endswith(b"\n"):
+        b = os.read(fd, 1)
+        if not b or len(out) > limit:
+            break
+        out += b
+    return out.strip()
+
+
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            import ctypes
+
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except Exception:  # noqa: BLE001 - no ctypes: that hardening is skipped, the rest still holds
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def _prctl(*args):
+    libc = _libc()
+    return -1 if libc is None else libc.prctl(*(list(args) + [0] * (5 - len(args))))
+
+
+def _harden(spec):
+    """Drop root (when started as root), forbid privilege gain, make this process unreadable to the program.
+
+    ``prctl`` needs ctypes (slow to import), so it is used only where it adds something: not under privileged
+    bubblewrap, which already set no-new-privs, and where the uid change itself clears dumpability.
+    """
+    uid, gid, full = spec.get("uid"), spec.get("gid"), spec.get("harden_prctl", True)
+    if full:
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    if uid is not None and os.geteuid() == 0:
+        if full:
+            for cap in range(64):
+                if _prctl(_PR_CAPBSET_DROP, cap) != 0 and cap > 40:
+                    break
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        if os.getuid() != uid or os.geteuid() != uid:
+            raise RuntimeError("could not drop to the sandbox uid")
+    try:
+        with open("/proc/sys/fs/suid_dumpable") as f:
+            suid_dumpable = f.read().strip()
+    except OSError:
+        suid_dumpable = "?"
+    if full or uid is None or suid_dumpable != "0":
+        _prctl(_PR_SET_DUMPABLE, 0)
+    if full:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _proc_scan():
+    """(pid, ppid, real uid, threads) of every process visible in /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/status" % name) as f:
+                st = f.read()
+        except OSError:
+            continue
+        ppid = uid = None
+        threads = 1
+        for line in st.splitlines():
+            if line.startswith("PPid:"):
+                ppid = int(line.split()[1])
+            elif line.startswith("Uid:"):
+                uid = int(line.split()[1])
+            elif line.startswith("Threads:"):
+                threads = int(line.split()[1])
+        out.append((int(name), ppid, uid, threads))
+    return out
+
+
+def _count_tasks(uid):
+    """Tasks (processes and threads) owned by ``uid`` that this process can see: the RLIMIT_NPROC baseline."""
+    return sum(t for _, _, u, t in _proc_scan() if u == uid)
+
+
+def _descendants(root):
+    kids = {}
+    for pid, ppid, _, _ in _proc_scan():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill(pids):
+    for p in pids:
+        try:
+            os.kill(p, SIG["KILL"])
+        except OSError:
+            pass
+
+
+def _status(st):
+    """(exit code, signal) of a wait status."""
+    if os.WIFSIGNALED(st):
+        return None, os.WTERMSIG(st)
+    return os.WEXITSTATUS(st), None
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+class Harness:
+    def __init__(self, spec):
+        self.spec = spec
+        self.limits = spec["limits"]
+        self.deadline = float(spec["deadline"])
+        self.workdir = spec["workdir"]
+        self.python = [spec["python"]] + list(spec.get("python_flags", []))
+        self.nproc = None
+
+    # ------------------------------------------------------------------ limits and processes
+
+    def apply_limits(self):
+        """rlimits for a program process (called in the child, after fork, before exec or import)."""
+        L = self.limits
+
+        def lim(res, soft, hard=None):
+            hard = soft if hard is None else hard
+            cur_soft, cur_hard = resource.getrlimit(res)
+            if cur_hard != resource.RLIM_INFINITY:
+                hard = min(hard, cur_hard)
+                soft = min(soft, hard)
+            try:
+                resource.setrlimit(res, (soft, hard))
+            except (ValueError, OSError):
+                pass
+
+        lim(resource.RLIMIT_CORE, 0)
+        if L.get("memory_bytes"):
+            lim(resource.RLIMIT_AS, int(L["memory_bytes"]))
+        if L.get("cpu_seconds"):
+            c = max(1, int(-(-float(L["cpu_seconds"]) // 1)))
+            lim(resource.RLIMIT_CPU, c, c + 1)
+        if L.get("file_bytes"):
+            lim(resource.RLIMIT_FSIZE, int(L["file_bytes"]))
+        if L.get("open_files"):
+            lim(resource.RLIMIT_NOFILE, int(L["open_files"]))
+        if self.nproc is not None:
+            lim(resource.RLIMIT_NPROC, self.nproc)
+
+    def fork_program(self, stdin_fd, stdout_fd=None, keep=()):
+        """Fork a program process: own session, stdin/stdout redirected, every other descriptor closed, limits
+        applied. Returns the pid in the parent and 0 in the child."""
+        pid = os.fork()
+        if pid:
+            return pid
+        try:
+            os.setsid()
+            os.dup2(stdin_fd, 0)
+            if stdout_fd is not None:
+                os.dup2(stdout_fd, 1)
+            keep = sorted({0, 1, 2, *keep})
+            for a, b in zip(keep, keep[1:] + [_MAXFD]):
+                if b > a + 1:
+                    os.closerange(a + 1, b)
+            self.apply_limits()
+        except BaseException:  # noqa: BLE001
+            os._exit(127)
+        return 0
+
+    def exec_program(self, stdin_fd, stdout_fd):
+        """A fresh ``python main.py`` (nothing of the harness's memory survives the exec)."""
+        pid = self.fork_program(stdin_fd, stdout_fd)
+        if pid == 0:
+            try:
+                os.execv(self.python[0], self.python + ["main.py"])
+            finally:
+                os._exit(127)
+        return pid
+
+    @staticmethod
+    def kill_group(pid):
+        for target in (lambda: os.killpg(pid, SIG["KILL"]), lambda: os.kill(pid, SIG["KILL"])):
+            try:
+                target()
+            except OSError:
+                pass
+
+    def cleanup(self):
+        """Kill every process the program left behind, then reap what was re-parented to this harness."""
+        if self.spec.get("kill_all"):  # unique uid or own pid namespace: kill(-1) reaches only the sandbox
+            try:
+                os.kill(-1, SIG["KILL"])
+            except OSError:
+                pass
+        end = time.time() + 1.0
+        while True:
+            _kill(_descendants(os.getpid()))
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                if time.time() > end:
+                    break
+                time.sleep(0.002)
+
+    def signal_reason(self, sig):
+        if sig == SIG["XCPU"]:
+            return "timeout", "CPU-time limit (%ss) exceeded" % self.limits.get("cpu_seconds")
+        if sig == SIG["XFSZ"]:
+            return "error", "file-size limit exceeded"
+        return "killed", "killed by %s" % SIG["names"].get(sig, "signal %d" % sig)
+
+    # ------------------------------------------------------------------ modes
+
+    def run_program(self):
+        """Plain run: the program as ``__main__`` in a forked child; returns its exit code / signal."""
+        data = self.spec.get("stdin")
+        if data is not None:
+            r, w = os.pipe()
+        else:
+            r, w = os.open(os.devnull, os.O_RDONLY), None
+        pid = self.fork_program(r)
+        if pid == 0:
+            _run_main(self.spec["code"])
+        os.close(r)
+        status = None
+        if w is not None:
+            pending = memoryview(data.encode())
+            os.set_blocking(w, False)
+            while pending and status is None:
+                _, wl, _ = select.select([], [w], [], 0.05)
+                if wl:
+                    try:
+                        pending = pending[os.write(w, pending[:65536]):]
+                    except OSError:
+                        break
+                wp, st = os.waitpid(pid, os.WNOHANG)
+                if wp:
+                    status = st
+            os.close(w)
+        if status is None:
+            _, status = os.waitpid(pid, 0)
+        code, sig = _status(status)
+        return {"exit": code, "signal": sig}
+
+    def _communicate(self, pid, w, r, data, out_limit, deadline):
+        """Feed ``data`` to ``w``, read ``r`` up to ``out_limit`` bytes, until exit and EOF or ``deadline``."""
+        out, pending = bytearray(), memoryview(data)
+        os.set_blocking(w, False)
+        if not pending:
+            os.close(w)
+            w = None
+        why, status, exited_at = None, None, None
+        while True:
+            now = time.time()
+            if status is None:
+                wp, st = os.waitpid(pid, os.WNOHANG)
+                if wp:
+                    status, exited_at = st, now
+            if status is not None and (r is None or now - exited_at > 0.05):
+                break
+            if now >= deadline:
+                why = "time"
+                break
+            rl, wl = ([r] if r is not None else []), ([w] if w is not None else [])
+            if not rl and not wl:
+                time.sleep(0.002)
+                continue
+            rr, ww, _ = select.select(rl, wl, [], min(0.05, max(0.0, deadline - now)))
+            if ww:
+                try:
+                    pending = pending[os.write(w, pending[:65536]):]
+                except OSError:
+                    pending = pending[:0]
+                if not pending:
+                    os.close(w)
+                    w = None
+            if rr:
+                b = os.read(r, 65536)
+                if not b:
+                    os.close(r)
+                    r = None
+                else:
+                    out += b
+                    if len(out) > out_limit:
+                        why = "output"
+                        break
+        self.kill_group(pid)
+        for fd in (w, r):
+            if fd is not None:
+                os.close(fd)
+        if status is None:
+            _, status = os.waitpid(pid, 0)
+        return bytes(out[:out_limit]), status, why
+
+    @staticmethod
+    def same_output(got, want):
+        a = [ln.rstrip() for ln in got.splitlines()]
+        b = [ln.rstrip() for ln in want.splitlines()]
+        while a and not a[-1]:
+            a.pop()
+        while b and not b[-1]:
+            b.pop()
+        return a == b or got.split() == want.split()
+
+    def run_stdio(self, units):
+        results = []
+        out_limit = int(self.limits.get("output_bytes") or 1 << 20)
+        per_test = self.limits.get("test_timeout")
+        for i, u in enumerate(units):
+            now = time.time()
+            if now >= self.deadline:
+                results += [{"status": "timeout", "reason": "not run: wall-time limit reached"}
+                            for _ in units[i:]]
+                break
+            dl = self.deadline if not per_test else min(self.deadline, now + float(per_test))
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            pid = self.exec_program(in_r, out_w)
+            os.close(in_r)
+            os.close(out_w)
+            out, status, why = self._communicate(pid, in_w, out_r, u["input"].encode(), out_limit, dl)
+            code, sig = _status(status)
+            if why == "time":
+                results.append({"status": "timeout", "reason": "wall-time limit reached"})
+            elif why == "output":
+                results.append({"status": "output_limit", "reason": "stdout over %d bytes" % out_limit})
+            elif sig is not None:
+                st, reason = self.signal_reason(sig)
+                results.append({"status": st, "reason": reason})
+            elif code != 0:
+                results.append({"status": "error", "reason": "exit code %d" % code})
+            elif self.same_output(out.decode("utf-8", "replace"), u["output"]):
+                results.append({"status": "pass", "reason": ""})
+            else:
+                results.append({"status": "fail", "reason": _short("wrong output %r, expected %r"
+                                                                   % (out[:120].decode("utf-8", "replace"),
+                                                                      u["output"][:120]))})
+        return results
+
+    def check_imports(self):
+        """Stage signal for stdio programs: do the program's top-level imports succeed? (forked child)."""
+        src = self.spec.get("import_src") or ""
+        if not src:
+            return True
+        null = os.open(os.devnull, os.O_RDWR)
+        pid = self.fork_program(null, null)
+        if pid == 0:
+            try:
+                os.dup2(0, 2)
+                exec(compile(src, "main.py", "exec", dont_inherit=True), {"__name__": "solution"})
+                os._exit(0)
+            except BaseException:  # noqa: BLE001
+                os._exit(1)
+        os.close(null)
+        status = None
+        while status is None:
+            wp, st = os.waitpid(pid, os.WNOHANG)
+            if wp:
+                status = st
+            elif time.time() >= self.deadline:
+                self.kill_group(pid)
+                _, status = os.waitpid(pid, 0)
+            else:
+                time.sleep(0.002)
+        return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+    # ------------------------------------------------------------------ in-process tests
+
+    def run_inprocess(self, kind, units):
+        n = len(units)
+        results = [None] * n
+        load = {"loaded": None, "error": None, "status": None}
+        per_test = self.limits.get("test_timeout")
+        start = 0
+        null = os.open(os.devnull, os.O_RDONLY)
+        while start < n:
+            token = os.urandom(16).hex()
+            r, w = os.pipe()
+            pid = self.fork_program(null, keep=(w,))
+            if pid == 0:  # ---- child: the program's process from here on
+                try:
+                    _child(self, kind, units, start, w, token)
+                finally:
+                    os._exit(0)
+            os.close(w)
+            buf, loaded_here, done = b"", False, False
+            last = time.time()
+            current = start
+            killed_for = status = exited_at = None
+            while not done:
+                if status is None:
+                    wp, st = os.waitpid(pid, os.WNOHANG)
+                    if wp:
+                        status, exited_at = st, time.time()
+                elif time.time() - exited_at > 0.05:
+                    break  # the child is gone; whatever still holds the pipe is not the child
+                now = time.time()
+                limit = self.deadline
+                if per_test and loaded_here:
+                    limit = min(limit, last + float(per_test))
+                if now >= limit:
+                    killed_for = "time"
+                    break
+                rl, _, _ = select.select([r], [], [], min(0.05, limit - now))
+                if not rl:
+                    continue
+                b = os.read(r, 65536)
+                if not b:
+                    break
+                buf += b
+                if len(buf) > 1 << 20:
+                    killed_for = "protocol"
+                    break
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    parts = line.decode("ascii", "replace").split(" ")
+                    if len(parts) < 2 or parts[0] != token:
+                        continue
+                    tag = parts[1]
+                    if tag == "L":
+                        loaded_here = True
+                        load["loaded"] = True
+                        last = time.time()
+                    elif tag == "E" and len(parts) >= 4:
+                        load["loaded"] = False
+                        load["status"] = parts[2]
+                        load["error"] = _short(_unhex(parts[3]))
+                    elif tag == "R" and len(parts) >= 5 and loaded_here:
+                        try:
+                            idx = int(parts[2])
+                        except ValueError:
+                            continue
+                        if current <= idx < n and results[idx] is None:
+                            outcome = parts[3] if parts[3] in ("pass", "fail", "error", "memory") else "error"
+                            results[idx] = {"status": outcome, "reason": _short(_unhex(parts[4]))}
+                            current = idx + 1
+                            last = time.time()
+                    elif tag == "D" and loaded_here:
+                        done = True
+            if killed_for is not None or not done:
+                self.kill_group(pid)
+            os.close(r)
+            if status is None:
+                _, status = os.waitpid(pid, 0)
+            code, sig = _status(status)
+            if load["loaded"] is False:
+                break
+            if not loaded_here:  # died or hung before the program finished loading
+                load["loaded"] = False
+                if killed_for == "time":
+                    load["status"], load["error"] = "timeout", "wall-time limit reached while loading the program"
+                elif sig is not None:
+                    load["status"], load["error"] = self.signal_reason(sig)
+                    load["error"] += " while loading the program"
+                else:
+                    load["status"] = "exit"
+                    load["error"] = "the program ended the process while loading (exit code %s)" % code
+                break
+            if done or current >= n:
+                break
+            # the child stopped during test `current`: that test fails, the rest get a fresh process
+            if killed_for == "time":
+                results[current] = {"status": "timeout", "reason": "wall-time limit reached during the test"}
+            elif killed_for == "protocol":
+                results[current] = {"status": "error", "reason": "garbage on the result channel"}
+            elif sig is not None:
+                st, reason = self.signal_reason(sig)
+                results[current] = {"status": st, "reason": reason + " during the test"}
+            else:
+                results[current] = {"status": "error",
+                                    "reason": "the process exited (code %s) during the test" % code}
+            start = current + 1
+            if time.time() >= self.deadline:
+                break
+        os.close(null)
+        if load["loaded"] is False:
+            reason = "not run: " + (load["error"] or "the program did not load")
+            st = load["status"] if load["status"] in ("timeout", "memory", "killed") else "error"
+            results = [x if x is not None else {"status": st, "reason": reason} for x in results]
+        results = [x if x is not None else {"status": "timeout", "reason": "not run: wall-time limit reached"}
+                   for x in results]
+        return results, load
+
+
+def _show_exception():
+    """Print the current exception as Python would, without the harness's own frame."""
+    try:
+        et, ev, tb = sys.exc_info()
+        if tb is not None:  # drop the harness's frame (a syntax error then shows no traceback at all)
+            tb = tb.tb_next
+            ev = ev.with_traceback(tb)
+        sys.excepthook(et, ev, tb)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def _run_main(code):
+    """The child of a plain run: execute ``code`` as ``__main__`` and exit as ``python main.py`` would."""
+    mod = type(sys)("__main__")
+    mod.__file__ = "main.py"
+    mod.__builtins__ = __builtins__
+    sys.modules["__main__"] = mod
+    sys.argv = ["main.py"]
+    status = 0
+    try:
+        exec(compile(code, "main.py", "exec", dont_inherit=True), mod.__dict__)
+    except SystemExit as e:
+        c = e.code
+        if c is None:
+            status = 0
+        elif type(c) is int:
+            status = c & 0xFF
+        else:
+            try:
+                print(c, file=sys.stderr)
+            except BaseException:  # noqa: BLE001
+                pass
+            status = 1
+    except BaseException:  # noqa: BLE001
+        _show_exception()
+        status = 1
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    _flush()
+    os._exit(status)
+
+
+def _child(h, kind, units, start, wfd, token, _write=os.write, _exit=os._exit, _BaseException=BaseException,
+           _type=type, _len=len, _str=str, _repr=repr, _isinstance=isinstance, _abs=abs, _range=range, _zip=zip,
+           _dict=dict, _callable=callable, _max=max, _all=all):
+    """The program's process: load the program as module ``solution``, run units[start:], report each.
+
+    Everything this function relies on after the program has run is bound here, before it runs.
+    """
+    tok = token.encode()
+
+    def send(*fields):
+        out = [tok]
+        for f in fields:
+            out.append(f if _isinstance(f, bytes) else _str(f).encode("utf-8", "replace"))
+        try:
+            _write(wfd, b" ".join(out) + b"\n")
+        except OSError:
+            _exit(0)
+
+    def hexmsg(text):
+        return _str(text)[:_MSG_MAX].encode("utf-8", "replace").hex().encode()
+
+    def finish(show_traceback=False):
+        if show_traceback:
+            _show_exception()
+        _flush()
+        _exit(0)
+
+    mod = type(sys)("solution")
+    mod.__file__ = os.path.join(h.workdir, "solution.py")
+    mod.__builtins__ = __builtins__
+    sys.modules["solution"] = mod
+    sys.argv = ["solution.py"]
+    try:
+        code = compile(h.spec["code"], "solution.py", "exec", dont_inherit=True)
+    except _BaseException as e:  # noqa: BLE001
+        send(b"E", b"syntax", hexmsg("%s: %s" % (_type(e).__name__, e)))
+        finish(True)
+    try:
+        exec(code, mod.__dict__)
+    except MemoryError:
+        send(b"E", b"memory", hexmsg("MemoryError while loading the program"))
+        finish()
+    except SystemExit as e:
+        send(b"E", b"exit", hexmsg("the program called exit(%r) while loading" % (e.code,)))
+        finish()
+    except _BaseException as e:  # noqa: BLE001
+        send(b"E", b"import", hexmsg("%s: %s" % (_type(e).__name__, e)))
+        finish(True)
+    send(b"L")
+    ns = _dict(mod.__dict__)
+    ns["__name__"] = "tests"
+    setup_error = None
+    if kind == "asserts" and h.spec.get("setup"):
+        try:
+            exec(compile(h.spec["setup"], "tests.py", "exec", dont_inherit=True), ns)
+        except _BaseException as e:  # noqa: BLE001
+            setup_error = "test set-up failed: %s: %s" % (_type(e).__name__, e)
+
+    def canon(x, depth=0):
+        t = _type(x)
+        if x is None or t is bool or t is int or t is str or t is float:
+            return x
+        if depth > 50:
+            raise TypeError("result nested too deeply")
+        if t is list or t is tuple:
+            return [canon(v, depth + 1) for v in x]
+        if t is dict:
+            return {(_str(k) if _type(k) is int else canon(k, depth + 1)): canon(v, depth + 1)
+                    for k, v in x.items()}
+        raise TypeError("result of type %s is not plain data" % t.__name__)
+
+    def same(a, b):
+        ta, tb = _type(a), _type(b)
+        if ta is float or tb is float:
+            if ta not in (int, float) or tb not in (int, float):
+                return False
+            return a == b or _abs(a - b) <= 1e-9 * _max(1.0, _abs(a), _abs(b))
+        if ta is not tb:
+            return False
+        if ta is list:
+            return _len(a) == _len(b) and _all(same(x, y) for x, y in _zip(a, b))
+        if ta is dict:
+            return a.keys() == b.keys() and _all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    fn_name = h.spec.get("fn_name")
+    for i in _range(start, _len(units)):
+        u = units[i]
+        status, msg = b"pass", ""
+        try:
+            if setup_error is not None:
+                raise RuntimeError(setup_error)
+            if kind == "calls":
+                f = ns.get(fn_name)
+                if not _callable(f):
+                    raise NameError("function %r is not defined" % fn_name)
+                got = canon(f(*u["args"]))
+                want = canon(u["expected"])
+                ok = same(got, want) or (_type(want) is list and _len(want) == 1 and same(got, want[0]))
+                if not ok:
+                    status, msg = b"fail", "returned %s, expected %s" % (_repr(got)[:120], _repr(want)[:120])
+            elif "fn" in u:
+                f = ns.get(u["fn"])
+                if not _callable(f):
+                    raise NameError("test %s is not defined" % u["fn"])
+                f()
+            else:
+                if u.get("pre"):
+                    exec(compile(u["pre"], "tests.py", "exec", dont_inherit=True), ns)
+                exec(compile(u["src"], "tests.py", "exec", dont_inherit=True), ns)
+        except AssertionError as e:
+            status, msg = b"fail", "AssertionError: %s" % (e,)
+        except MemoryError:
+            status, msg = b"memory", "MemoryError"
+        except SystemExit as e:
+            status, msg = b"error", "the test called exit(%r)" % (e.code,)
+        except _BaseException as e:  # noqa: BLE001
+            status, msg = b"error", "%s: %s" % (_type(e).__name__, e)
+        send(b"R", i, status, hexmsg(msg) if msg else b"")
+    send(b"D")
+    finish()
+
+
+def _reaper(report_fd, uid):
+    """Fallback mode only (no pid namespace): fork; the parent stays behind as the run's reaper.
+
+    It runs no program code. It is a child subreaper, so everything the program orphans is re-parented to it and
+    reaped here; when the harness child ends (or is killed by the program) it kills what is left of the run (every
+    process of the run's uid, or its descendants) and exits with the child's status. Returns in the child only.
+    """
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    pid = os.fork()
+    if pid == 0:
+        return
+    os.close(report_fd)
+    os.close(0)
+    status = 0
+    while True:
+        try:
+            w, st = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if w == pid:
+            status = st
+            break
+    end = time.time() + 5.0
+    while True:
+        victims = [p for p, pp, u, _ in _proc_scan() if p != os.getpid() and uid is not None and u == uid]
+        victims += _descendants(os.getpid())
+        _kill(victims)
+        while True:
+            try:
+                w, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                w = 0
+            if not w:
+                break
+        if not victims or time.time() > end:
+            break
+        time.sleep(0.005)
+    code, sig = _status(status)
+    os._exit(128 + sig if sig is not None else code)
+
+
+def main(report_fd):
+    report_fd = int(report_fd)
+    os.set_inheritable(report_fd, False)
+    spec = marshal.loads(_read_exact(0, int(_read_line(0))))
+    SIG.update(spec.get("signals") or {})
+    if spec.get("reaper"):
+        _reaper(report_fd, spec.get("uid"))
+    _harden(spec)
+    h = Harness(spec)
+    os.chdir(h.workdir)
+    procs = int(h.limits.get("processes") or 0)
+    if procs:
+        h.nproc = _count_tasks(os.getuid()) + procs
+    report = {"mode": spec["mode"], "nproc": h.nproc}
+    try:
+        if spec["mode"] == "run":
+            report.update(h.run_program())
+        elif spec["mode"] == "stdio":
+            with open("main.py", "w", encoding="utf-8") as f:
+                f.write(spec["code"])
+            report["imports_ok"] = h.check_imports()
+            report["tests"] = h.run_stdio(spec["units"])
+        else:
+            tests, load = h.run_inprocess(spec["mode"], spec["units"])
+            report["tests"] = tests
+            report["load"] = load
+    finally:
+        h.cleanup()
+    report["nonce"] = _read_line(0).decode()
+    data = (_jdump(report) + "\n").encode()
+    while data:
+        try:
+            n = os.write(report_fd, data)
+        except InterruptedError:
+            continue
+        except OSError as e:
+            if e.errno == errno.EPIPE:
+                break
+            raise
+        data = data[n:]
+    os.close(report_fd)
+
+
+if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1].isdigit():
+    main(sys.argv[1])

@@ -1,0 +1,126 @@
+"""Code reward sources: code_tests, code_reshaped (staged credit), verrpo_weighted_tests (stateful weights)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+from postrl import registry
+from postrl.errors import ConfigError
+from postrl.rewards.code import (VeRPOWeightedTests, code_reshaped, code_tests, extract_code, last_results,
+                                 lint_issues)
+from postrl.rewards.core import score_batch
+
+TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
+GOOD = "def add(a, b):\n    return a + b\n"
+
+
+def fence(code: str) -> str:
+    return f"Here you go:\n```python\n{code}```\nDone."
+
+
+def test_extract_code():
+    assert extract_code(fence(GOOD)) == GOOD
+    two = "```python\nx = 1\n```\ntext\n```py\ny = 2\n```"
+    assert extract_code(two) == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("```python\nx = 1\n```\n```bash\nls\n```") == "x = 1\n"
+    assert extract_code("```python\ntruncated = True\n") == "truncated = True\n"
+    assert extract_code(GOOD) == GOOD
+
+
+def test_lint_issues():
+    code = ("import os\nimport sys\nfrom math import *\n\ndef f(x=[]):\n    try:\n        return x == None\n"
+            "    except:\n        return sys.argv\n")
+    issues = lint_issues(code)
+    kinds = " | ".join(issues)
+    for word in ("unused import os", "wildcard import", "mutable default", "comparison to None", "bare except"):
+        assert word in kinds
+    assert len(issues) == 5
+    assert lint_issues(GOOD) == []
+
+
+def test_code_reshaped_stages_hand_computed():
+    comps = [
+        fence(GOOD),                                                       # everything: 1.0
+        fence("import os\n\ndef add(a, b):\n    return 3\n"),              # P C R=1 T=1/2 L=1/2
+        fence("undefined_name\n\ndef add(a, b):\n    return a + b\n"),    # P, not loaded: 0.05 + 0.05 L
+        fence("def add(a, b:\n    return a\n"),                            # syntax error: 0
+        fence("import sys\nsys.exit(0)\n"),                                # exit while loading: 0
+        fence("def add(a, b):\n    raise ValueError('no')\n"),             # loads, every test raises: R=0
+    ]
+    got = code_reshaped(None, comps, [TESTS] * len(comps), timeout=8.0)
+    want = [1.0, 0.05 + 0.05 + 0.1 + 0.75 * 0.5 + 0.05 * 0.5, 0.05 + 0.05, 0.0, 0.0, 0.05 + 0.05 + 0.05]
+    assert got == pytest.approx(want)
+    w = dict(w_parse=0.0, w_compile=0.0, w_run=0.5, w_tests=0.5, w_lint=0.0)
+    assert code_reshaped(None, comps[:2], [TESTS] * 2, timeout=8.0, **w) == pytest.approx([1.0, 0.5 + 0.25])
+    with pytest.raises(ConfigError, match="'w_run' must be a non-negative number"):
+        code_reshaped(None, comps[:1], [TESTS], w_run=-1.0)
+
+
+def test_verrpo_weights_by_running_difficulty():
+    r = VeRPOWeightedTests(pass_bonus=0.5)
+    tests = ["assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0\n"] * 4
+    comps = [fence(GOOD), fence("def add(a, b):\n    return a - b\n"),
+             fence("def add(a, b):\n    return a + b if a < 2 else 0\n"), fence("import sys\nsys.exit(0)\n")]
+    got = r(None, comps, tests=tests)
+    # passes per test: t1 2/4, t2 1/4, t3 3/4 -> p = (passes + 0.5) / (4 + 1) -> w = 1 - p = 0.5, 0.7, 0.3
+    w = [0.5, 0.7, 0.3]
+    want = [1.0, 0.5 * (0.3 / 1.5), 0.5 * ((0.5 + 0.3) / 1.5), 0.0]
+    assert got == pytest.approx(want)
+    assert sum(w) == pytest.approx(1.5)
+    st = r.state_dict()
+    assert json.loads(json.dumps(st)) == st
+    assert sorted(v for v in st["stats"].values()) == [[1.0, 4.0], [2.0, 4.0], [3.0, 4.0]]
+    # statistics persist: the same problem again, only the correct program -> every test's rate rises
+    again = r(None, comps[:1], tests=tests[:1])
+    assert again == pytest.approx([1.0])
+    assert sorted(v for v in r.state_dict()["stats"].values()) == [[2.0, 5.0], [3.0, 5.0], [4.0, 5.0]]
+    # restore into a fresh instance and through pickle
+    fresh = VeRPOWeightedTests(pass_bonus=0.5)
+    fresh.load_state_dict(st)
+    assert fresh.state_dict()["stats"] == st["stats"]
+    clone = pickle.loads(pickle.dumps(r))
+    assert clone.state_dict() == r.state_dict()
+    with pytest.raises(ConfigError, match="not a state_dict"):
+        fresh.load_state_dict({"stats": 3})
+
+
+def test_verrpo_ema_and_bad_params():
+    r = VeRPOWeightedTests(momentum=0.5, pass_bonus=0.0)
+    r._update({"k": [1, 1, 0, 0]})  # rate 0.5: p = 0.5 * 0.5 + 0.5 * 0.5
+    assert r.pass_rate("k") == pytest.approx(0.5)
+    r._update({"k": [1, 1]})
+    assert r.pass_rate("k") == pytest.approx(0.75)
+    with pytest.raises(ConfigError, match="pass_bonus"):
+        VeRPOWeightedTests(pass_bonus=2)
+    with pytest.raises(ConfigError, match="momentum"):
+        VeRPOWeightedTests(momentum=1.0)
+
+
+def test_registered_sources_work_through_score_batch():
+    assert {"code_tests", "code_reshaped", "verrpo_weighted_tests"} <= set(registry.names("reward"))
+    registry.check_params("reward", "verrpo_weighted_tests", {"pass_bonus": 0.2, "timeout": 5}, "rewards.0")
+    with pytest.raises(ConfigError, match="valid: pass_bonus"):
+        registry.check_params("reward", "verrpo_weighted_tests", {"bonus": 0.2}, "rewards.0")
+    VeRPOWeightedTests._shared_instances.clear()
+    specs = [SimpleNamespace(name="code_tests", params={"timeout": 8.0}),
+             SimpleNamespace(name="verrpo_weighted_tests", params={"pass_bonus": 0.5, "timeout": 8.0})]
+    comps = [fence(GOOD), fence("def add(a, b):\n    return 3\n")]
+    cols = {"tests": [TESTS, TESTS], "group_ids": [0, 0]}
+    out = score_batch(["p", "p"], comps, cols, specs)
+    assert out.failures == {}
+    # verrpo: t_a passed by both (p = 2.5/3, w = 1/6), t_b by one (p = 1.5/3, w = 1/2)
+    assert out.matrix[:, 0].tolist() == pytest.approx([1.0, 0.5])
+    assert out.matrix[:, 1].tolist() == pytest.approx([1.0, 0.5 * (1 / 6) / (1 / 6 + 1 / 2)])
+    shared = VeRPOWeightedTests.shared(pass_bonus=0.5, timeout=8.0)
+    assert sum(v[1] for v in shared.state_dict()["stats"].values()) == 4  # state kept across calls
+
+
+def test_rows_without_tests_are_none_and_results_are_inspectable():
+    assert code_tests(None, [fence(GOOD), fence(GOOD)], [TESTS, None], timeout=8.0) == [1.0, None]
+    res = last_results()
+    assert res[0].status == "ok" and res[1] is None

@@ -1,0 +1,311 @@
+"""The code sandbox: hostile programs are contained, score 0 with a reason, and leave nothing running.
+
+Hostile programs go through the real reward path (``code_tests`` on a batch, so the pool runs them in parallel)
+with short limits; containment is then checked from the host. Where the machine's isolation cannot contain
+something (fallback mode: network, reads outside the sandbox), the test checks that ``capabilities()`` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from postrl.errors import ConfigError, PostrlError
+from postrl.rewards.code import code_tests, last_results
+from postrl.sandbox import Limits, SandboxPool, capabilities, core, run
+
+try:
+    CAPS = capabilities()
+except PostrlError as e:  # pragma: no cover - a machine where no sandbox works at all
+    pytest.skip(f"no code sandbox on this machine: {e}", allow_module_level=True)
+BWRAP = CAPS["mode"] == "bwrap"
+TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
+GOOD = "```python\ndef add(a, b):\n    return a + b\n```"
+SECRET_ENV = "POSTRL_SANDBOX_TEST_SECRET"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _stray(results) -> list[int]:
+    """Processes left by these runs: any descendant of this test process, any process of a run's uid."""
+    left = [p for p in core._proc_descendants(os.getpid())]
+    for r in results:
+        if r is not None and r.uid is not None:
+            left += core._proc_uid_pids(r.uid)
+    return left
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """Run the hostile suite once (two parallel batches) and hand the results to the tests."""
+    outside = tmp_path_factory.mktemp("outside")
+    secret_file = outside / "secret.txt"
+    secret_file.write_text("TOP-SECRET-FILE")
+    home_secret = Path.home() / f".postrl-sandbox-test-{uuid.uuid4().hex}"
+    home_secret.write_text("TOP-SECRET-HOME")
+    os.chmod(home_secret, 0o600)
+    target = outside / "written-by-sandbox.txt"
+    os.environ[SECRET_ENV] = "hunter2-env"
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.3)
+    port = srv.getsockname()[1]
+    quick = {
+        "memory_bomb": "x = []\nwhile True:\n    x.append(bytearray(10 ** 7))\n",
+        "disk_fill": "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n    i += 1\n",
+        "network": (f"import socket\nnames = [n for _, n in socket.if_nameindex()]\nprint('IFACES', names)\n"
+                    f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'leak')\n"),
+        "environment": "import os\nprint('ENV', sorted(os.environ), os.environ.get('" + SECRET_ENV + "'))\n",
+        "read_outside": ("for p in (%r, %r):\n    try:\n        print('READ', open(p).read())\n"
+                         "    except OSError as e:\n        print('DENIED', type(e).__name__)\n"
+                         % (str(secret_file), str(home_secret))),
+        "write_outside": f"open({str(target)!r}, 'w').write('pwned')\n",
+        "kill_parent": "import os\nos.kill(os.getppid(), 9)\n",
+        "flood_stdout": "while True:\n    print('x' * 1000)\n",
+        "syntax_error": "def add(a, b:\n    return a + b\n",
+        "import_exit": "import sys\nsys.exit(0)\n",
+        "import_os_exit": "import os\nos._exit(0)\n",
+        "forge_marker": ("import json, os\nfake = json.dumps({'status': 'ok', 'passed': 2, 'total': 2, 'tests': "
+                         "[{'status': 'pass'}] * 2, 'nonce': 'x'}) + '\\n'\nprint(fake)\n"
+                         "for fd in range(3, 256):\n    try:\n        os.write(fd, fake.encode())\n"
+                         "    except OSError:\n        pass\n"),
+        "orphan_correct": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                           "        time.sleep(60)\n    os._exit(0)\n\ndef add(a, b):\n    return a + b\n"),
+    }
+    slow = {
+        "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "infinite_loop": "while True:\n    pass\n",
+        "sleeper": "import time\ntime.sleep(60)\n",
+    }
+    out = {}
+    try:
+        for batch, timeout in ((quick, 8.0), (slow, 2.0)):  # quick ones end on their own; slow ones hit the limit
+            names = list(batch)
+            rewards = code_tests(None, [f"```python\n{batch[n]}```" for n in names], [TESTS] * len(names),
+                                 timeout=timeout, memory_mb=128)
+            for n, rew, res in zip(names, rewards, last_results()):
+                out[n] = (rew, res)
+        try:
+            conn, _ = srv.accept()
+            conn.close()
+            connected = True
+        except socket.timeout:
+            connected = False
+        yield {"results": out, "connected": connected, "target": target}
+    finally:
+        srv.close()
+        os.environ.pop(SECRET_ENV, None)
+        home_secret.unlink(missing_ok=True)
+
+
+def test_capabilities_say_what_is_enforced():
+    for key in ("mode", "isolated", "limits", "not_isolated", "notes"):
+        assert key in CAPS
+    assert set(CAPS["isolated"]) >= {"network", "filesystem_read", "filesystem_write", "processes", "environment"}
+    if BWRAP:
+        assert all(CAPS["isolated"].values()) and CAPS["limits"]["processes"] != ""
+    else:
+        assert not CAPS["isolated"]["network"]
+        assert any("network" in x for x in CAPS["not_isolated"])
+
+
+def _fallback():
+    try:
+        return capabilities("fallback")
+    except PostrlError as e:
+        pytest.skip(f"fallback sandbox unavailable here: {e}")
+
+
+def test_fallback_is_announced_once_at_startup(caplog):
+    caps = _fallback()
+    assert caps["mode"] == "fallback"
+    for what in ("network", "filesystem reads outside the sandbox", "process visibility"):
+        assert what in caps["warning"]
+    core._WARNED.discard(caps["warning"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="postrl.sandbox"):
+        capabilities("fallback")
+        capabilities("fallback")
+    msgs = [r.getMessage() for r in caplog.records if "WITHOUT namespaces" in r.getMessage()]
+    assert len(msgs) == 1 and "NOT isolated: network" in msgs[0]
+
+
+def test_bwrap_required_but_missing_is_a_startup_error(monkeypatch):
+    monkeypatch.setattr(core, "_bwrap_binary", lambda: None)
+    with pytest.raises(PostrlError, match="bubblewrap does not work here"):
+        core._probe("bwrap")
+
+
+def test_bad_limits_and_mode_are_one_line_errors():
+    with pytest.raises(ConfigError, match="'timeout' must be a positive number"):
+        Limits(timeout=0)
+    with pytest.raises(ConfigError, match="memory_mb"):
+        Limits(memory_mb=4)
+    with pytest.raises(ConfigError, match="sandbox mode 'docker'"):
+        capabilities("docker")
+
+
+def test_correct_program_scores_one_and_partial_gives_the_fraction():
+    comps = [GOOD, "```python\ndef add(a, b):\n    return a * b if a == 2 else a + b\n```",
+             "```python\ndef add(a, b):\n    return 0\n```"]
+    tests3 = TESTS + "\n\ndef test_c():\n    assert add(0, 5) == 5\n"
+    assert code_tests(None, comps, [tests3] * 3, timeout=5.0) == pytest.approx([1.0, 1.0, 0.0])
+    comps = [GOOD, "```python\ndef add(a, b):\n    return a - b\n```"]
+    assert code_tests(None, comps, [tests3] * 2, timeout=5.0) == pytest.approx([1.0, 0.0])
+    # top-level asserts: 2 of 3
+    r = code_tests(None, ["def add(a, b):\n    return 3"], ["assert add(1, 2) == 3\nassert add(2, 1) == 3\n"
+                                                           "assert add(2, 2) == 4\n"], timeout=5.0)
+    assert r == pytest.approx([2 / 3])
+    # stdin/stdout cases and function-call cases: 1 of 2 each
+    stdio = [["3 4\n", "7\n"], ["1 1\n", "3\n"]]
+    prog = "a, b = map(int, input().split())\nprint(a + b)\n"
+    calls = {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [3, 5]}
+    assert code_tests(None, [prog, GOOD], [stdio, calls], timeout=5.0) == pytest.approx([0.5, 0.5])
+
+
+def test_no_tests_collected_is_zero_never_a_pass():
+    assert code_tests(None, [GOOD], ["x = 1\nprint('no tests here')\n"], timeout=5.0) == [0.0]
+    assert "no tests collected" in last_results()[0].reason
+    assert code_tests(None, [GOOD], [None]) == [None]
+
+
+def test_always_equal_object_cannot_fake_a_call_test():
+    fake = ("class E:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+            "def add(a, b):\n    return E()\n")
+    calls = {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
+    assert code_tests(None, [fake], [calls], timeout=5.0) == [0.0]
+    assert "not plain data" in last_results()[0].tests[0]["reason"]
+
+
+EXPECT = {  # name -> (allowed statuses, words expected in the reason)
+    "memory_bomb": ({"memory"}, "MemoryError"),
+    "disk_fill": ({"failed", "output_limit"}, "No space left|disk limit|File too large"),
+    "network": ({"failed"}, "Connection|Network|unreachable|refused|Errno|add"),
+    "environment": ({"failed"}, "add"),
+    "read_outside": ({"failed"}, "add"),
+    "write_outside": ({"failed"}, "Errno|not defined"),
+    "kill_parent": ({"killed"}, "killed"),
+    "flood_stdout": ({"output_limit"}, "output limit"),
+    "syntax_error": ({"failed"}, "syntax error"),
+    "import_exit": ({"failed"}, "exit"),
+    "import_os_exit": ({"failed"}, "ended the process"),
+    "forge_marker": ({"failed"}, "not defined"),
+    "fork_bomb": ({"timeout", "killed"}, "limit"),
+    "infinite_loop": ({"timeout"}, "limit"),
+    "sleeper": ({"timeout"}, "limit"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_hostile_program_scores_zero_with_a_reason(hostile, name):
+    import re
+
+    reward, res = hostile["results"][name]
+    statuses, words = EXPECT[name]
+    if name == "network" and not CAPS["isolated"]["network"]:
+        statuses = {"failed"}  # connects (not isolated), then has no add()
+    assert reward == 0.0, (name, res)
+    assert res.passed == 0 and res.total == 2
+    assert res.status in statuses, (name, res.status, res.reason)
+    assert re.search(words, res.reason), (name, res.reason)
+
+
+def test_hostile_programs_are_contained(hostile):
+    res = {k: v[1] for k, v in hostile["results"].items()}
+    # environment: nothing of the parent's
+    env_line = next(ln for ln in res["environment"].stdout.splitlines() if ln.startswith("ENV"))
+    assert "hunter2-env" not in env_line and SECRET_ENV not in env_line
+    names = set(eval(env_line[4:env_line.rindex("]") + 1]))  # noqa: S307 - our own program's output
+    assert names <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD", "LC_CTYPE"}
+    # files outside the sandbox: neither read nor written
+    if CAPS["isolated"]["filesystem_read"] or CAPS["unique_uid"]:
+        assert "TOP-SECRET" not in res["read_outside"].stdout
+        assert res["read_outside"].stdout.count("DENIED") == 2
+    else:
+        assert any("filesystem reads" in x for x in CAPS["not_isolated"])
+    if CAPS["isolated"]["filesystem_write"] or CAPS["unique_uid"]:
+        assert not hostile["target"].exists()
+    else:
+        assert any("writes to this user's files" in x for x in CAPS["not_isolated"])
+    # network: no connection reached the host's loopback listener, no interface but lo
+    if CAPS["isolated"]["network"]:
+        assert not hostile["connected"]
+        assert "IFACES ['lo']" in res["network"].stdout
+    else:
+        assert any("network" in x for x in CAPS["not_isolated"])
+    # output flood: truncated at the limit
+    assert len(res["flood_stdout"].stdout.encode()) <= 64 * 1024 and res["flood_stdout"].truncated
+
+
+def test_orphans_are_killed_and_the_program_still_scores(hostile):
+    reward, res = hostile["results"]["orphan_correct"]
+    assert reward == 1.0 and res.status == "ok"
+
+
+def test_nothing_survives_and_the_host_keeps_working(hostile):
+    results = [r for _, r in hostile["results"].values()]
+    assert _stray(results) == []
+    assert all(_alive(p) for p in (os.getpid(), os.getppid()))
+    assert code_tests(None, [GOOD], [TESTS], timeout=5.0) == [1.0]
+
+
+def test_per_test_timeout_and_crash_keep_partial_credit():
+    code = ("import os\ndef add(a, b):\n    if a == 5:\n        os._exit(0)\n    if a == 7:\n        while True:\n"
+            "            pass\n    return a + b\n")
+    tests = ("def test_1():\n    assert add(1, 1) == 2\ndef test_2():\n    assert add(5, 1) == 6\n"
+             "def test_3():\n    assert add(7, 1) == 8\ndef test_4():\n    assert add(2, 2) == 4\n")
+    r = run(code, tests, limits=Limits(timeout=6.0, test_timeout=0.7))
+    assert [t["status"] for t in r.tests] == ["pass", "error", "timeout", "pass"]
+    assert (r.passed, r.total) == (2, 4)
+
+
+def test_plain_run_statuses():
+    r = run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)\n", limits=Limits(timeout=5))
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("failed", 3, "out\n", "err\n")
+    r = run("print(input()[::-1])", stdin="abc\n", limits=Limits(timeout=5))
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "cba\n")
+
+
+def test_fallback_mode_contains_what_it_claims():
+    """Forced fallback (no namespaces): limits, supervisor kill and clean-up still hold."""
+    caps = _fallback()
+    lim = Limits(timeout=3.0, memory_mb=128, output_bytes=4096)
+    progs = [GOOD.strip("`").removeprefix("python\n"), "import os\nos.kill(os.getppid(), 9)\n",
+             "import sys\nsys.exit(0)\n", "while True:\n    print('x' * 100)\n", "x = bytearray(10 ** 9)\n"]
+    with SandboxPool(2, limits=lim, mode="fallback") as pool:
+        results = pool.map(progs, [TESTS] * len(progs))
+    assert [r.status for r in results] == ["ok", "killed", "failed", "output_limit", "memory"]
+    assert [r.passed for r in results] == [2, 0, 0, 0, 0]
+    assert _stray(results) == []
+    assert not caps["isolated"]["network"] and not caps["isolated"]["filesystem_read"]
+
+
+def test_cli_prints_one_json_object(tmp_path, capsys):
+    import json
+
+    from postrl.cli import main
+
+    prog = tmp_path / "p.py"
+    prog.write_text("def add(a, b):\n    return a + b\nprint('hi')\n")
+    tests = tmp_path / "t.py"
+    tests.write_text(TESTS)
+    assert main(["sandbox", str(prog), "--tests", str(tests), "--timeout", "5", "--memory", "256"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {k: d[k] for k in ("status", "exit_code", "passed", "total", "stdout")} == \
+        {"status": "ok", "exit_code": 0, "passed": 2, "total": 2, "stdout": "hi\n"}
+    assert {"stderr", "time"} <= set(d)
+    assert main(["sandbox", str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"postrl: error: program '{tmp_path / 'missing.py'}': no such file"
