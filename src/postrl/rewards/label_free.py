@@ -1,0 +1,145 @@
+"""Label-free reward sources computed within each group: majority vote (TTRL, RLCCF) and novelty (EVOL-RL).
+
+Both read the ``group_ids`` column (completions of one prompt share an id), which the scorer always passes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+from postrl.registry import register
+from postrl.rewards.builtin import extract_answer, normalize_text, parse_number
+
+_PURE_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:/\d+)?")
+
+
+def _answer_key(text: str | None) -> str | None:
+    """Canonical form for voting: numbers by value (``2``, ``2.0``, ``4/2`` agree), other text normalised."""
+    if text is None:
+        return None
+    t = normalize_text(text)
+    if not t:
+        return None
+    if _PURE_NUMBER.fullmatch(t.replace(",", "").replace(" ", "")):
+        x = parse_number(t)
+        if x is not None:
+            return f"num:{x:.12g}"
+    return f"str:{t}"
+
+
+def _groups(group_ids: list) -> dict:
+    out: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        out[g].append(i)
+    return out
+
+
+def _majority(keys: list, weights: list[float]):
+    """The answer with the largest total weight (ties: the one seen first); None when no one voted."""
+    tot: dict = {}
+    for k, w in zip(keys, weights):
+        if k is not None:
+            tot[k] = tot.get(k, 0.0) + w
+    if not tot:
+        return None
+    best = max(tot.values())
+    return next(k for k in keys if k is not None and tot[k] == best)
+
+
+@register("reward", "majority_vote",
+          source="TTRL (Test-Time Reinforcement Learning); RLCCF (Wisdom of the Crowd: Coevolutionary Collective "
+                 "Feedback)")
+def majority_vote(prompts, completions, group_ids, voter=None, *, extract: str = "auto",
+                  weighting: str = "none"):
+    """1.0 when the completion's answer equals its group's voted answer, else 0.0 (label-free).
+
+    TTRL (weighting='none'): the voted answer is the most frequent extracted answer of the group; r_i =
+    1[a_i = a_maj]. RLCCF (weighting='self_consistency', after RLCCF): completions are split into voters by the
+    ``voter`` column (e.g. which model or sampler produced them; one voter per group when absent); each voter v
+    casts one vote for its own majority answer m_v, weighted by its self-consistency SC_v = (#samples of v with
+    answer m_v) / (#samples of v with an answer); the collective answer maximises the summed weights, and
+    r_i = 1[a_i = collective answer]. Ties go to the answer seen first in the group. Answers are extracted with
+    ``extract`` (default 'auto') and compared after normalisation (numbers by value). A completion without an
+    answer gets 0.0 and does not vote; a group where nobody answered gets 0.0 throughout.
+    """
+    if weighting not in ("none", "self_consistency"):
+        raise ValueError(f"majority_vote.weighting: expected none or self_consistency, got '{weighting}'")
+    keys = [_answer_key(extract_answer(c, extract)) for c in completions]
+    out = [0.0] * len(completions)
+    for rows in _groups(group_ids).values():
+        gk = [keys[i] for i in rows]
+        if weighting == "none":
+            maj = _majority(gk, [1.0] * len(rows))
+        else:
+            voters: dict = defaultdict(list)
+            for i in rows:
+                voters[voter[i] if voter is not None else None].append(keys[i])
+            vk, vw = [], []
+            for ks in voters.values():
+                answered = [k for k in ks if k is not None]
+                if not answered:
+                    continue
+                m = _majority(answered, [1.0] * len(answered))
+                vk.append(m)
+                vw.append(sum(k == m for k in answered) / len(answered))
+            maj = _majority(vk, vw)
+        for i in rows:
+            out[i] = float(maj is not None and keys[i] == maj)
+    return out
+
+
+def _ngrams(text: str, n: int, unit: str) -> set:
+    toks = text.split() if unit == "word" else list(text)
+    if len(toks) < n:
+        return {tuple(toks)} if toks else set()
+    return {tuple(toks[i: i + n]) for i in range(len(toks) - n + 1)}
+
+
+def _jaccard(a: set, b: set) -> float:
+    if not a and not b:
+        return 1.0
+    return len(a & b) / len(a | b)
+
+
+@register("reward", "novelty", source="EVOL-RL (Evolving Language Models without Labels: Majority Drives "
+                                      "Selection, Novelty Promotes Variation)")
+def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", alpha: float = 0.5,
+            embed: str | None = None):
+    """Novelty bonus in [0, 1]: 1 - (alpha * mean_j s_ij + (1 - alpha) * max_j s_ij) over the other members j of
+    the completion's group, after EVOL-RL.
+
+    s_ij = Jaccard similarity of the two completions' n-gram sets (default: word 3-grams; unit='char' for
+    character n-grams), or, with ``embed`` = 'module:function' mapping list[str] -> [N, D] vectors, the cosine
+    similarity of the embeddings (EVOL-RL measures it in a semantic embedding space; n-grams are the
+    dependency-free default). The mix of mean and max similarity (alpha=0.5) follows EVOL-RL's description of
+    penalising both the average and the nearest neighbour; the exact weighting is an assumption. A group of one
+    scores 1.0. Combine with ``majority_vote`` (selection) for EVOL-RL.
+    """
+    if unit not in ("word", "char"):
+        raise ValueError(f"novelty.unit: expected word or char, got '{unit}'")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"novelty.alpha: expected a value in [0, 1], got {alpha}")
+    N = len(completions)
+    if embed is not None:
+        import torch
+
+        from postrl import registry
+
+        vecs = torch.as_tensor(registry.get("reward", embed)(list(completions)), dtype=torch.float32)
+        vecs = torch.nn.functional.normalize(vecs, dim=-1)
+        sim = (vecs @ vecs.T).tolist()
+    else:
+        grams = [_ngrams(c, n, unit) for c in completions]
+        sim = None
+    out = [1.0] * N
+    for rows in _groups(group_ids).values():
+        for i in rows:
+            others = [j for j in rows if j != i]
+            if not others:
+                continue
+            s = [sim[i][j] if sim is not None else _jaccard(grams[i], grams[j]) for j in others]
+            val = 1.0 - (alpha * sum(s) / len(s) + (1.0 - alpha) * max(s))
+            out[i] = min(1.0, max(0.0, val)) if math.isfinite(val) else None
+    return out

@@ -1,0 +1,331 @@
+"""Length control: reward terms and transforms that depend on the completion length L (tokens, ``lengths``).
+
+Stages that *add* a term append a named column to the reward matrix (``name``, default the stage name; weight
+``weight``, default 1.0), so every completion keeps its vector of named rewards and the weighted sum adds the
+term. Stages that *replace* a reward (cosine_length, truncation_penalty) rewrite their ``source`` column.
+Correctness is read from the column ``source`` (default 'correct'): correct = r >= ``correct_threshold``
+(default 1.0, the trainer's accuracy rule). A completion whose correctness failed (NaN) gets NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from postrl.registry import register
+from postrl.shaping._util import (NAN, Stateful, append_column, col, cols, correctness, group_index, group_minmax,
+                                  with_column)
+from postrl.rewards.steps import step_lengths
+
+
+def _nan_where(x: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float32)
+    return torch.where(known, x, torch.full_like(x, NAN))
+
+
+@register("shaping", "overlong_soft", source="DAPO soft overlong punishment; verl reward_model.overlong_buffer")
+def overlong_soft(rewards, reward_names, reward_weights, lengths, *, max_length: int = 20480, buffer: int = 4096,
+                  penalty: float = 1.0, name: str = "overlong_soft", weight: float = 1.0):
+    """DAPO soft overlong punishment, appended as a column:
+
+        R(L) = 0                                   if L <= Lmax - Lc
+        R(L) = (Lmax - Lc - L) / Lc * penalty      if Lmax - Lc < L <= Lmax
+        R(L) = -penalty                            if L > Lmax
+
+    Lmax = ``max_length`` (DAPO: 20480), Lc = ``buffer`` (DAPO: 4096), penalty 1.0. Anchor: verl
+    ``reward_model.overlong_buffer.{enable: true, len: Lc, penalty_factor: penalty}`` with
+    ``data.max_response_length = Lmax`` (identical for L <= Lmax; verl never sees L > Lmax).
+    """
+    if buffer <= 0 or buffer > max_length:
+        raise ValueError(f"overlong_soft.buffer: expected 0 < buffer <= max_length ({max_length}), got {buffer}")
+    L = lengths.to(torch.float64)
+    start = max_length - buffer
+    r = torch.where(L <= start, torch.zeros_like(L), (start - L) / buffer * penalty)
+    r = torch.where(L > max_length, torch.full_like(L, -penalty), r)
+    return append_column(rewards, reward_names, reward_weights, r, name, weight, "overlong_soft")
+
+
+@register("shaping", "truncation_penalty", source="DLER: Doing Length pEnalty Right")
+def truncation_penalty(rewards, reward_names, lengths, truncated, *, max_length: int | None = None,
+                       sources: list[str] | None = None, include_truncated: bool = True):
+    """DLER truncation penalty: r' = 0 for a completion longer than the cap, r' = r otherwise.
+
+    Over the cap: L > ``max_length`` (when set) or, with ``include_truncated`` (default), the completion hit the
+    generation limit without finishing. ``sources``: the columns zeroed (default all). A failed entry stays NaN.
+    DLER pairs this with batch-wise reward normalisation (``advantage.scale: batch``), clip-higher (loss
+    ``eps_high``) and dynamic sampling (``filters: [{name: dynamic_sampling}]``); those are separate stages.
+    """
+    over = truncated.bool() if include_truncated else torch.zeros_like(truncated, dtype=torch.bool)
+    if max_length is not None:
+        over = over | (lengths > max_length)
+    out = rewards.clone()
+    for k in cols(reward_names, sources, "truncation_penalty"):
+        r = out[:, k]
+        out[:, k] = torch.where(over & torch.isfinite(r), torch.zeros_like(r), r)
+    return {"rewards": out}
+
+
+_LASER = "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping"
+
+
+@register("shaping", "laser", source=_LASER + " (LASER)")
+def laser(rewards, reward_names, reward_weights, lengths, *, target_length: int = 4096, alpha: float = 0.5,
+          source: str = "correct", correct_threshold: float = 1.0, name: str = "laser", weight: float = 1.0):
+    """LASER step reward, appended as a column: S_i = alpha * 1[correct_i] * 1[L_i <= L_T].
+
+    The total C(y) + S(y) pays a bonus for being correct AND within the target length L_T (``target_length``).
+    Defaults: target_length=4096, alpha=0.5.
+    """
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "laser")
+    s = alpha * (c & (lengths <= target_length)).to(torch.float32)
+    return append_column(rewards, reward_names, reward_weights, _nan_where(s, known), name, weight, "laser")
+
+
+def _difficulty(c: torch.Tensor, known: torch.Tensor, group_ids: torch.Tensor, cuts: tuple[float, float]):
+    """Per row: 0 easy (group accuracy >= cuts[1]), 1 medium, 2 hard (< cuts[0])."""
+    inv, ng = group_index(group_ids)
+    s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, (c & known).to(torch.float64))
+    n = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, known.to(torch.float64))
+    acc = (s / n.clamp(min=1))[inv]
+    return torch.where(acc >= cuts[1], 0, torch.where(acc >= cuts[0], 1, 2))
+
+
+@register("shaping", "laser_d", source=_LASER + " (LASER-D: dynamic and difficulty-aware)")
+class LaserD(Stateful):
+    """LASER-D: the LASER bonus with a target length per difficulty level, adapted during training.
+
+    S_i = alpha * 1[correct_i] * 1[L_i <= L_A(d_i)]. Difficulty d_i from the group's accuracy: easy (>= 2/3),
+    medium, hard (< 1/3) (``difficulty_cuts``). Every ``update_every`` calls, each level's target becomes the
+    smallest length L such that the expected-correct-response ratio ExCR(L) = P(correct and length <= L) over the
+    level's completions seen since the last update reaches ``coverage`` (default 0.3); a level whose accuracy
+    stays below ``coverage`` gets ``max_length`` (no pressure on hard questions). Before the first update every
+    level uses ``initial_target`` (default = max_length). After LASER-D: the paper computes ExCR on a monitoring
+    set at fixed intervals; here the training batches since the last update play that role (assumption).
+    Defaults: alpha=0.5, max_length=4096, update_every=10, coverage=0.3. State (targets, collected statistics,
+    call count) is saved with the checkpoint.
+    """
+
+    _state = ("targets", "seen", "calls")
+
+    def __init__(self, *, alpha: float = 0.5, max_length: int = 4096, initial_target: int | None = None,
+                 update_every: int = 10, coverage: float = 0.3, difficulty_cuts: tuple[float, float] = (1 / 3, 2 / 3),
+                 source: str = "correct", correct_threshold: float = 1.0, name: str = "laser_d",
+                 weight: float = 1.0):
+        if not 0.0 < coverage <= 1.0:
+            raise ValueError(f"laser_d.coverage: expected a value in (0, 1], got {coverage}")
+        if update_every < 1:
+            raise ValueError(f"laser_d.update_every: expected >= 1, got {update_every}")
+        self.alpha, self.max_length, self.update_every, self.coverage = alpha, max_length, update_every, coverage
+        self.cuts = tuple(difficulty_cuts)
+        self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
+        t0 = int(initial_target if initial_target is not None else max_length)
+        self.targets: list[int] = [t0, t0, t0]
+        self.seen: list[list[list[float]]] = [[], [], []]  # per level: [length, correct] pairs
+        self.calls = 0
+
+    def _update(self) -> None:
+        for d in range(3):
+            pairs = self.seen[d]
+            if not pairs:
+                continue
+            n = len(pairs)
+            ok = sorted(L for L, c in pairs if c)
+            need = math.ceil(self.coverage * n - 1e-9)
+            self.targets[d] = int(ok[need - 1]) if len(ok) >= need and need >= 1 else int(self.max_length)
+        self.seen = [[], [], []]
+
+    def __call__(self, rewards, reward_names, reward_weights, group_ids, lengths):
+        c, known = correctness(rewards, reward_names, self.source, self.thr, "laser_d")
+        d = _difficulty(c, known, group_ids, self.cuts)
+        target = torch.tensor(self.targets, dtype=lengths.dtype)[d]
+        s = self.alpha * (c & (lengths <= target)).to(torch.float32)
+        out = append_column(rewards, reward_names, reward_weights, _nan_where(s, known), self.name, self.weight,
+                            "laser_d")
+        for lvl in range(3):
+            sel = known & (d == lvl)
+            self.seen[lvl].extend([float(L), float(x)] for L, x in zip(lengths[sel].tolist(), c[sel].tolist()))
+        self.calls += 1
+        if self.calls % self.update_every == 0:
+            self._update()
+        return out
+
+
+def _kimi_lambda(lengths, group_ids, known):
+    lo, hi = group_minmax(lengths, group_ids, known)
+    L = lengths.to(torch.float64)
+    lam = 0.5 - (L - lo) / (hi - lo)
+    return torch.where(hi > lo, lam, torch.zeros_like(lam))
+
+
+@register("shaping", "kimi_length", source="Kimi k1.5 length reward; open-r1 len_reward")
+def kimi_length(rewards, reward_names, reward_weights, group_ids, lengths, *, source: str = "correct",
+                correct_threshold: float = 1.0, name: str = "kimi_length", weight: float = 1.0):
+    """Kimi k1.5 length reward, appended as a column:
+
+        lambda_i = 0.5 - (L_i - Lmin) / (Lmax - Lmin)   (Lmin, Lmax over the completion's group)
+        r_i = lambda_i if correct, min(0, lambda_i) if wrong; 0 for the whole group when Lmax = Lmin.
+
+    Lengths are tokens; the min/max are taken over the group's completions whose correctness is known. Anchor:
+    open-r1 ``len_reward`` (same formula; it takes character lengths over the batch it is given).
+    """
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "kimi_length")
+    lam = _kimi_lambda(lengths, group_ids, known)
+    r = torch.where(c, lam, lam.clamp(max=0.0))
+    return append_column(rewards, reward_names, reward_weights, _nan_where(r, known), name, weight, "kimi_length")
+
+
+@register("shaping", "grpo_lambda", source="Stable Reinforcement Learning for Efficient Reasoning (GRPO-lambda)")
+def grpo_lambda(rewards, reward_names, reward_weights, group_ids, lengths, *, threshold: float | None = 0.8,
+                top_fraction: float | None = None, source: str = "correct", correct_threshold: float = 1.0,
+                name: str = "grpo_lambda", weight: float = 1.0):
+    """GRPO-lambda: a length penalty only for groups with a high correct ratio; plain 0/1 reward elsewhere.
+
+    A group g is penalised when its correct ratio acc_g >= ``threshold`` (default 0.8), or, with
+    ``top_fraction`` = lambda instead (threshold None), when it is among the ceil(lambda * #groups) groups with the
+    highest acc_g (the paper's batch-wise top-lambda selection; ties by group order). The appended column is the
+    Kimi length reward (see ``kimi_length``) in penalised groups and 0 elsewhere, so the total is the 0/1
+    correctness plus the length term only where the group is mostly right. After GRPO-lambda: the abstract does
+    not fix the penalty's form; the Kimi-style group length reward is assumed.
+    """
+    if (threshold is None) == (top_fraction is None):
+        raise ValueError("grpo_lambda: set exactly one of 'threshold' and 'top_fraction'")
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "grpo_lambda")
+    inv, ng = group_index(group_ids)
+    s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, (c & known).to(torch.float64))
+    n = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, known.to(torch.float64))
+    acc = s / n.clamp(min=1)
+    if threshold is not None:
+        sel = acc >= threshold
+    else:
+        if not 0.0 < top_fraction <= 1.0:
+            raise ValueError(f"grpo_lambda.top_fraction: expected a value in (0, 1], got {top_fraction}")
+        kq = math.ceil(top_fraction * ng - 1e-9)
+        order = sorted(range(ng), key=lambda g: (-float(acc[g]), g))
+        sel = torch.zeros(ng, dtype=torch.bool)
+        sel[order[:kq]] = True
+    lam = _kimi_lambda(lengths, group_ids, known)
+    r = torch.where(c, lam, lam.clamp(max=0.0))
+    r = torch.where(sel[inv], r, torch.zeros_like(r))
+    return append_column(rewards, reward_names, reward_weights, _nan_where(r, known), name, weight, "grpo_lambda")
+
+
+@register("shaping", "cosine_length", source="Demystifying Long Chain-of-Thought Reasoning in LLMs (cosine reward)")
+def cosine_length(rewards, reward_names, lengths, *, max_length: int = 1000, min_value_correct: float = 0.5,
+                  max_value_correct: float = 1.0, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
+                  exceed_length: float | None = None, source: str = "correct", correct_threshold: float = 1.0):
+    """Cosine length-scaled reward, replacing the ``source`` column:
+
+        r = r_min + 0.5 (r_max - r_min) (1 + cos(pi * min(L, Lmax) / Lmax))
+        correct: r_min = min_value_correct, r_max = max_value_correct  (shorter correct -> higher)
+        wrong:   r_min = max_value_wrong,   r_max = min_value_wrong    (shorter wrong -> more negative)
+        L >= Lmax: exceed_length instead, when set (default None: the formula's end value)
+
+    Defaults are open-r1's ``get_cosine_scaled_reward`` (max_len 1000, correct 0.5..1.0, wrong -1.0..-0.5);
+    lengths are tokens (the Demystify paper's; open-r1 counts characters and does not clamp L at Lmax, where its
+    cosine turns back up).
+    """
+    k = col(reward_names, source, "cosine_length")
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "cosine_length")
+    L = lengths.to(torch.float64)
+    cosv = torch.cos(math.pi * L.clamp(max=max_length) / max_length)
+    lo = torch.where(c, torch.full_like(L, min_value_correct), torch.full_like(L, max_value_wrong))
+    hi = torch.where(c, torch.full_like(L, max_value_correct), torch.full_like(L, min_value_wrong))
+    r = lo + 0.5 * (hi - lo) * (1.0 + cosv)
+    if exceed_length is not None:
+        r = torch.where(L >= max_length, torch.full_like(r, exceed_length), r)
+    return {"rewards": with_column(rewards, k, _nan_where(r, known))}
+
+
+@register("shaping", "conciseness_gated", source="Conciseness Reward Model / Conciseness Reward Function (CRM/CRF)")
+def conciseness_gated(rewards, reward_names, reward_weights, group_ids, lengths, *, score_source: str | None = None,
+                      source: str = "correct", correct_threshold: float = 1.0, name: str = "conciseness_gated",
+                      weight: float = 1.0):
+    """Conciseness bonus paid only to correct completions (CRF): b_i = 1[correct_i] * s_i.
+
+    s_i = the conciseness score of column ``score_source`` (a conciseness reward model listed as a reward
+    source); that column is then gated in place. Without one (default), s_i = (Lmax - L_i) / (Lmax - Lmin) over
+    the correct completions of the group (1 when they all have the same length), appended as column ``name``.
+    After CRM/CRF: the abstract fixes the dependency on the outcome (gating by correctness); the length-based
+    fallback score is an assumption.
+    """
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "conciseness_gated")
+    if score_source is not None:
+        k = col(reward_names, score_source, "conciseness_gated", "score_source")
+        s = rewards[:, k]
+        b = torch.where(c, s, torch.zeros_like(s))
+        return {"rewards": with_column(rewards, k, _nan_where(b, known & torch.isfinite(s)))}
+    lo, hi = group_minmax(lengths, group_ids, c)
+    L = lengths.to(torch.float64)
+    s = torch.where(hi > lo, (hi - L) / (hi - lo), torch.ones_like(L))
+    b = torch.where(c, s, torch.zeros_like(s))
+    return append_column(rewards, reward_names, reward_weights, _nan_where(b, known), name, weight,
+                         "conciseness_gated")
+
+
+@register("shaping", "adaptive_length_coef", source="Thinking Fast and Right: Balancing Accuracy and Reasoning "
+                                                  "Length with Adaptive Rewards")
+class AdaptiveLengthCoef(Stateful):
+    """Length penalty whose weight rises while accuracy is high and relaxes when it drops.
+
+    Appended column: p_i = -lambda_t * L_i / max_length. After each batch,
+    lambda_{t+1} = clip(lambda_t + lr * (acc_t - target_accuracy), 0, lambda_max), acc_t = the batch's accuracy
+    (correct rate over completions with a known outcome). After "Thinking Fast and Right" (the abstract gives the
+    direction, not the rule): the additive update toward a target accuracy is an assumption. Defaults:
+    max_length=4096, lambda_init=0.0, lr=0.05, target_accuracy=0.7, lambda_max=1.0. State (lambda) is saved with
+    the checkpoint.
+    """
+
+    _state = ("lam",)
+
+    def __init__(self, *, max_length: int = 4096, lambda_init: float = 0.0, lr: float = 0.05,
+                 target_accuracy: float = 0.7, lambda_max: float = 1.0, source: str = "correct",
+                 correct_threshold: float = 1.0, name: str = "adaptive_length", weight: float = 1.0):
+        if max_length < 1:
+            raise ValueError(f"adaptive_length_coef.max_length: expected >= 1, got {max_length}")
+        self.max_length, self.lr, self.target, self.lam_max = max_length, lr, target_accuracy, lambda_max
+        self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
+        self.lam = float(lambda_init)
+
+    def __call__(self, rewards, reward_names, reward_weights, lengths):
+        c, known = correctness(rewards, reward_names, self.source, self.thr, "adaptive_length_coef")
+        p = -self.lam * lengths.to(torch.float64) / self.max_length
+        out = append_column(rewards, reward_names, reward_weights, _nan_where(p, known), self.name, self.weight,
+                            "adaptive_length_coef")
+        if known.any():
+            acc = float((c & known).sum()) / float(known.sum())
+            self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (acc - self.target)))
+        return out
+
+
+@register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "
+                                                     "via Internal Shorter Distributions in RL Post-Training")
+def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *, ratio: float = 0.8,
+                            coef: float = 0.1, bins: int = 12, eps: float = 1e-3,
+                            name: str = "step_length_regularizer", weight: float = 1.0):
+    """Penalty for the divergence of a completion's step-length distribution from a shorter target distribution.
+
+    Step lengths l (tokens, from ``step_ends``) fall into log2 bins [2^b, 2^(b+1)), b = 0..bins-1 (the last bin
+    open-ended). q = the histogram of the batch's own step lengths scaled by ``ratio`` (the "internal shorter
+    distribution"), p_i = the histogram of completion i's steps; both smoothed by ``eps`` and normalised. The
+    appended column is -coef * KL(p_i || q). No per-token length term: only the shape of the step-length
+    distribution is pushed toward shorter steps. After ICR: the abstract describes matching the step-length
+    distribution to a shorter internal target; the binning, the scaled-batch target and the KL direction are
+    assumptions. Defaults: ratio=0.8, coef=0.1, bins=12, eps=1e-3. Completions without steps get 0.
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"step_length_regularizer.ratio: expected a value in (0, 1], got {ratio}")
+    lens = step_lengths(step_ends)  # [N, S], NaN where no step
+    valid = torch.isfinite(lens)
+
+    def hist(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # x [N, S] -> [N, bins] counts
+        b = torch.floor(torch.log2(torch.nan_to_num(x, nan=1.0).clamp(min=1.0))).long().clamp(0, bins - 1)
+        return torch.zeros(x.shape[0], bins, dtype=torch.float64).scatter_add_(1, b, v.to(torch.float64))
+
+    p = hist(lens, valid) + eps
+    q = hist(lens * ratio, valid).sum(0) + eps
+    p = p / p.sum(-1, keepdim=True)
+    q = q / q.sum()
+    kl = (p * (p.log() - q.log())).sum(-1)
+    r = torch.where(valid.any(-1), -coef * kl, torch.zeros_like(kl))
+    return append_column(rewards, reward_names, reward_weights, r, name, weight, "step_length_regularizer")

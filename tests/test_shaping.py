@@ -1,0 +1,414 @@
+"""Shaping stages: hand-computed values, invariants, stage state, and the trainer's scoring path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from postrl import registry
+from postrl.pipeline import call_stage
+from postrl.rewards.steps import split_steps, step_lengths, step_token_ends
+from postrl.shaping import build_stage, load_stages_state, stages_state, weighted_sum
+from postrl.shaping.length import (AdaptiveLengthCoef, LaserD, conciseness_gated, cosine_length, grpo_lambda,
+                                   kimi_length, laser, overlong_soft, step_length_regularizer, truncation_penalty)
+from postrl.shaping.process import clip_prm, delta_prm, gated, min_form, potential
+from postrl.shaping.transforms import (DatasetMedian, RunningNorm, centered, ensemble_mean, ensemble_min,
+                                       ensemble_uwo, par)
+
+nan = float("nan")
+T = torch.tensor
+
+
+def close(a, b, tol=1e-6):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    same_nan = torch.isnan(a) == torch.isnan(b)
+    assert same_nan.all(), (a, b)
+    assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), atol=tol), (a, b)
+
+
+# ------------------------------------------------------------------------------------------------ transforms
+
+
+def test_par_hand_values_bounded_monotone():
+    r = T([[0.0], [1.0], [nan], [-2.0]])
+    out = par(r, ["rm"], {"ref_reward": [0.0, 0.0, 0.0, [0.0, 2.0]]})["rewards"][:, 0]
+    s = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    close(out, [0.5, s(1.0), nan, 0.5 * (s(-2.0) + s(-4.0))])
+    x = torch.linspace(-10, 10, 41).unsqueeze(-1)  # (float32 saturates sigmoid beyond ~|17|)
+    y = par(x, ["rm"], {"ref_reward": [0.3] * 41})["rewards"][:, 0]
+    assert ((y > 0) & (y < 1)).all() and (y.diff() > 0).all()
+    with pytest.raises(ValueError, match="row 1 has no usable reference"):
+        par(T([[1.0], [2.0]]), ["rm"], {"ref_reward": [0.0, None]})
+    with pytest.raises(ValueError, match="no 'ref_reward' column"):
+        par(T([[1.0]]), ["rm"], {})
+
+
+def test_centered_group_mean_excludes_nan():
+    r = T([[1.0, 5.0], [3.0, nan], [2.0, 1.0], [4.0, 3.0]])
+    out = centered(r, ["a", "b"], T([0, 0, 1, 1]))["rewards"]
+    close(out, [[-1.0, 0.0], [1.0, nan], [-1.0, -1.0], [1.0, 1.0]])
+    out = centered(r, ["a", "b"], T([0, 0, 1, 1]), {"ref": [1.0, 1.0, 0.0, 0.0]}, sources=["a"], ref_column="ref")
+    close(out["rewards"][:, 0], [0.0, 2.0, 2.0, 4.0])
+
+
+def test_running_norm_matches_full_sample_and_state_round_trip():
+    rn = RunningNorm()
+    a, b = T([[1.0], [2.0], [nan], [3.0]]), T([[10.0], [0.0]])
+    rn(a, ["r"])
+    out = rn(b, ["r"])["rewards"][:, 0]
+    allv = torch.tensor([1.0, 2.0, 3.0, 10.0, 0.0], dtype=torch.float64)
+    mu, sd = allv.mean(), allv.std(unbiased=False)
+    close(out, (torch.tensor([10.0, 0.0], dtype=torch.float64) - mu) / (sd + 1e-8), 1e-5)
+    rn2 = RunningNorm()
+    rn2.load_state_dict(json.loads(json.dumps(rn.state_dict())))
+    c = T([[4.0], [5.0]])
+    close(rn2(c, ["r"])["rewards"], rn(c, ["r"])["rewards"])
+
+
+def test_ensembles_hand_values():
+    r = T([[1.0, 3.0, 1.0], [2.0, nan, 0.0]])
+    names, w = ["rm1", "rm2", "correct"], T([1.0, 1.0, 0.5])
+    out = ensemble_mean(r, names, w, sources=["rm1", "rm2"])
+    assert out["reward_names"] == ["ensemble", "correct"] and out["reward_weights"].tolist() == [1.0, 0.5]
+    close(out["rewards"], [[2.0, 1.0], [nan, 0.0]])
+    close(ensemble_min(r, names, w, sources=["rm1", "rm2"])["rewards"][:, 0], [1.0, nan])
+    # UWO: mean - lam * population variance = 2 - 0.5 * 1
+    close(ensemble_uwo(r, names, w, sources=["rm1", "rm2"], lam=0.5)["rewards"][:, 0], [1.5, nan])
+    with pytest.raises(ValueError, match="columns: rm1, rm2, correct"):
+        ensemble_mean(r, names, w, sources=["rm1", "nope"])
+
+
+def test_dataset_median_maps_median_to_target():
+    dm = DatasetMedian(key="task", target=0.5)
+    r = T([[0.0], [2.0], [4.0], [10.0], [20.0], [30.0]])
+    out = dm(r, ["r"], {"task": ["a", "a", "a", "b", "b", "b"]})["rewards"][:, 0]
+    # a: lo 0, med 2, hi 4 -> 0, 0.5, 1 ; b: lo 10, med 20, hi 30 -> 0, 0.5, 1
+    close(out, [0.0, 0.5, 1.0, 0.0, 0.5, 1.0])
+    out = dm(T([[1.0]]), ["r"], {"task": ["a"]})["rewards"][:, 0]  # window a = [0, 2, 4, 1]: med 1.5
+    close(out, [0.5 * (1.0 - 0.0) / 1.5])
+    st = dm.state_dict()
+    assert st["history"]["r|a"] == [0.0, 2.0, 4.0, 1.0]
+    dm2 = DatasetMedian()
+    dm2.load_state_dict(st)
+    assert dm2.history == dm.history
+
+
+# ------------------------------------------------------------------------------------------------ process
+
+
+SR = T([[0.9, 0.2, nan], [0.6, 0.7, 0.3]])
+R2 = T([[1.1, 1.0], [1.6, 0.0]])  # columns: prm (sum of steps), correct
+NAMES = ["prm", "correct"]
+
+
+def test_clip_prm_hand_values():
+    out = clip_prm(SR, R2, NAMES, "prm", eta=0.5)
+    close(out["step_rewards"], [[0.0, -0.3, nan], [0.0, 0.0, -0.2]])
+    close(out["rewards"][:, 0], [-0.3, -0.2])
+    assert (out["rewards"][:, 0] <= 0).all()
+
+
+def test_delta_prm_hand_values_sum_is_first_step():
+    out = delta_prm(SR, R2, NAMES, "prm")
+    close(out["step_rewards"], [[0.7, 0.2, nan], [-0.1, 0.4, 0.3]])
+    close(out["rewards"][:, 0], [0.9, 0.6])
+
+
+def test_min_form_hand_values_and_invariant():
+    out = min_form(T([[0.9, 0.2, 0.5], [0.4, nan, nan]]), T([[1.6], [0.4]]), ["prm"], "prm")
+    close(out["step_returns"], [[0.2, 0.2, 0.5], [0.4, nan, nan]])
+    close(out["step_rewards"], [[0.0, -0.3, 0.5], [0.4, nan, nan]])
+    close(out["rewards"][:, 0], [0.2, 0.4])
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(16, 7, generator=g)
+    x[torch.arange(7).expand(16, 7) >= torch.randint(1, 8, (16, 1), generator=g)] = nan  # rows of 1..7 steps
+    ret = min_form(x, torch.zeros(16, 1), ["p"], "p")["step_returns"]
+    for t in range(7):
+        for k in range(t, 7):
+            ok = torch.isfinite(x[:, k]) & torch.isfinite(ret[:, t])
+            assert (ret[ok, t] <= x[ok, k] + 1e-7).all()  # never exceeds any later step reward
+    # summing the shaped step rewards from t reproduces the min-form return at t
+    sr = min_form(x, torch.zeros(16, 1), ["p"], "p")
+    tail = torch.flip(torch.cumsum(torch.flip(torch.nan_to_num(sr["step_rewards"]), [1]), 1), [1])
+    fin = torch.isfinite(sr["step_returns"])
+    close(tail[fin], sr["step_returns"][fin], 1e-5)
+
+
+def test_gated_adds_steps_only_when_outcome_passes():
+    out = gated(SR, R2, NAMES, "prm", outcome="correct", threshold=1.0)
+    close(out["rewards"][:, 0], [1.1, 0.0])
+    close(out["step_rewards"], [[0.9, 0.2, nan], [0.0, 0.0, 0.0]])
+    r = R2.clone()
+    r[0, 1] = nan
+    assert math.isnan(gated(SR, r, NAMES, "prm")["rewards"][0, 0])
+
+
+def test_potential_hand_values_and_telescoping():
+    out = potential(T([[1.0, 2.0]]), T([[3.0]]), ["v"], "v", gamma=0.5, phi0=0.0)
+    close(out["step_rewards"], [[0.5, 0.0]])  # F1 = .5*1 - 0, F2 = .5*2 - 1
+    close(out["rewards"][:, 0], [0.5])  # = gamma^2 Phi(s_2) - Phi(s_0) = .25 * 2
+    g = torch.Generator().manual_seed(1)
+    phi = torch.randn(10, 6, generator=g)
+    lens = torch.randint(1, 7, (10,), generator=g)
+    phi[torch.arange(6).expand(10, 6) >= lens.unsqueeze(-1)] = nan
+    for gamma, phi0 in ((1.0, 0.0), (0.9, 0.7)):
+        o = potential(phi, torch.zeros(10, 1), ["v"], "v", gamma=gamma, phi0=phi0)
+        last = phi[torch.arange(10), lens - 1]
+        close(o["rewards"][:, 0], gamma ** lens.double() * last - phi0, 1e-5)
+        disc = gamma ** torch.arange(6, dtype=torch.float64)
+        close((torch.nan_to_num(o["step_rewards"].double()) * disc).sum(-1), o["rewards"][:, 0], 1e-5)
+
+
+def test_process_stage_without_step_scores_is_loud():
+    with pytest.raises(ValueError, match="no reward source returned step scores"):
+        clip_prm(SR, R2, NAMES, None)
+
+
+# ------------------------------------------------------------------------------------------------ length
+
+
+def test_overlong_soft_three_regions_and_verl_anchor():
+    L = T([5.0, 6.0, 8.0, 10.0, 12.0])
+    out = overlong_soft(T([[1.0]] * 5), ["c"], T([1.0]), L, max_length=10, buffer=4)
+    assert out["reward_names"] == ["c", "overlong_soft"]
+    close(out["rewards"][:, 1], [0.0, 0.0, -0.5, -1.0, -1.0])
+    # verl DAPO reward manager: min(-(L - (Lmax - Lc)) / Lc * factor, 0) for L <= Lmax
+    verl = [min(-(x - (10 - 4)) / 4 * 1.0, 0.0) for x in L[:4].tolist()]
+    close(out["rewards"][:4, 1], verl)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_soft(T([[1.0]]), ["c"], T([1.0]), T([1.0]), max_length=4, buffer=8)
+
+
+def test_truncation_penalty_zeroes_over_cap():
+    r = T([[1.0, 0.5], [1.0, 0.5], [nan, 1.0]])
+    out = truncation_penalty(r, ["correct", "fmt"], T([3.0, 9.0, 9.0]), T([False, False, True]), max_length=8)
+    close(out["rewards"], [[1.0, 0.5], [0.0, 0.0], [nan, 0.0]])
+    out = truncation_penalty(r, ["correct", "fmt"], T([3.0, 9.0, 9.0]), T([False, False, True]),
+                             sources=["correct"])
+    close(out["rewards"], [[1.0, 0.5], [1.0, 0.5], [nan, 1.0]])
+
+
+def test_laser_step_bonus():
+    r = T([[1.0], [1.0], [0.0], [nan]])
+    out = laser(r, ["correct"], T([1.0]), T([3.0, 9.0, 2.0, 2.0]), target_length=5, alpha=0.5)
+    close(out["rewards"][:, 1], [0.5, 0.0, 0.0, nan])
+
+
+def test_laser_d_difficulty_targets_adapt():
+    stage = LaserD(alpha=1.0, max_length=100, update_every=1, coverage=0.5)
+    # group 0 (easy, 4/4 correct): lengths 10, 20, 30, 40 ; group 1 (hard, 1/4 correct): 50 correct
+    r = T([[1.0]] * 4 + [[1.0], [0.0], [0.0], [0.0]])
+    gids, L = T([0, 0, 0, 0, 1, 1, 1, 1]), T([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0])
+    out = stage(r, ["correct"], T([1.0]), gids, L)
+    close(out["rewards"][:, 1], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # initial target 100 for all levels
+    # easy: ExCR(L) >= 0.5 first at L = 20 (2 of 4) ; hard: accuracy 1/4 < 0.5 -> max_length ; medium unseen
+    assert stage.targets == [20, 100, 100] and stage.calls == 1
+    out = stage(r, ["correct"], T([1.0]), gids, L)
+    close(out["rewards"][:4, 1], [1.0, 1.0, 0.0, 0.0])
+    st = json.loads(json.dumps(stage.state_dict()))
+    s2 = LaserD(alpha=1.0, max_length=100, update_every=1, coverage=0.5)
+    s2.load_state_dict(st)
+    assert s2.targets == stage.targets and s2.calls == 2
+
+
+def test_kimi_length_hand_values():
+    r = T([[1.0], [1.0], [0.0], [0.0], [1.0], [1.0]])
+    L = T([10.0, 20.0, 15.0, 30.0, 7.0, 7.0])
+    out = kimi_length(r, ["correct"], T([1.0]), T([0, 0, 0, 0, 1, 1]), L)["rewards"][:, 1]
+    # group 0: Lmin 10, Lmax 30 -> lambda = .5, 0, .25, -.5 ; wrong -> min(0, lambda) ; group 1: equal -> 0
+    close(out, [0.5, 0.0, 0.0, -0.5, 0.0, 0.0])
+
+
+def test_grpo_lambda_threshold_and_top_fraction():
+    r = T([[1.0], [1.0], [1.0], [0.0], [0.0], [1.0]])
+    gids, L = T([0, 0, 0, 1, 1, 1]), T([10.0, 20.0, 30.0, 10.0, 20.0, 30.0])
+    out = grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=0.8)["rewards"][:, 1]
+    close(out, [0.5, 0.0, -0.5, 0.0, 0.0, 0.0])  # group 0 (3/3) penalised; group 1 (1/3) plain 0/1
+    out = grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None, top_fraction=1.0)["rewards"][:, 1]
+    close(out, [0.5, 0.0, -0.5, 0.0, -0.0, -0.5])
+    with pytest.raises(ValueError, match="exactly one"):
+        grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None)
+
+
+def test_cosine_length_hand_values():
+    r = T([[1.0], [1.0], [1.0], [0.0], [0.0], [1.0]])
+    L = T([0.0, 500.0, 1000.0, 0.0, 1000.0, 1500.0])
+    out = cosine_length(r, ["correct"], L)["rewards"][:, 0]
+    close(out, [1.0, 0.75, 0.5, -1.0, -0.5, 0.5])
+    out = cosine_length(r, ["correct"], L, exceed_length=-2.0)["rewards"][:, 0]
+    close(out[[2, 5]], [-2.0, -2.0])
+
+
+def test_conciseness_gated():
+    r = T([[1.0, 0.9], [1.0, 0.2], [0.0, 0.8]])
+    gids, L = T([0, 0, 0]), T([10.0, 30.0, 5.0])
+    out = conciseness_gated(r, ["correct", "crm"], T([1.0, 0.0]), gids, L, score_source="crm")
+    close(out["rewards"][:, 1], [0.9, 0.2, 0.0])
+    out = conciseness_gated(r, ["correct", "crm"], T([1.0, 0.0]), gids, L)
+    close(out["rewards"][:, 2], [1.0, 0.0, 0.0])  # over the correct ones: (30 - L) / (30 - 10)
+
+
+def test_adaptive_length_coef_rises_and_relaxes():
+    st = AdaptiveLengthCoef(max_length=10, lambda_init=0.0, lr=0.5, target_accuracy=0.5)
+    hi, lo = T([[1.0], [1.0]]), T([[0.0], [0.0]])
+    close(st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [0.0, 0.0])
+    assert st.lam == pytest.approx(0.25)  # 0 + 0.5 * (1 - 0.5)
+    close(st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [-0.125, -0.25])
+    assert st.lam == pytest.approx(0.5)
+    st(lo, ["correct"], T([1.0]), T([5.0, 10.0]))
+    assert st.lam == pytest.approx(0.25)  # accuracy dropped: relaxed
+    for _ in range(5):
+        st(lo, ["correct"], T([1.0]), T([5.0, 10.0]))
+    assert st.lam == 0.0
+
+
+def test_step_length_regularizer_hand_value():
+    # row 0: steps of 1 and 3 tokens (ends 0, 3) ; row 1: one step of 8 tokens (end 7) ; row 2: no steps
+    ends = T([[0, 3], [7, -1], [-1, -1]])
+    out = step_length_regularizer(T([[1.0]] * 3), ["c"], T([1.0]), ends, ratio=0.5, coef=1.0, bins=4, eps=0.0 + 1e-3)
+    # bins log2: 1 -> 0, 3 -> 1, 8 -> 3 ; scaled by .5: .5 -> 0, 1.5 -> 0, 4 -> 2
+    eps = 1e-3
+    q = [2 + eps, 0 + eps, 1 + eps, 0 + eps]
+    q = [x / sum(q) for x in q]
+    p0 = [1 + eps, 1 + eps, eps, eps]
+    p0 = [x / sum(p0) for x in p0]
+    p1 = [eps, eps, eps, 1 + eps]
+    p1 = [x / sum(p1) for x in p1]
+    kl = lambda p: sum(a * math.log(a / b) for a, b in zip(p, q))  # noqa: E731
+    close(out["rewards"][:, 1], [-kl(p0), -kl(p1), 0.0], 1e-6)
+    close(step_lengths(ends), [[1.0, 3.0], [8.0, nan], [nan, nan]])
+
+
+# ------------------------------------------------------------------------------------------------ steps
+
+
+def test_step_split_and_token_ends():
+    from postrl.models.tiny import build_tokenizer
+
+    assert split_steps("a\n\nb\n\n\n\nc\n\n") == ["a", "b", "c"]
+    assert split_steps("one step") == ["one step"] and split_steps("") == [] and split_steps(" \n\n ") == []
+    assert split_steps("x;y", ";") == ["x", "y"]
+    tok = build_tokenizer()
+    texts = ["ab;;cd", "xyz", ""]  # (the tiny char tokenizer has no token for "\n\n")
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    eos = tok.eos_token_id
+    rows = [ids[0] + [eos], ids[1], []]
+    width = max(len(r) for r in rows)
+    cids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    ends = step_token_ends(cids, T([len(r) for r in rows]), texts, tok, ";;")
+    # "ab;;" ends on token 3; the last step runs to the end (EOS at 6); "xyz": one step ending at 2
+    assert ends.tolist() == [[3, 6], [2, -1], [-1, -1]]
+
+
+# ------------------------------------------------------------------------------------------------ registry / state
+
+
+def test_every_methods_md_shaping_entry_is_registered_with_a_docstring():
+    want = ["weighted_sum", "par", "centered", "running_norm", "clip_prm", "delta_prm", "min_form", "gated",
+            "ensemble_mean", "ensemble_min", "ensemble_uwo", "dataset_median", "overlong_soft", "truncation_penalty",
+            "laser", "laser_d", "grpo_lambda", "kimi_length", "cosine_length", "conciseness_gated",
+            "adaptive_length_coef", "step_length_regularizer", "potential"]
+    for name in want:
+        e = registry.entry("shaping", name)
+        assert e.description and e.source, name
+
+
+def test_stage_state_helpers_and_call_stage_with_class():
+    stages = [build_stage("shaping", "running_norm", {}), build_stage("shaping", "weighted_sum", {})]
+    batch = {"rewards": T([[1.0], [3.0]]), "reward_names": ["r"], "reward_weights": T([1.0])}
+    out = call_stage(stages[0][0], batch, stages[0][1])
+    close(out["rewards"][:, 0], [-1.0, 1.0], 1e-6)
+    st = stages_state(stages)
+    assert list(st) == ["0:running_norm"] and st["0:running_norm"]["stats"]["r"] == [2.0, 2.0, 2.0]
+    fresh = [build_stage("shaping", "running_norm", {}), build_stage("shaping", "weighted_sum", {})]
+    load_stages_state(fresh, json.loads(json.dumps(st)))
+    assert fresh[0][0].stats == stages[0][0].stats
+    with pytest.raises(ValueError, match="clip"):
+        build_stage("shaping", "running_norm", {"clip": -1})
+    close(weighted_sum(T([[1.0, nan]]), T([1.0, 0.0]))["reward"], [nan])  # failed component is excluded
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+
+@registry.register("reward", "steps_prm", source="test: per-step scores")
+def steps_prm(prompts, completions, steps):
+    """One score per step: 1 / (step index + 1)."""
+    return [[1.0 / (j + 1) for j in range(len(s))] for s in steps]
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory) -> Path:
+    from postrl.models.tiny import build_local
+
+    path = tmp_path_factory.mktemp("nano_shaping")
+    build_local(path, size="nano", seed=0)
+    return path
+
+
+def _cfg(nano_dir, out, *extra):
+    from postrl.config import load_config
+
+    return load_config(None, [f"model.path={nano_dir}", f"output_dir={out}", "task.name=arithmetic",
+                              "task.digits=1", "rollout.max_new_tokens=6", "rollout.group_size=4",
+                              "train.prompts_per_step=4", "train.steps=2", "train.save_every=1",
+                              "train.eval_size=4", "train.eval_k=1", "reward.step_delimiter='1'", *extra])
+
+
+def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
+    from postrl.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    cfg = _cfg(nano_dir, out, "rewards=[{name: correct}, {name: steps_prm}]",
+               "shaping=[{name: min_form}, {name: running_norm, sources: [correct]}, {name: kimi_length}, "
+               "{name: weighted_sum}]")
+    tr = Trainer(cfg, out)
+    batch = tr.rollout(0)
+    info = tr.score(batch)
+    n = len(batch)
+    assert batch.reward_names == ["correct", "steps_prm", "kimi_length"]
+    assert batch.extra["raw_reward_names"] == ("correct", "steps_prm") and batch.raw_rewards.shape == (len(batch), 2)
+    assert batch.step_rewards is not None and batch.step_ends.shape[0] == n
+    assert batch.extra["step_reward_source"] == "steps_prm" and "step_returns" in batch.extra
+    for i in range(n):  # the process column is the min-form return = min_j 1/(j+1) = 1/#steps
+        nsteps = len(split_steps(batch.completions[i], "1"))
+        assert int((batch.step_ends[i] >= 0).sum()) == nsteps
+        if nsteps:
+            assert batch.rewards[i, 1].item() == pytest.approx(1.0 / nsteps)
+            assert batch.extra["step_returns"][i, 0].item() == pytest.approx(1.0 / nsteps)
+        else:  # no step to score: the process reward failed for this completion (excluded, counted)
+            assert math.isnan(batch.rewards[i, 1].item()) and not batch.valid[i]
+    no_steps = sum(not split_steps(c, "1") for c in batch.completions) / n
+    assert info["failure_rate"] == {"correct": 0.0, "steps_prm": pytest.approx(no_steps)}
+    tr.train()
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    saved = state["shaping"]["1:running_norm"]["stats"]["correct"]
+    assert saved[0] == 3 * n  # the score() above + two training steps, merged into the running statistics
+    tr2 = Trainer(cfg, out, resume=True)
+    assert tr2.shaping[1][0].stats["correct"] == pytest.approx(saved)
+
+
+@registry.register("reward", "half_none", source="test: fails on every other completion")
+def half_none(prompts, completions, **kw):
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
+    from postrl.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_none}]", "reward.alarm_rate=0.25"), out)
+    batch = tr.rollout(0)
+    with caplog.at_level("WARNING", logger="postrl.rewards"):
+        info = tr.score(batch)
+    assert info["failure_rate"] == {"correct": 0.0, "half_none": 0.5}
+    assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
+    alarms = [r.getMessage() for r in caplog.records if "half_none" in r.getMessage()]
+    assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned None" in alarms[0]
+    m = tr.batch_metrics(batch, info)
+    assert m["reward/half_none/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0
