@@ -1,6 +1,8 @@
 """The live console of ``postrl train``: a rich progress bar and a table of the latest steps.
 
 On a terminal the bar and table update in place; otherwise (a log file, CI) one plain line per step is printed.
+The ``alarms`` column names the alarms active at each step; an alarm is printed in full (symptom, cause, fix)
+when it starts firing, and the alarms raised during the run are listed again at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ConsoleReporter:
         self.progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console)
         self.task = None
+        self.active: set[str] = set()  # alarms active at the previous step
+        self.raised: dict[str, dict] = {}
 
     def log(self, text: str) -> None:
         if self.enabled:
@@ -38,9 +42,9 @@ class ConsoleReporter:
     def _table(self) -> Table:
         t = Table(box=None, pad_edge=False, header_style="bold cyan")
         cols = ["step", "reward"] + [f"r:{n}" for n in self.reward_names] + ["acc", "len", "trunc", "entropy", "kl",
-                                                                              "clip", "tok/s"]
+                                                                              "clip", "tok/s", "alarms"]
         for c in cols:
-            t.add_column(c, justify="right")
+            t.add_column(c, justify="left" if c == "alarms" else "right", style="bold red" if c == "alarms" else None)
         for m in self.recent:
             t.add_row(*self._cells(m))
         return t
@@ -51,7 +55,7 @@ class ConsoleReporter:
                 + [_fmt(m.get(f"reward/{n}/mean")) for n in self.reward_names]
                 + [_fmt(m.get("accuracy"), ".2f"), _fmt(m.get("length/mean"), ".1f"), _fmt(m.get("truncated"), ".2f"),
                    _fmt(m.get("entropy")), _fmt(m.get("kl"), ".4f"), _fmt(clip, ".3f"),
-                   _fmt(m.get("time/tokens_per_s"), ".0f")])
+                   _fmt(m.get("time/tokens_per_s"), ".0f"), _alarm_names(m)])
 
     def start(self, total: int, done: int, before: dict | None) -> None:
         if not self.enabled:
@@ -66,13 +70,20 @@ class ConsoleReporter:
     def step(self, metrics: dict) -> None:
         if not self.enabled:
             return
+        alarms = [a for a in metrics.get("alarms") or [] if isinstance(a, dict)]
+        for a in alarms:
+            if a["name"] not in self.active:  # newly firing: say it in full once
+                self.console.print(f"[bold red]ALARM[/] step {metrics['step']} [bold]{a['name']}[/]: {a['message']}\n"
+                                   f"  likely cause: {a['cause']}\n  fix: {a['fix']}", highlight=False)
+            self.raised.setdefault(a["name"], {"first": metrics["step"]})["last"] = metrics["step"]
+        self.active = {a["name"] for a in alarms}
         self.recent.append(metrics)
         self.progress.update(self.task, completed=metrics["step"])
         if self.live is not None:
             self.live.update(Group(self.progress, self._table()))
         else:
             names = ["step", "reward"] + [f"r:{n}" for n in self.reward_names] + ["acc", "len", "trunc", "entropy",
-                                                                                  "kl", "clip", "tok/s"]
+                                                                                  "kl", "clip", "tok/s", "alarms"]
             self.console.print("  ".join(f"{n}={c}" for n, c in zip(names, self._cells(metrics))), highlight=False)
 
     def finish(self, summary: dict) -> None:
@@ -93,7 +104,21 @@ class ConsoleReporter:
         if b:
             self.console.print(f"accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
                                f"({a['accuracy'] - b['accuracy']:+.3f}) on {a['n']} held-out prompts")
+        final = summary.get("alarms") or {}
+        names = dict(self.raised)
+        for n, rec in final.items():
+            names.setdefault(n, {"first": rec.get("first_step"), "last": rec.get("last_step")})
+        if names:
+            self.console.print("[bold red]alarms raised:[/] " + ", ".join(
+                f"{n} (steps {r.get('first')}-{r.get('last')})" for n, r in names.items())
+                + f"  -> postrl doctor {summary['run_dir']}", highlight=False)
+        else:
+            self.console.print("[green]no alarm raised[/]")
         self.console.print(f"run directory: {summary['run_dir']}")
+
+
+def _alarm_names(m: dict) -> str:
+    return ",".join(a["name"] for a in m.get("alarms") or [] if isinstance(a, dict)) or "-"
 
 
 def _eval_line(tag: str, res: dict) -> str:

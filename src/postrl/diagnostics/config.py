@@ -1,0 +1,158 @@
+"""Configuration of the diagnostics (``diagnostics:``) and of the metric sinks (``logging:``).
+
+Every monitor of METHODS.md section 7 has a section with ``enabled``, ``patience`` (consecutive steps the
+condition must hold before the alarm fires) and its thresholds; every default is stated here and documented in
+docs/metrics.md. Kept free of other postrl imports so that ``postrl.config`` can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def _patience(n: int):
+    return Field(n, ge=1, description="consecutive steps the condition must hold before the alarm fires")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    enabled: bool = Field(True, description="run this monitor")
+    patience: int = Field(1, ge=1, description="consecutive steps the condition must hold before the alarm fires")
+
+
+class ZeroVarianceConfig(_Section):
+    patience: int = _patience(3)
+    max_frac: float = Field(0.8, ge=0.0, le=1.0, description="alarm when at least this fraction of groups has "
+                            "identical rewards (no learning signal under group normalisation)")
+
+
+class AdvantageCollapseConfig(_Section):
+    patience: int = _patience(3)
+    max_collapse: float = Field(0.25, ge=0.0, le=1.0, description="alarm when the advantage keeps fewer than "
+                                "(1 - this) of the distinct reward combinations of a group (GDPO)")
+
+
+class TruncationConfig(_Section):
+    patience: int = _patience(2)
+    max_frac: float = Field(0.3, ge=0.0, le=1.0, description="alarm when this fraction of completions hits "
+                            "rollout.max_new_tokens")
+
+
+class EntropyCollapseConfig(_Section):
+    patience: int = _patience(3)
+    min_entropy: float = Field(0.005, ge=0.0, description="alarm below this mean token entropy (nats)")
+    max_drop: float = Field(0.95, ge=0.0, le=1.0, description="alarm when entropy fell by this fraction from "
+                            "its mean over the first `window` steps")
+    window: int = Field(5, ge=1, description="steps of the baseline")
+    low_prob: float = Field(0.1, gt=0.0, lt=1.0, description="a sampled token with probability below this counts "
+                            "in tokens/low_prob_frac")
+
+
+class LengthDriftConfig(_Section):
+    window: int = Field(10, ge=2, description="steps averaged at the start and at the end of the comparison")
+    max_growth: float = Field(1.0, ge=0.0, description="alarm when mean length grew by more than this fraction")
+    max_shrink: float = Field(0.6, ge=0.0, le=1.0, description="alarm when mean length fell by more than this "
+                              "fraction")
+    min_tokens: float = Field(2.0, ge=0.0, description="ignore changes smaller than this many tokens")
+
+
+class LengthRewardCorrConfig(_Section):
+    patience: int = _patience(5)
+    max_corr: float = Field(0.6, ge=-1.0, le=1.0, description="alarm when the within-group correlation of reward "
+                            "and length stays above this")
+
+
+class ProxyGoldGapConfig(_Section):
+    window: int = Field(5, ge=1, description="steps averaged at the start and at the end")
+    min_proxy_rise: float = Field(0.2, description="proxy (training reward) rise that counts as 'up'")
+    max_gold_rise: float = Field(0.02, description="gold (verifier accuracy / held-out eval) rise at or below "
+                                 "which gold counts as 'flat'")
+
+
+class KLBlowupConfig(_Section):
+    max_kl: float = Field(0.5, gt=0.0, description="alarm when the per-token KL to the reference exceeds this")
+    max_growth: float = Field(10.0, gt=1.0, description="alarm when KL grew this many times over `window` steps "
+                              "(and exceeds max_kl / 4)")
+    window: int = Field(10, ge=2)
+    max_ratio: float = Field(20.0, gt=1.0, description="alarm when the largest token ratio pi/pi_old exceeds this")
+    max_ppo_kl: float = Field(0.2, gt=0.0, description="alarm when the KL between the policy before and during "
+                              "the update (verl actor/ppo_kl) exceeds this")
+
+
+class NanGuardConfig(_Section):
+    save_batches: bool = Field(True, description="save the batch of a skipped step to run_dir/bad_batches/ "
+                               "(a reward source failing on more than reward.alarm_rate of a batch also alarms)")
+
+
+class ClipFractionsConfig(_Section):
+    patience: int = _patience(2)
+    max_clip: float = Field(0.2, ge=0.0, le=1.0, description="alarm when the clipped token fraction "
+                            "(low + high) exceeds this")
+
+
+class LogprobMismatchConfig(_Section):
+    patience: int = _patience(2)
+    max_abs: float = Field(0.05, gt=0.0, description="alarm when the mean |sampler - trainer| token log-prob "
+                           "difference exceeds this (nats)")
+
+
+class EchoTrapConfig(_Section):
+    window: int = Field(10, ge=3, description="steps of history for the cliff and the spike")
+    max_std_ratio: float = Field(0.3, gt=0.0, lt=1.0, description="cliff: within-group reward std falls below "
+                                 "this fraction of its maximum over the window")
+    min_peak_std: float = Field(0.05, ge=0.0, description="ignore cliffs from a maximum std below this")
+    spike: float = Field(5.0, gt=1.0, description="spike: grad norm above this multiple of its window median")
+
+
+class EdgeOfStabilityConfig(_Section):
+    every: int = Field(10, ge=0, description="estimate the sharpness at every N-th step (0: off)")
+    iters: int = Field(20, ge=1, description="power-iteration steps (Hessian-vector products)")
+    batch_size: int = Field(32, ge=1, description="rows of the fixed batch (the sharpness of a much smaller batch "
+                            "than the training batch overstates the training loss's)")
+    max_ratio: float = Field(4.0, gt=0.0, description="alarm when sharpness / stability threshold reaches this "
+                             "(Adam hovers about 1 at the edge of stability, which is common; the fixed-batch "
+                             "estimate reads up to ~2 there; a diverging run reads 10 and more)")
+    measurements: int = Field(2, ge=1, description="... on this many consecutive measurements")
+
+
+class PassAtKConfig(_Section):
+    patience: int = _patience(5)
+    window: int = Field(10, ge=2, description="steps averaged at the start and at the end (narrowing)")
+    min_pass_at_k: float = Field(0.0, ge=0.0, le=1.0, description="alarm when training pass@G stays at or "
+                                 "below this (no group has a correct completion)")
+    max_narrowing: float = Field(0.1, ge=0.0, description="alarm when pass@G fell by this while pass@1 rose")
+
+
+class DiagnosticsConfig(BaseModel):
+    """Monitors with threshold alarms (METHODS.md section 7); see docs/metrics.md."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    enabled: bool = Field(True, description="compute alarms (metrics are always logged)")
+    zero_variance_groups: ZeroVarianceConfig = Field(default_factory=ZeroVarianceConfig)
+    advantage_collapse: AdvantageCollapseConfig = Field(default_factory=AdvantageCollapseConfig)
+    truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+    entropy_collapse: EntropyCollapseConfig = Field(default_factory=EntropyCollapseConfig)
+    length_drift: LengthDriftConfig = Field(default_factory=LengthDriftConfig)
+    length_reward_corr: LengthRewardCorrConfig = Field(default_factory=LengthRewardCorrConfig)
+    proxy_gold_gap: ProxyGoldGapConfig = Field(default_factory=ProxyGoldGapConfig)
+    kl_blowup: KLBlowupConfig = Field(default_factory=KLBlowupConfig)
+    nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig)
+    clip_fractions: ClipFractionsConfig = Field(default_factory=ClipFractionsConfig)
+    logprob_mismatch: LogprobMismatchConfig = Field(default_factory=LogprobMismatchConfig)
+    echo_trap: EchoTrapConfig = Field(default_factory=EchoTrapConfig)
+    edge_of_stability: EdgeOfStabilityConfig = Field(default_factory=EdgeOfStabilityConfig)
+    pass_at_k: PassAtKConfig = Field(default_factory=PassAtKConfig)
+
+
+class LoggingConfig(BaseModel):
+    """Where metrics go besides run_dir/metrics.jsonl (always written)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    sinks: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="optional sinks: tensorboard (run_dir/tensorboard), wandb (offline, "
+        "run_dir/wandb), mlflow (file store run_dir/mlruns)")
+    project: str = Field("postrl", description="W&B project / MLflow experiment name")
+    run_name: str | None = Field(None, description="run name in the sinks (default: the run directory's name)")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (default: the file store run_dir/mlruns)")

@@ -1,0 +1,120 @@
+"""``postrl doctor RUN``: read any run directory (finished, crashed or still running) and say what went wrong.
+
+The diagnosis lists where the run stands (steps done / planned, last checkpoint, evaluation before / after) and
+every alarm the monitors raise over its logged metrics, most likely problem first: alarms are ranked by
+severity, then by causal order (a non-finite loss, a sampler that is not the trainer and truncated completions
+explain the other symptoms, e.g. groups with identical rewards), then by how long they lasted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from postrl.diagnostics.monitors import sort_key
+from postrl.report.rundir import Run, load_run
+
+RUNNING_SECONDS = 300.0  # a run whose metrics.jsonl changed this recently and has no summary counts as running
+
+
+@dataclass
+class Diagnosis:
+    run: Run
+    status: str  # finished | running | stopped
+    alarms: list[dict]  # ranked, most likely problem first
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def primary(self) -> dict | None:
+        return self.alarms[0] if self.alarms else None
+
+    def to_dict(self) -> dict:
+        r = self.run
+        ck = r.checkpoints()
+        return {"run": str(r.path), "status": self.status, "steps_done": r.steps_done,
+                "steps_planned": r.steps_planned, "last_checkpoint": str(ck[-1][1]) if ck else None,
+                "eval_before": _eval(r, first=True), "eval_latest": _eval(r, first=False),
+                "alarms": self.alarms, "primary": self.primary["name"] if self.primary else None,
+                "notes": self.notes}
+
+
+def _eval(run: Run, first: bool) -> dict | None:
+    if not run.evals:
+        return None
+    return run.evals[0] if first else (run.evals[-1] if len(run.evals) > 1 else None)
+
+
+def diagnose(path: str | Path) -> Diagnosis:
+    run = load_run(path)
+    if run.finished:
+        status = "finished"
+    else:
+        age = run.seconds_since_write()
+        status = "running" if age is not None and age < RUNNING_SECONDS else "stopped"
+    _, _, summary = run.alarms()
+    ranked = sorted(summary.values(), key=lambda a: (*sort_key(a), -a["steps"]))
+    notes = []
+    if not run.metrics:
+        notes.append("no step has been logged yet (metrics.jsonl is empty)")
+    bad = run.bad_batches()
+    if bad:
+        notes.append(f"{len(bad)} batch(es) of skipped steps saved: {', '.join(str(b) for b in bad[:3])}"
+                     f"{' ...' if len(bad) > 3 else ''}")
+    xs, ys = run.series("reward/mean")
+    if len(ys) >= 2:
+        k = max(1, min(5, len(ys) // 4))
+        a, b = sum(ys[:k]) / k, sum(ys[-k:]) / k
+        notes.append(f"training reward {a:.3f} -> {b:.3f} (mean of the first / last {k} steps)")
+    return Diagnosis(run, status, ranked, notes)
+
+
+def render(d: Diagnosis, console=None) -> None:
+    """Print the diagnosis with rich."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    con = console or Console()
+    r = d.run
+    planned = r.steps_planned
+    where = {"finished": "[green]finished[/]", "running": "[yellow]running[/] (metrics written "
+             f"{r.seconds_since_write() or 0:.0f}s ago)",
+             "stopped": "[red]stopped before the end[/] (crashed or killed; no summary.json)"}[d.status]
+    ck = r.checkpoints()
+    lines = [f"run        {r.path}", f"status     {where}",
+             f"steps      {r.steps_done} / {planned if planned is not None else '?'}",
+             f"checkpoint {('step ' + str(ck[-1][0]) + '  ' + str(ck[-1][1])) if ck else 'none'}"]
+    if d.status != "finished" and ck:
+        lines.append(f"resume     postrl train --resume {r.path}")
+    eb, el = _eval(r, True), _eval(r, False)
+
+    def ev(e):
+        keys = [k for k in e if k not in ("step", "tag", "n") and isinstance(e[k], (int, float))]
+        return "  ".join(f"{k}={e[k]:.3f}" for k in keys)
+
+    if eb:
+        lines.append(f"eval       before (step {eb.get('step', 0)}): {ev(eb)}")
+    if el:
+        lines.append(f"           {el.get('tag', 'latest')} (step {el.get('step')}): {ev(el)}")
+        if "accuracy" in eb and "accuracy" in el:
+            lines.append(f"           accuracy {eb['accuracy']:.3f} -> {el['accuracy']:.3f} "
+                         f"({el['accuracy'] - eb['accuracy']:+.3f})")
+    for n in d.notes:
+        lines.append(f"note       {n}")
+    con.print(Panel("\n".join(lines), title="postrl doctor", expand=False))
+    if not d.alarms:
+        con.print("[green]no alarm:[/] no monitor found a problem in the logged metrics.")
+        return
+    p = d.primary
+    con.print(Panel(f"[bold]{p['name']}[/] (steps {p['first_step']}-{p['last_step']}, {p['steps']} step(s))\n"
+                    f"{p['message']}\n[bold]likely cause:[/] {p['cause']}\n[bold]fix:[/] {p['fix']}",
+                    title="most likely problem", border_style="red" if p.get("severity") == "error" else "yellow",
+                    expand=False))
+    if len(d.alarms) > 1:
+        t = Table(title="all alarms, most likely first", header_style="bold", show_lines=True)
+        for c in ("alarm", "steps", "symptom", "fix"):
+            t.add_column(c, overflow="fold")
+        for a in d.alarms:
+            t.add_row(f"{a['name']}\n({a.get('severity', 'warn')})", f"{a['first_step']}-{a['last_step']}\n"
+                      f"({a['steps']}x)", a["message"], a["fix"])
+        con.print(t)

@@ -1,0 +1,242 @@
+"""The trainer's diagnostics: what it calls at each point of a step, in one object.
+
+- ``observe_micro`` (in the update loop, after each backward): ratio statistics, the policy KL of the update
+  (verl ``actor/ppo_kl``) and, on a single pass, the trainer's log-probs of the sampled tokens before any
+  update (for the sampler-vs-trainer mismatch).
+- ``nan_guard`` (before ``optimizer.step()``): a non-finite gradient norm skips the step; the step is counted and
+  the batch saved to run_dir/bad_batches/step-N.pt.
+- ``step_metrics`` (before metrics are reduced over processes): throughput per phase, memory, mismatch, ratio
+  statistics, grad-norm max, skipped steps.
+- ``after_reduce`` (main process): the sharpness every N steps, the alarms of every monitor, the sinks.
+- ``on_eval`` / ``finish``: evaluations for the monitors that compare with held-out accuracy; final alarms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from postrl.diagnostics.metrics import memory_metrics, mismatch_metrics
+from postrl.diagnostics.monitors import Alarm, Watchdog
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class Diagnostics:
+    def __init__(self, trainer):
+        self.t = trainer
+        cfg = trainer.cfg
+        self.cfg = cfg.diagnostics
+        self.run_dir = Path(trainer.run_dir)
+        run_config = cfg.model_dump(mode="json")
+        self.watch = Watchdog(run_config, cfg.diagnostics)
+        self.alarm_log: dict[str, dict] = {}
+        # a resumed run replays its (already truncated) logs through the monitors, so that their windows and
+        # patience counts continue exactly as in the uninterrupted run
+        logged = _read_jsonl(self.run_dir / "metrics.jsonl") if trainer.main else []
+        evals = sorted(_read_jsonl(self.run_dir / "eval.jsonl") if trainer.main else [],
+                       key=lambda e: int(e.get("step", 0)))
+        for m in logged:
+            while evals and int(evals[0].get("step", 0)) < int(m.get("step", 0)):
+                self.watch.observe_eval(evals.pop(0))
+            self._record(self.watch.step(m))
+        for e in evals:
+            self.watch.observe_eval(e)
+        self.skipped_total = int(sum(float(m.get("nan_guard/skipped", 0) or 0) for m in logged))
+        self.sinks = []
+        if trainer.main and cfg.logging.sinks:
+            from postrl.report.sinks import make_sinks
+
+            self.sinks = make_sinks(list(cfg.logging.sinks), self.run_dir, run_config,
+                                    run_name=cfg.logging.run_name, project=cfg.logging.project,
+                                    mlflow_uri=cfg.logging.mlflow_uri)
+        self._fixed = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ratio_sum = self._ratio_n = self._ppo_kl_sum = 0.0
+        self._ratio_min, self._ratio_max = math.inf, -math.inf
+        self._trainer_lp: torch.Tensor | None = None
+        self._gn_max = -math.inf
+        self.skipped = 0
+        self._saved: str | None = None
+
+    # ------------------------------------------------------------------------------------------ in update()
+    @torch.no_grad()
+    def observe_micro(self, batch, idx: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, info: dict,
+                      first_pass: bool) -> None:
+        m = (batch.completion_mask[idx] * batch.valid[idx].unsqueeze(-1).float()).to(logp.device) > 0
+        if "ratio" in info and m.any():
+            r = info["ratio"][m].double()
+            self._ratio_sum += float(r.sum())
+            self._ratio_n += r.numel()
+            self._ratio_min = min(self._ratio_min, float(r.min()))
+            self._ratio_max = max(self._ratio_max, float(r.max()))
+            self._ppo_kl_sum += float((old.detach() - logp.detach())[m].double().sum())
+        if first_pass:
+            if self._trainer_lp is None:
+                self._trainer_lp = torch.zeros_like(batch.sampler_logprobs, dtype=torch.float32)
+            self._trainer_lp[idx] = logp.detach().float().cpu()
+
+    def nan_guard(self, grad_norm, batch, step: int) -> bool:
+        """True when this optimizer step must be skipped (non-finite gradient norm); saves the batch once."""
+        gn = float(grad_norm)
+        if math.isfinite(gn):
+            self._gn_max = max(self._gn_max, gn)
+            return False
+        self.skipped += 1
+        self.skipped_total += 1
+        if self.cfg.nan_guard.save_batches and self._saved is None:
+            d = self.run_dir / "bad_batches"
+            d.mkdir(parents=True, exist_ok=True)
+            name = f"step-{step + 1}.pt" if self.t.rank == 0 else f"step-{step + 1}-rank{self.t.rank}.pt"
+            from dataclasses import fields
+
+            torch.save({f.name: getattr(batch, f.name) for f in fields(batch)} | {"step": step + 1,
+                                                                                    "grad_norm": gn}, d / name)
+            self._saved = str(Path("bad_batches") / name)
+        return True
+
+    # ------------------------------------------------------------------------------------------ in train_step()
+    def step_metrics(self, batch, metrics: dict) -> dict:
+        out: dict[str, float] = {}
+        ntok_c = float(batch.completion_mask.sum())
+        ntok = ntok_c + float(batch.prompt_mask.sum())
+        cfg = self.t.cfg
+        frozen = (cfg.kl.coef > 0) + (cfg.train.epochs > 1 or cfg.train.mini_batches > 1)  # frozen forward passes
+        phases = {"generation": ("time/generation", ntok_c), "reward": ("time/reward", ntok_c),
+                  "update": ("time/update", ntok * cfg.train.epochs)}
+        if frozen:
+            phases["reference"] = ("time/ref", ntok * frozen)
+        for name, (key, n) in phases.items():
+            t = metrics.get(key)
+            out[f"throughput/{name}"] = n / t if t and t > 0 and n > 0 else float("nan")
+        # every process must report the same keys (they are all-reduced): NaN where there is nothing to report
+        nan = float("nan")
+        n = self._ratio_n
+        out["ratio/mean"] = self._ratio_sum / n if n else nan
+        out["ratio/min"] = self._ratio_min if n else nan
+        out["ratio/max"] = self._ratio_max if n else nan
+        out["ppo_kl"] = self._ppo_kl_sum / n if n else nan
+        trainer_lp = batch.old_logprobs if batch.old_logprobs is not None else self._trainer_lp
+        if trainer_lp is not None:
+            out.update(mismatch_metrics(trainer_lp, batch.sampler_logprobs, batch.completion_mask))
+        out["grad_norm/max"] = self._gn_max if self._gn_max > -math.inf else nan
+        out["nan_guard/skipped"] = float(self.skipped)
+        out["nan_guard/skipped_total"] = float(self.skipped_total)
+        out.update(memory_metrics(self.t.acc.device))
+        return out
+
+    def after_reduce(self, step: int, batch, metrics: dict) -> dict:
+        """Main process only: sharpness, alarms (``metrics['alarms']``), sinks."""
+        eos = self.cfg.edge_of_stability
+        if self.cfg.enabled and eos.enabled and eos.every and (step + 1) % eos.every == 0 and len(batch):
+            metrics.update(self.sharpness(batch))
+        if self._saved:
+            metrics["nan_guard/saved"] = self._saved
+        alarms = self.watch.step(metrics)
+        metrics["alarms"] = [a.to_dict() for a in alarms]
+        self._record(alarms)
+        for s in self.sinks:
+            s.log(metrics, metrics["step"])
+            s.log_alarms(metrics["alarms"], metrics["step"])
+        self._reset()
+        return metrics
+
+    def _record(self, alarms: list[Alarm], final: bool = False) -> None:
+        for a in alarms:
+            rec = self.alarm_log.setdefault(a.name, {"first_step": a.step, "steps": 0, "severity": a.severity})
+            rec.update(last_step=a.step, message=a.message, cause=a.cause, fix=a.fix)
+            if final:
+                rec["final"] = True
+            rec["steps"] += 1
+
+    def on_eval(self, res: dict) -> None:
+        self.watch.observe_eval(res)
+        for s in self.sinks:
+            s.log({f"eval/{k}": v for k, v in res.items() if k not in ("step", "tag", "n")}, int(res.get("step", 0)))
+
+    def finish(self) -> dict:
+        """Final alarms (held-out comparisons), then close the sinks; returns the alarm summary."""
+        self._record(self.watch.final(), final=True)
+        for s in self.sinks:
+            s.close()
+        self.sinks = []
+        return self.alarm_log
+
+    # ------------------------------------------------------------------------------------------ sharpness
+    def sharpness(self, batch) -> dict:
+        """Top eigenvalue of the (Adam-preconditioned) Hessian of the training loss on a small fixed batch.
+
+        The batch is fixed at the first call: up to ``diagnostics.edge_of_stability.batch_size`` rows of that
+        step, rows with a non-zero advantage first, with their advantages. The objective is the configured policy
+        loss and aggregation on it as a single-pass update sees it, i.e. with the old policy = the current one
+        (``old_logp = logp.detach()``, ratio 1 at the point of measurement); the negative log-likelihood of the
+        completions when every advantage is zero.
+        """
+        from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
+        from postrl.models import completion_logprobs
+        from postrl.pipeline import call_stage
+
+        t, p = self.t, self.cfg.edge_of_stability
+        model = t.policy
+        dev = t.acc.device
+        temp = t.cfg.rollout.temperature or 1.0
+        if self._fixed is None:
+            adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages.mean(-1)
+            score = adv.abs() * batch.valid.float()
+            order = torch.argsort(score, descending=True, stable=True)[:p.batch_size]
+            fx = {k: getattr(batch, k)[order].to(dev) for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                                  "advantages")}
+            fx["mask"] = (batch.completion_mask[order] * batch.valid[order].unsqueeze(-1).float()).to(dev)
+            fx["nll"] = bool(float(fx["advantages"].abs().max()) < 1e-8)
+            self._fixed = fx
+        fx = self._fixed
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt = getattr(t.optimizer, "optimizer", t.optimizer)
+        pre = adam_preconditioner(opt, params)
+        if pre is not None:
+            precond, beta1, lr = pre
+        elif any("exp_avg_sq" in st for st in opt.state.values()):
+            return {}  # Adam has only seen zero gradients: no preconditioner yet, nothing meaningful to measure
+        else:
+            precond, beta1, lr = None, None, float(opt.param_groups[0]["lr"])
+        was_training = model.training
+        model.train()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):  # fused attention kernels have no double backward
+            logp, _ = completion_logprobs(model, fx["prompt_ids"], fx["prompt_mask"], fx["completion_ids"], temp)
+        w = t.agg_fn(fx["mask"], max_len=t.cfg.rollout.max_new_tokens)
+        loss = None
+        if not fx["nll"]:
+            old = logp.detach()
+            fields = {"logp": logp, "old_logp": old, "advantages": fx["advantages"], "mask": fx["mask"],
+                      "lengths": fx["mask"].sum(-1), "sampler_logp": old, "entropy": None, "logits": None,
+                      "ref_logp": None}
+            try:
+                loss_mat, _ = call_stage(t.loss_fn, fields, t.cfg.loss.params, what=f"loss '{t.cfg.loss.name}'")
+                loss = (w * loss_mat).sum()
+            except Exception:  # noqa: BLE001 - a loss reading fields this probe does not have: fall back to NLL
+                loss = None
+        if loss is None:
+            loss = -(w * logp).sum()
+        lam = top_eigenvalue(loss, params, iters=p.iters, precond=precond, seed=t.cfg.seed)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        thr = stability_threshold(lr, beta1)
+        return {"stability/sharpness": lam, "stability/threshold": thr, "stability/ratio": lam / thr,
+                "stability/lr": lr, "stability/preconditioned": 1.0 if precond is not None else 0.0}
+

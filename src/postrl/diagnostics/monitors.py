@@ -1,0 +1,619 @@
+"""Monitors: threshold alarms over the per-step metrics that name the symptom, the likely cause and the fix.
+
+A monitor is a function ``check(history, ctx, params) -> Alarm | None`` over the metric rows seen so far
+(``history[-1]`` is the current step) and the held-out evaluations (``ctx.evals``). It depends on nothing else,
+so the same code runs live in the trainer and offline over a run directory (``postrl doctor``, ``postrl
+report``) and gives the same alarms. :class:`Watchdog` applies each monitor's ``patience`` (consecutive steps
+the condition must hold) and returns, per step, the alarms active at that step.
+
+Monitors are listed in :data:`MONITORS` in diagnosis order: root causes (a non-finite loss, a sampler that
+is not the trainer, truncated completions) before their symptoms (groups without signal, pass@k at zero).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from postrl.diagnostics.config import DiagnosticsConfig
+
+SEVERITIES = ("error", "warn", "info")
+
+
+@dataclass
+class Alarm:
+    """One alarm: ``message`` states the symptom with numbers, ``cause`` the likely cause, ``fix`` the config
+    change that usually fixes it."""
+
+    name: str
+    message: str
+    cause: str
+    fix: str
+    severity: str = "warn"
+    step: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        return f"{self.name}: {self.message} - likely cause: {self.cause} - fix: {self.fix}"
+
+
+@dataclass
+class Context:
+    """What monitors may read besides the metric history: the run's config (plain dict, as in config.yaml)
+    and the evaluations so far (eval.jsonl rows)."""
+
+    config: dict
+    evals: list[dict] = field(default_factory=list)
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        node: Any = self.config
+        for part in dotted.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                return default
+        return node
+
+
+def _num(m: dict, key: str) -> float | None:
+    v = m.get(key)
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _series(h: list[dict], key: str) -> list[float]:
+    return [v for v in (_num(m, key) for m in h) if v is not None]
+
+
+def _avg(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against 0, 1, 2, ... (per step)."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    xm, ym = (n - 1) / 2, _avg(ys)
+    return sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
+
+
+def _pass_k_key(m: dict) -> str | None:
+    ks = [k for k in m if k.startswith("pass@") and k != "pass@1" and k[5:].isdigit()]
+    return max(ks, key=lambda k: int(k[5:])) if ks else None
+
+
+# ------------------------------------------------------------------------------------------------- monitors
+
+
+def zero_variance_groups(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    z = _num(cur, "zero_variance_groups")
+    if z is None or z < p.max_frac:
+        return None
+    ac, aw = _num(cur, "zero_variance_groups/all_correct"), _num(cur, "zero_variance_groups/all_wrong")
+    G = ctx.get("rollout.group_size", "?")
+    head = f"{z:.0%} of groups have identical rewards"
+    tail = ("; they get zero advantage, so most of the batch carries no learning signal")
+    if aw is not None and ac is not None and ac > aw:
+        return Alarm("zero_variance_groups", f"{head} ({ac:.0%} all correct, {aw:.0%} all wrong){tail}",
+                     "the task is (nearly) solved: every sample of most prompts is correct",
+                     "use a harder task or a curriculum (filters: [{name: pass_rate_curriculum}]), or drop solved "
+                     "groups (filters: [{name: dynamic_sampling}], DAPO)",
+                     severity="info")
+    if aw is not None:
+        acc = _num(cur, "accuracy")
+        return Alarm("zero_variance_groups",
+                     f"{head} ({aw:.0%} all wrong, {ac or 0:.0%} all correct; accuracy {acc or 0:.2f}){tail}",
+                     "the task is too hard for the current policy (every sample fails), or the reward never pays "
+                     "(check truncation, and the reward with `postrl probe-reward`)",
+                     f"warm-start with SFT (`postrl sft`), use an easier task or a curriculum, raise "
+                     f"rollout.group_size (now {G}), drop all-wrong groups (filters: [{{name: dynamic_sampling}}], "
+                     f"DAPO) or learn from them (advantage: {{name: rl_zvp}})")
+    return Alarm("zero_variance_groups", f"{head}{tail}",
+                 "the reward does not discriminate between the completions of a prompt (binary or saturated reward, "
+                 "or near-identical samples)",
+                 f"raise rollout.group_size (now {G}) or rollout.temperature (now {ctx.get('rollout.temperature')}), "
+                 "or use a graded reward")
+
+
+def advantage_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    c = _num(cur, "advantages/collapse")
+    if c is None or c < p.max_collapse:
+        return None
+    da, dr = _num(cur, "advantages/distinct_frac"), _num(cur, "rewards/distinct_frac")
+    weights = ", ".join(f"{r.get('name')}={r.get('weight', 1.0)}" for r in ctx.get("rewards", []) or [])
+    return Alarm("advantage_collapse",
+                 f"the advantage merges {c:.0%} of the distinct reward combinations within groups (distinct "
+                 f"advantages per group / G = {da or 0:.2f}, distinct reward vectors / G = {dr or 0:.2f}): "
+                 f"completions that differ in their reward components get the same advantage",
+                 "the rewards are summed before group normalisation, which maps different combinations to the same "
+                 "total (GDPO's reward-combination collapse)",
+                 f"normalise each reward component separately before combining them (advantage: {{name: gdpo}}), "
+                 f"or change the reward weights (now {weights}) so that different combinations get different totals")
+
+
+def truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    t = _num(cur, "truncated")
+    if t is None or t < p.max_frac:
+        return None
+    L = ctx.get("rollout.max_new_tokens", "?")
+    tr, fr = _num(cur, "truncated/reward_mean"), _num(cur, "finished/reward_mean")
+    pay = f"their mean reward is {tr:.2f}" if tr is not None else "their rewards failed"
+    pay += f" vs {fr:.2f} for finished ones" if fr is not None else " (no completion finished)"
+    return Alarm("truncation", f"{t:.0%} of completions truncated at rollout.max_new_tokens={L}; {pay}",
+                 "completions need more tokens than allowed (or the policy never emits EOS): a truncated answer is "
+                 "cut before it is complete and earns nothing",
+                 f"raise rollout.max_new_tokens (now {L}), add a stop string (rollout.stop), warm-start with SFT so "
+                 "the model learns to stop, or penalise overlong completions (shaping: overlong_soft)")
+
+
+def entropy_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
+    ent = _series(h, "entropy")
+    e = _num(h[-1], "entropy")
+    if e is None or not ent:
+        return None
+    base = _avg(ent[:p.window])
+    low = e < p.min_entropy
+    drop = len(ent) > p.window and base > 0 and e < (1.0 - p.max_drop) * base
+    if not (low or drop):
+        return None
+    lp = _series(h, "tokens/low_prob_frac")
+    lp_txt = f"; low-probability tokens {lp[-1]:.1%} of samples (was {_avg(lp[:p.window]):.1%})" if lp else ""
+    recent = ent[-p.window:]
+    slope = _slope(recent)
+    slope_txt = f", slope {slope:+.4f} nats/step over the last {len(recent)} steps" if len(recent) > 1 else ""
+    return Alarm("entropy_collapse",
+                 f"token entropy {e:.4f} nats (mean {base:.3f} over the first {min(p.window, len(ent))} steps, "
+                 f"{(e - base) / base:+.0%}{slope_txt}){lp_txt}" if base > 0 else f"token entropy {e:.4f} nats{lp_txt}",
+                 "the policy has become near-deterministic: exploration collapsed, so the samples of a prompt stop "
+                 "differing and the learning signal goes with them",
+                 f"raise the upper clip (loss.eps_high=0.28, clip-higher as in DAPO), lower optim.lr (now "
+                 f"{ctx.get('optim.lr')}), add an entropy term (regularizers: [{{name: entropy_bonus}}] or "
+                 f"adaptive_entropy) or a KL term (kl.coef, now {ctx.get('kl.coef')}), or raise rollout.temperature "
+                 f"(now {ctx.get('rollout.temperature')})")
+
+
+def length_drift(h: list[dict], ctx: Context, p) -> Alarm | None:
+    lens = _series(h, "length/mean")
+    if len(lens) < 2 * p.window:
+        return None
+    first, last = _avg(lens[:p.window]), _avg(lens[-p.window:])
+    if first <= 0:
+        return None
+    change = last / first - 1.0
+    L = ctx.get("rollout.max_new_tokens")
+    if change > p.max_growth and last - first >= p.min_tokens:
+        of = f" ({last / L:.0%} of rollout.max_new_tokens={L})" if isinstance(L, (int, float)) and L else ""
+        return Alarm("length_drift",
+                     f"mean completion length grew {first:.1f} -> {last:.1f} tokens ({change:+.0%}) between the first "
+                     f"and the last {p.window} steps{of}",
+                     "the reward or the loss favours longer completions (length hacking; with token-mean "
+                     "aggregation a long wrong answer is penalised less per token)",
+                     "add length control to the shaping (overlong_soft, cosine_length, laser), use "
+                     "loss.agg=seq_mean_token_sum or dr_grpo, and probe the reward with a very long completion "
+                     "(`postrl probe-reward`)")
+    if -change > p.max_shrink and first - last >= p.min_tokens:
+        return Alarm("length_drift",
+                     f"mean completion length fell {first:.1f} -> {last:.1f} tokens ({change:+.0%}) between the first "
+                     f"and the last {p.window} steps",
+                     "the reward favours short completions or the policy learned to stop early (with sequence-mean "
+                     "aggregation short wrong answers are penalised more per token)",
+                     "probe the reward with empty and short completions (`postrl probe-reward`), use "
+                     "loss.agg=token_mean, and read short samples with `postrl samples RUN`")
+    return None
+
+
+def length_reward_corr(h: list[dict], ctx: Context, p) -> Alarm | None:
+    c = _num(h[-1], "length/reward_corr")
+    if c is None or c < p.max_corr:
+        return None
+    return Alarm("length_reward_corr",
+                 f"within-group correlation of reward with completion length is {c:+.2f} (mean length "
+                 f"{_num(h[-1], 'length/mean') or 0:.1f}): for the same prompt, longer completions are paid more",
+                 "the reward pays for length (a verbosity bias of a reward model or rubric); RL will inflate the "
+                 "length rather than the quality ('A Long Way to Go')",
+                 "probe the reward with a very long completion (`postrl probe-reward`), add length-controlled "
+                 "shaping (cosine_length, overlong_soft, kimi_length), or normalise the reward by length")
+
+
+def _proxy_is_gold(ctx: Context) -> bool:
+    rewards = [r for r in (ctx.get("rewards", []) or []) if float(r.get("weight", 1.0)) != 0.0]
+    return len(rewards) == 1 and rewards[0].get("name") == "correct"
+
+
+def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
+    if _proxy_is_gold(ctx):
+        return None
+    proxy = _series(h, "reward/mean")
+    w = p.window
+    cause = ("the policy raises the proxy reward in ways the gold measure does not reward: reward hacking / "
+             "over-optimisation (Goodhart; 'Scaling Laws for Reward Model Overoptimization')")
+    fix = ("probe the reward for exploits (`postrl probe-reward`), raise the weight of the verifiable reward, add "
+           f"a KL term (kl.coef, now {ctx.get('kl.coef')}), or keep an earlier checkpoint (before the gap opened)")
+    gold = _series(h, "accuracy")
+    if len(proxy) >= 2 * w and len(gold) >= 2 * w:
+        p0, p1 = _avg(proxy[:w]), _avg(proxy[-w:])
+        g0, g1 = _avg(gold[:w]), _avg(gold[-w:])
+        if p1 - p0 >= p.min_proxy_rise and g1 - g0 <= p.max_gold_rise:
+            return Alarm("proxy_gold_gap",
+                         f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while verifier accuracy went "
+                         f"{g0:.2f} -> {g1:.2f} ({g1 - g0:+.2f}) (first vs last {w} steps)", cause, fix)
+    a = eval_gap(h, ctx, p)
+    return a
+
+
+def eval_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """proxy_gold_gap against the held-out evaluations (eval.jsonl): the gold is held-out accuracy."""
+    if _proxy_is_gold(ctx) or len(ctx.evals) < 2:
+        return None
+    e0, e1 = ctx.evals[0], ctx.evals[-1]
+    a0, a1 = _num(e0, "accuracy"), _num(e1, "accuracy")
+    s1 = int(e1.get("step", 0))
+    proxy = [(int(m.get("step", 0)), _num(m, "reward/mean")) for m in h]
+    proxy = [(s, v) for s, v in proxy if v is not None and s <= max(s1, 1)]
+    if a0 is None or a1 is None or len(proxy) < 2 * p.window:
+        return None
+    p0 = _avg([v for _, v in proxy[:p.window]])
+    p1 = _avg([v for _, v in proxy[-p.window:]])
+    if p1 - p0 >= p.min_proxy_rise and a1 - a0 <= p.max_gold_rise:
+        return Alarm("proxy_gold_gap",
+                     f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while held-out accuracy went "
+                     f"{a0:.2f} -> {a1:.2f} ({a1 - a0:+.2f}) (evaluations at steps {e0.get('step', 0)} and {s1})",
+                     "the policy raises the proxy reward in ways the held-out verifier does not reward: reward "
+                     "hacking / over-optimisation (Goodhart; 'Scaling Laws for Reward Model Overoptimization')",
+                     "probe the reward for exploits (`postrl probe-reward`), raise the weight of the verifiable "
+                     f"reward, add a KL term (kl.coef, now {ctx.get('kl.coef')}), or keep an earlier checkpoint")
+    return None
+
+
+def kl_blowup(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    parts = []
+    kl = _num(cur, "kl")
+    kls = _series(h, "kl")
+    if kl is not None and kl > p.max_kl:
+        parts.append(f"KL to the reference {kl:.3f} nats/token > {p.max_kl} (kl.coef={ctx.get('kl.coef')})")
+    elif kl is not None and len(kls) > p.window and kls[-p.window - 1] > 0 and kl > p.max_kl / 4 \
+            and kl / kls[-p.window - 1] > p.max_growth:
+        parts.append(f"KL to the reference grew {kls[-p.window - 1]:.4f} -> {kl:.4f} in {p.window} steps")
+    rmax = _num(cur, "ratio/max")
+    if rmax is None:
+        rmax = _num(cur, "ratio_max")
+    if rmax is not None and rmax > p.max_ratio:
+        parts.append(f"largest token ratio pi/pi_old {rmax:.1f} > {p.max_ratio}")
+    pk = _num(cur, "ppo_kl")
+    if pk is not None and pk > p.max_ppo_kl:
+        parts.append(f"KL between the policy before and during the update {pk:.3f} > {p.max_ppo_kl}")
+    if not parts:
+        return None
+    return Alarm("kl_blowup", "; ".join(parts),
+                 "the policy moves too far per step (large learning rate, many epochs) or drifts away from the "
+                 "reference without enough KL pressure",
+                 f"lower optim.lr (now {ctx.get('optim.lr')}), raise kl.coef (now {ctx.get('kl.coef')}), use fewer "
+                 f"train.epochs (now {ctx.get('train.epochs')}), or keep optim.max_grad_norm set")
+
+
+def nan_guard(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    step = int(cur.get("step", 0))
+    skipped = _num(cur, "nan_guard/skipped") or 0.0
+    if skipped > 0:
+        total = _num(cur, "nan_guard/skipped_total") or skipped
+        saved = cur.get("nan_guard/saved")
+        where = f"; the batch is saved in {saved}" if saved else ""
+        return Alarm("nan_guard",
+                     f"{skipped:.0f} optimizer step(s) skipped at step {step} because the gradient norm was "
+                     f"non-finite ({total:.0f} skipped so far){where}",
+                     "a non-finite loss: an exploding update (learning rate), overflow in float16, or an inf/NaN "
+                     "value reaching the loss",
+                     f"lower optim.lr (now {ctx.get('optim.lr')}), keep optim.max_grad_norm set (now "
+                     f"{ctx.get('optim.max_grad_norm')}), use model.dtype=float32 or bfloat16 rather than float16; "
+                     "inspect the saved batch with torch.load", severity="error")
+    bad = [k for k in ("reward/mean", "pg_loss", "entropy", "grad_norm") if k in cur and _num(cur, k) is None
+           and cur[k] is not None]
+    if bad:
+        return Alarm("nan_guard", f"non-finite metric(s) at step {step}: {', '.join(bad)}",
+                     "every reward failed (reward/mean), or the model's outputs overflowed",
+                     "check the reward functions (reward/<name>/failures) and lower optim.lr", severity="error")
+    limit = float(ctx.get("reward.alarm_rate", 0.1))
+    for k, v in cur.items():
+        if k.startswith("reward/") and k.endswith("/failure_rate") and isinstance(v, (int, float)) and v > limit:
+            name = k[len("reward/"):-len("/failure_rate")]
+            n = _num(cur, f"reward/{name}/failures") or 0
+            return Alarm("nan_guard",
+                         f"reward '{name}' failed (raised, or returned None/NaN) on {n:.0f} completions ({v:.0%}) at "
+                         f"step {step} (reward.alarm_rate={limit:g}): they are excluded from the advantage",
+                         "a bug or an unhandled input in the reward function (the first failing input is printed "
+                         "in the console)",
+                         "fix the reward function; read the failing completions with `postrl samples RUN`")
+    return None
+
+
+def clip_fractions(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    low, high = _num(cur, "clip_low") or 0.0, _num(cur, "clip_high") or 0.0
+    dual = _num(cur, "clip_dual") or 0.0
+    region = low + high
+    if region <= p.max_clip:
+        return None
+    side = ""
+    if high > 3 * max(low, 1e-9):
+        side = "; mostly positive-advantage tokens hitting the upper clip (exploration is capped)"
+    elif low > 3 * max(high, 1e-9):
+        side = "; mostly negative-advantage tokens hitting the lower clip"
+    return Alarm("clip_fractions",
+                 f"{region:.0%} of tokens clipped (low, A<0: {low:.1%}; high, A>0: {high:.1%}; dual: {dual:.1%}) "
+                 f"with train.epochs={ctx.get('train.epochs')}, train.mini_batches={ctx.get('train.mini_batches')}"
+                 f"{side}",
+                 "the policy leaves the trust region within one batch: later epochs / mini-batches are mostly "
+                 "clipped, wasted updates",
+                 f"lower optim.lr (now {ctx.get('optim.lr')}), use fewer train.epochs or train.mini_batches, or "
+                 f"widen the clip range (loss.eps_low / loss.eps_high; clip-higher for the upper side)")
+
+
+def logprob_mismatch(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    d = _num(cur, "mismatch/logp_abs_mean")
+    if d is None or d <= p.max_abs:
+        return None
+    mx, kl = _num(cur, "mismatch/logp_abs_max"), _num(cur, "mismatch/kl")
+    return Alarm("logprob_mismatch",
+                 f"sampler and trainer log-probs of the same tokens differ by {d:.3f} nats on average (max "
+                 f"{mx or 0:.2f}, KL {kl or 0:.4f}) before any update: the batch is off-policy",
+                 "the sampling program's policy is not the trainer's: dropout active in the trainer's forward, a "
+                 "different dtype or kernel (vLLM bf16 vs trainer fp32), stale sampler weights, or a "
+                 "temperature / logits-processing mismatch",
+                 f"disable dropout in the model config (attention_dropout / hidden_dropout = 0), use the same "
+                 f"model.dtype (now {ctx.get('model.dtype')}) in sampler and trainer, check rollout.temperature; "
+                 f"correct a remaining gap with truncated importance sampling (loss.tis.level=token, now "
+                 f"{ctx.get('loss.tis.level', 'none')})")
+
+
+def echo_trap(h: list[dict], ctx: Context, p) -> Alarm | None:
+    if len(h) < p.window:
+        return None
+    win = h[-p.window:]
+    stds = [_num(m, "reward/group_std") for m in win]
+    s = stds[-1]
+    prev = [x for x in stds[:-1] if x is not None]
+    if s is None or not prev:
+        return None
+    peak = max(prev)
+    if peak < p.min_peak_std or s > p.max_std_ratio * peak:
+        return None
+    gns = [_num(m, "grad_norm") for m in win]
+    recent = [g for g in gns[-3:] if g is not None]
+    base = [g for g in gns[:-3] if g is not None]
+    if not recent or not base:
+        return None
+    med = statistics.median(base)
+    g = max(recent)
+    if med <= 0 or g < p.spike * med:
+        return None
+    return Alarm("echo_trap",
+                 f"within-group reward std fell {peak:.3f} -> {s:.3f} ({s / peak:.0%} of its peak) within "
+                 f"{p.window} steps while the grad norm spiked to {g:.2f} ({g / med:.1f}x its median {med:.2f})",
+                 "Echo Trap (RAGEN): the policy collapsed onto a few repeated outputs; rewards stop varying "
+                 "within groups and gradients spike",
+                 f"keep only high-variance groups (filters: [{{name: dynamic_sampling}}] or range_filter; RAGEN "
+                 f"StarPO-S), "
+                 f"lower optim.lr (now {ctx.get('optim.lr')}), tighten optim.max_grad_norm (now "
+                 f"{ctx.get('optim.max_grad_norm')}), raise the upper clip, or add a KL term")
+
+
+def edge_of_stability(h: list[dict], ctx: Context, p) -> Alarm | None:
+    measured = [m for m in h if _num(m, "stability/sharpness") is not None][-p.measurements:]
+    if len(measured) < p.measurements:
+        return None
+    for m in measured:  # the last `measurements` measurements must all be above
+        s, thr = _num(m, "stability/sharpness"), _num(m, "stability/threshold")
+        if thr is None or thr <= 0 or s / thr < p.max_ratio:
+            return None
+    last = measured[-1]
+    s, thr = _num(last, "stability/sharpness"), _num(last, "stability/threshold")
+    lr = _num(last, "stability/lr") or ctx.get("optim.lr")
+    if last.get("stability/preconditioned"):
+        b1 = (ctx.get("optim.betas") or [0.9])[0]
+        what = (f"preconditioned sharpness {s:.4g} = {s / thr:.1f} x the Adam stability threshold "
+                f"(2+2*beta1)/((1-beta1)*lr) = {thr:.4g} (beta1={b1}, lr={lr:g})")
+    else:
+        what = f"sharpness {s:.4g} = {s / thr:.1f} x the stability threshold 2/lr = {thr:.4g} (lr={lr:g})"
+    steps = ", ".join(str(m.get("step")) for m in measured)
+    return Alarm("edge_of_stability",
+                 f"{what} at step {last.get('step')}; above {p.max_ratio:g} x the threshold at steps {steps}",
+                 "the optimizer is at or past the edge of stability: along the sharpest direction each step "
+                 "overshoots, so the loss oscillates or spikes (Cohen et al. 2022, arXiv:2207.14484)",
+                 f"lower optim.lr (now {ctx.get('optim.lr')}), add optim.warmup_steps (now "
+                 f"{ctx.get('optim.warmup_steps')}), keep optim.max_grad_norm set")
+
+
+def pass_at_k(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    key = _pass_k_key(cur)
+    if key is not None:
+        v = _num(cur, key)
+        if v is not None and v <= p.min_pass_at_k:
+            return Alarm("pass_at_k",
+                         f"training {key} = {v:.2f}: no group has a correct completion among its {key[5:]} samples",
+                         "the task is beyond the policy at this temperature (or the verifier rejects the answer "
+                         "format): RL has nothing to reinforce",
+                         f"warm-start with SFT (`postrl sft`), use an easier task, raise rollout.group_size (now "
+                         f"{ctx.get('rollout.group_size')}), and check the verifier with `postrl probe-reward`")
+        p1s, pks = _series(h, "pass@1"), _series(h, key)
+        w = p.window
+        if len(p1s) >= 2 * w and len(pks) >= 2 * w:
+            a0, a1, k0, k1 = _avg(p1s[:w]), _avg(p1s[-w:]), _avg(pks[:w]), _avg(pks[-w:])
+            if a1 > a0 and k0 - k1 >= p.max_narrowing:
+                return _narrowing(f"training pass@1 rose {a0:.2f} -> {a1:.2f} while {key} fell {k0:.2f} -> {k1:.2f}",
+                                  ctx)
+    if len(ctx.evals) >= 2:
+        e0, e1 = ctx.evals[0], ctx.evals[-1]
+        ek = _pass_k_key(e1)
+        if ek and ek in e0:
+            a0, a1 = _num(e0, "pass@1"), _num(e1, "pass@1")
+            k0, k1 = _num(e0, ek), _num(e1, ek)
+            if None not in (a0, a1, k0, k1) and a1 >= a0 and k0 - k1 >= p.max_narrowing:
+                return _narrowing(f"held-out pass@1 went {a0:.2f} -> {a1:.2f} while {ek} fell {k0:.2f} -> {k1:.2f}",
+                                  ctx)
+    return None
+
+
+def _narrowing(what: str, ctx: Context) -> Alarm:
+    return Alarm("pass_at_k", f"{what}: RL sharpens onto fewer solutions and coverage shrinks",
+                 "exploration collapse: probability mass concentrates on answers already found ('Does RL really "
+                 "incentivize reasoning capacity beyond the base model?', Yue et al. 2025)",
+                 f"optimise pass@k directly (advantage: {{name: pass_at_k}}), raise the upper clip (loss.eps_high) or "
+                 f"rollout.temperature (now {ctx.get('rollout.temperature')}), or add an entropy term; stop earlier "
+                 "if pass@k matters more than pass@1")
+
+
+@dataclass(frozen=True)
+class MonitorSpec:
+    name: str
+    fn: Callable
+    what: str
+
+
+MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
+    MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards"),
+    MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
+    MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),
+    MonitorSpec("edge_of_stability", edge_of_stability, "top Hessian eigenvalue vs 2/lr (Adam: 38/lr)"),
+    MonitorSpec("kl_blowup", kl_blowup, "KL to the reference, token-ratio and policy-KL extremes"),
+    MonitorSpec("echo_trap", echo_trap, "reward-variance cliff together with a grad-norm spike (RAGEN)"),
+    MonitorSpec("entropy_collapse", entropy_collapse, "entropy level and drop; low-probability-token rate"),
+    MonitorSpec("advantage_collapse", advantage_collapse, "distinct advantages vs distinct reward combinations"),
+    MonitorSpec("zero_variance_groups", zero_variance_groups, "groups with identical rewards (all-correct/all-wrong)"),
+    MonitorSpec("pass_at_k", pass_at_k, "pass@G at zero; pass@k falling while pass@1 rises"),
+    MonitorSpec("proxy_gold_gap", proxy_gold_gap, "proxy reward up while gold accuracy flat or down"),
+    MonitorSpec("length_reward_corr", length_reward_corr, "within-group correlation of reward with length"),
+    MonitorSpec("length_drift", length_drift, "mean length trend"),
+    MonitorSpec("clip_fractions", clip_fractions, "clipped token fractions by advantage sign"),
+]
+ORDER = {m.name: i for i, m in enumerate(MONITORS)}
+
+
+def sort_key(alarm: Alarm | dict) -> tuple:
+    a = alarm if isinstance(alarm, dict) else alarm.to_dict()
+    sev = SEVERITIES.index(a.get("severity", "warn")) if a.get("severity", "warn") in SEVERITIES else 1
+    return (sev, ORDER.get(a["name"], len(ORDER)))
+
+
+def lenient_config(data: dict) -> DiagnosticsConfig:
+    """The diagnostics section of a run's config.yaml, read leniently: a run written by another postrl version
+    may hold keys or values this one does not know; those fall back to the defaults instead of failing."""
+    from pydantic import ValidationError
+
+    try:
+        return DiagnosticsConfig.model_validate(data)
+    except ValidationError:
+        pass
+    clean: dict = {}
+    for name, f in DiagnosticsConfig.model_fields.items():
+        if name not in data:
+            continue
+        v = data[name]
+        sub = f.annotation if isinstance(f.annotation, type) else None
+        if isinstance(v, dict) and sub is not None and issubclass(sub, BaseModel):
+            ok = {}
+            for k, x in v.items():
+                if k in sub.model_fields:
+                    try:
+                        sub.model_validate({**ok, k: x})
+                        ok[k] = x
+                    except ValidationError:
+                        continue
+            clean[name] = ok
+        elif isinstance(v, bool):
+            clean[name] = v
+    try:
+        return DiagnosticsConfig.model_validate(clean)
+    except ValidationError:
+        return DiagnosticsConfig()
+
+
+class Watchdog:
+    """Runs every enabled monitor at each step with its patience; ``step(metrics)`` returns the active alarms."""
+
+    def __init__(self, run_config: dict, diagnostics: DiagnosticsConfig | dict | None = None):
+        if diagnostics is None:
+            diagnostics = run_config.get("diagnostics") or {}
+        self.cfg = diagnostics if isinstance(diagnostics, DiagnosticsConfig) else lenient_config(diagnostics)
+        self.ctx = Context(run_config)
+        self.history: list[dict] = []
+        self.streak: dict[str, int] = {}
+
+    def observe_eval(self, res: dict) -> None:
+        self.ctx.evals.append(res)
+
+    def step(self, metrics: dict) -> list[Alarm]:
+        self.history.append({k: v for k, v in metrics.items() if k != "alarms"})
+        if not self.cfg.enabled:
+            return []
+        out = []
+        for spec in MONITORS:
+            params = getattr(self.cfg, spec.name)
+            if not params.enabled:
+                continue
+            try:
+                alarm = spec.fn(self.history, self.ctx, params)
+            except Exception as e:  # noqa: BLE001 - a monitor bug must not stop training; it is reported instead
+                alarm = Alarm(spec.name, f"monitor failed: {type(e).__name__}: {e}", "a bug in the monitor",
+                              "report it; disable with diagnostics." + spec.name + ".enabled=false", "info")
+            if alarm is None:
+                self.streak[spec.name] = 0
+                continue
+            self.streak[spec.name] = self.streak.get(spec.name, 0) + 1
+            if self.streak[spec.name] >= params.patience:
+                alarm.step = int(metrics.get("step", len(self.history)))
+                if params.patience > 1:
+                    alarm.message += f" (for {self.streak[spec.name]} steps)"
+                out.append(alarm)
+        return out
+
+    def final(self) -> list[Alarm]:
+        """Alarms that only the evaluations can raise once training is over (held-out gap, pass@k narrowing)."""
+        if not self.cfg.enabled or not self.history:
+            return []
+        out = []
+        last = int(self.history[-1].get("step", len(self.history)))
+        if self.cfg.proxy_gold_gap.enabled:
+            out.append(eval_gap(self.history, self.ctx, self.cfg.proxy_gold_gap))
+        if self.cfg.pass_at_k.enabled:  # only the evaluation branch: a row without training pass@k
+            out.append(pass_at_k([{"step": last}], self.ctx, self.cfg.pass_at_k))
+        out = [a for a in out if a is not None]
+        for a in out:
+            a.step = last
+        return out
+
+
+def replay(rows: list[dict], evals: list[dict], run_config: dict) -> tuple[list[list[Alarm]], list[Alarm]]:
+    """Run the monitors over a finished (or partial) run offline: per-step alarms and the final ones.
+
+    Each evaluation is observed before the first step after it (the 'before' evaluation, at step 0, first).
+    """
+    w = Watchdog(run_config)
+    pending = sorted(evals, key=lambda e: int(e.get("step", 0)))
+    per_step = []
+    for m in rows:
+        s = int(m.get("step", 0))
+        while pending and int(pending[0].get("step", 0)) < s:
+            w.observe_eval(pending.pop(0))
+        per_step.append(w.step(m))
+    for e in pending:
+        w.observe_eval(e)
+    return per_step, w.final()

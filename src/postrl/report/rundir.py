@@ -1,0 +1,146 @@
+"""Reading a run directory (finished, crashed or still being written) without changing it.
+
+A run directory holds config.yaml, metrics.jsonl (one line per step, with its ``alarms``), samples.jsonl,
+eval.jsonl, summary.json (only once finished), checkpoints/step-N/ and bad_batches/. Lines cut by a crash or
+by a writer in progress are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from postrl.errors import PostrlError
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows: list[dict] = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash or still being written
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: list[dict]
+    evals: list[dict]
+    samples: list[dict]
+    summary: dict | None
+    _alarms: tuple | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def steps_planned(self) -> int | None:
+        v = (self.config.get("train") or {}).get("steps")
+        return int(v) if isinstance(v, int) else None
+
+    @property
+    def steps_done(self) -> int:
+        return max((int(m.get("step", 0)) for m in self.metrics), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    def seconds_since_write(self) -> float | None:
+        f = self.path / "metrics.jsonl"
+        return time.time() - f.stat().st_mtime if f.is_file() else None
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints (``step-N`` with trainer_state.json), oldest first; read-only."""
+        root = self.path / "checkpoints"
+        out = []
+        if root.is_dir():
+            for d in root.iterdir():
+                m = re.fullmatch(r"step-(\d+)", d.name)
+                if m and d.is_dir() and (d / "trainer_state.json").is_file():
+                    out.append((int(m.group(1)), d))
+        return sorted(out)
+
+    def bad_batches(self) -> list[Path]:
+        d = self.path / "bad_batches"
+        return sorted(d.glob("*.pt")) if d.is_dir() else []
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        xs, ys = [], []
+        for m in self.metrics:
+            v = m.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+                xs.append(int(m.get("step", 0)))
+                ys.append(float(v))
+        return xs, ys
+
+    def alarms(self) -> tuple[list[list[dict]], list[dict], dict[str, dict]]:
+        """(alarms active at each metrics row, final alarms, summary per alarm name).
+
+        The monitors are replayed over the logged metrics with the run's own thresholds (so a run written before
+        a monitor existed is diagnosed too), and merged with the alarms recorded in metrics.jsonl.
+        """
+        if self._alarms is None:
+            from postrl.diagnostics.monitors import replay
+
+            replayed, final = replay(self.metrics, self.evals, self.config)
+            per_step: list[list[dict]] = []
+            for m, rep in zip(self.metrics, replayed):
+                seen: dict[str, dict] = {a["name"]: a for a in (m.get("alarms") or []) if isinstance(a, dict)}
+                for a in rep:
+                    seen.setdefault(a.name, a.to_dict())
+                per_step.append(list(seen.values()))
+            final_d = [a.to_dict() for a in final]
+            summary: dict[str, dict] = {}
+            for m, alarms in zip(self.metrics, per_step):
+                for a in alarms:
+                    rec = summary.setdefault(a["name"], {"name": a["name"], "first_step": int(m.get("step", 0)),
+                                                         "steps": 0, "severity": a.get("severity", "warn")})
+                    rec.update(last_step=int(m.get("step", 0)), message=a["message"], cause=a["cause"], fix=a["fix"])
+                    rec["steps"] += 1
+            for a in final_d:
+                rec = summary.setdefault(a["name"], {"name": a["name"], "first_step": a["step"], "steps": 0,
+                                                     "severity": a.get("severity", "warn")})
+                rec.update(last_step=a["step"], message=a["message"], cause=a["cause"], fix=a["fix"])
+                rec["steps"] += 1
+            self._alarms = (per_step, final_d, summary)
+        return self._alarms
+
+
+def load_run(path: str | Path) -> Run:
+    p = Path(path)
+    if not p.is_dir():
+        raise PostrlError(f"'{p}': no such run directory")
+    if not (p / "config.yaml").is_file() and not (p / "metrics.jsonl").is_file():
+        raise PostrlError(f"'{p}': not a postrl run directory (no config.yaml or metrics.jsonl)")
+    config: dict = {}
+    if (p / "config.yaml").is_file():
+        from postrl.config import yaml_load
+
+        try:
+            config = yaml_load((p / "config.yaml").read_text()) or {}
+        except Exception:  # noqa: BLE001 - a damaged config must not stop the diagnosis
+            config = {}
+    summary = None
+    if (p / "summary.json").is_file():
+        try:
+            summary = json.loads((p / "summary.json").read_text())
+        except json.JSONDecodeError:
+            summary = None
+    return Run(p, config if isinstance(config, dict) else {}, read_jsonl(p / "metrics.jsonl"),
+               read_jsonl(p / "eval.jsonl"), read_jsonl(p / "samples.jsonl"), summary)
