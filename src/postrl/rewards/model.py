@@ -1,0 +1,172 @@
+"""A trained reward model as a reward source: ``model``, and ``model/0`` .. ``model/7`` (ensemble members).
+
+``{name: model, path: rm/}`` loads the folder written by ``postrl rm train`` / ``postrl prm train`` once per
+process (:func:`~postrl.reward_models.load_reward_model`; reloaded when the folder is re-written) and scores the
+batch's ``prompt + completion`` texts in batches of ``batch_size``. What it returns depends on the model:
+
+* Bradley-Terry, one head: its score.
+* ODIN: the quality head only (the length head is dropped, as the paper prescribes).
+* ensemble (K heads on one backbone, or K seeds): ``aggregate`` over the K scores -- ``mean`` (default),
+  ``min`` (worst-case optimisation) or ``uwo`` (mean - ``uwo_lambda`` * population variance; "Reward Model
+  Ensembles Help Mitigate Overoptimization"; uwo_lambda default 1.0).
+* PRM: with ``reduce`` unset (default), the list of step scores sigmoid(head) of every completion -- the process
+  reward convention of :mod:`postrl.rewards.core`: the reward column holds their sum and the scores go to
+  ``step_rewards`` [N, S] for the step-level shaping stages. Steps are the trainer's ``steps`` column (the run's
+  ``reward.step_delimiter``) when given, else the PRM's own delimiter. With ``reduce`` = ``min`` / ``last`` /
+  ``mean`` / ``prod`` it returns that one scalar per completion instead.
+
+**The K scores of an ensemble as K reward columns** (the choice made for ``ensemble_*`` shaping). A reward source
+returns one value per completion, so member k of an ensemble is its own registered source ``model/k``
+(k = 0..7; column k of the ensemble's K scores). Listing them with the same ``path`` gives K reward columns named
+``model/0`` .. ``model/K-1``, which ``ensemble_mean`` / ``ensemble_min`` / ``ensemble_uwo`` read through their
+``sources`` option; the model still runs once per batch (scores are cached per process and model for the
+recent batches)::
+
+    rewards:
+      - {name: model/0, path: rm/}
+      - {name: model/1, path: rm/}
+      - {name: model/2, path: rm/}
+    shaping:
+      - {name: ensemble_min, sources: [model/0, model/1, model/2]}
+      - {name: weighted_sum}
+
+**Calibration at reward time.** ``calibrator: cal.json`` (written by ``postrl calibrate``) maps the scalar -- or,
+for a PRM, every step score with the condition ``step_bucket(step index, step_buckets)`` (default 4: steps
+0, 1, 2, 3, 4+) -- to a calibrated probability.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from postrl.registry import register
+
+MAX_MEMBERS = 8
+_CACHE_SIZE = 64
+_LOCK = threading.RLock()  # one model computes at a time; a concurrent caller waits and then hits the cache
+_MODELS: dict[tuple, Any] = {}
+_LAST: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_CALIBRATORS: dict[str, Any] = {}
+
+
+def _device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_cached(path: str, device: str = "cpu"):
+    """The reward model / ensemble in ``path`` (loaded once per process, reloaded when re-written)."""
+    from postrl.reward_models import load_reward_model
+
+    cfg = Path(path) / "reward_model.json"
+    key = (str(path), _device(device), cfg.stat().st_mtime_ns if cfg.is_file() else 0)
+    with _LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = load_reward_model(path, device=_device(device))
+        return _MODELS[key]
+
+
+def _calibrator(path: str | None):
+    if path is None:
+        return None
+    from postrl.calibration import load_calibrator
+
+    with _LOCK:
+        if path not in _CALIBRATORS:
+            _CALIBRATORS[path] = load_calibrator(path)
+        return _CALIBRATORS[path]
+
+
+def raw_scores(path: str, prompts, completions, *, steps=None, batch_size: int = 32, device: str = "cpu"
+               ) -> torch.Tensor:
+    """[N, K] scores of an outcome model / ensemble, or [N, S] step scores of a PRM (NaN padded); cached."""
+    model = load_cached(path, device)
+    key = (id(model), batch_size, tuple(prompts), tuple(completions),
+           None if steps is None else tuple(tuple(s) for s in steps))
+    with _LOCK:
+        if key in _LAST:
+            _LAST.move_to_end(key)
+            return _LAST[key]
+        if getattr(model, "kind", None) == "prm":
+            out = model.step_scores(list(prompts), list(completions), batch_size, steps=steps)
+        else:
+            out = model.score(list(prompts), list(completions), batch_size)
+        _LAST[key] = out
+        while len(_LAST) > _CACHE_SIZE:
+            _LAST.popitem(last=False)
+    return out
+
+
+def _calibrate_steps(steps: torch.Tensor, cal, step_buckets: int) -> torch.Tensor:
+    from postrl.calibration import step_bucket
+
+    s = steps.numpy().astype(np.float64)
+    ok = ~np.isnan(s)
+    if ok.any():
+        cond = np.array([[step_bucket(j, step_buckets) for j in range(s.shape[1])]] * s.shape[0])
+        s[ok] = cal.apply(s[ok], cond[ok])
+    return torch.from_numpy(s).float()
+
+
+def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, reduce, calibrator, step_buckets,
+           batch_size, device) -> list:
+    from postrl.reward_models import aggregate_ensemble, reduce_steps
+
+    model = load_cached(path, device)
+    cal = _calibrator(calibrator)
+    if getattr(model, "kind", None) == "prm":
+        sc = raw_scores(path, prompts, completions, steps=steps, batch_size=batch_size, device=device)
+        if cal is not None:
+            sc = _calibrate_steps(sc, cal, step_buckets)
+        if reduce is not None:
+            return reduce_steps(sc, reduce).tolist()
+        return [[v for v in row if v == v] or None for row in sc.tolist()]  # no step -> None (a failed entry)
+    sc = raw_scores(path, prompts, completions, batch_size=batch_size, device=device)
+    if member is not None:
+        if not 0 <= member < sc.shape[1]:
+            raise ValueError(f"reward model '{path}' has {sc.shape[1]} scores; member {member} does not exist")
+        out = sc[:, member]
+    else:
+        out = aggregate_ensemble(sc, aggregate, uwo_lambda) if sc.shape[1] > 1 else sc[:, 0]
+    if cal is not None:
+        out = torch.from_numpy(np.asarray(cal.apply(out.numpy()), dtype=np.float32))
+    return out.tolist()
+
+
+@register("reward", "model", source="a trained reward model (postrl rm train / prm train)")
+def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str = "mean", uwo_lambda: float = 1.0,
+                 member: int | None = None, reduce: str | None = None, calibrator: str | None = None,
+                 step_buckets: int = 4, batch_size: int = 32, device: str = "cpu"):
+    """Score of a trained reward model, ensemble (aggregate mean|min|uwo) or PRM (step scores, or reduce).
+
+    See the module docstring for what is returned per model kind. Defaults: aggregate 'mean', uwo_lambda 1.0,
+    member None (aggregate all), reduce None (PRM: step scores), calibrator None, step_buckets 4,
+    batch_size 32, device 'cpu' ('auto': CUDA when available).
+    """
+    return _score(path, prompts, completions, steps, member=member, aggregate=aggregate, uwo_lambda=uwo_lambda,
+                  reduce=reduce, calibrator=calibrator, step_buckets=step_buckets, batch_size=batch_size,
+                  device=device)
+
+
+def _member_source(k: int):
+    def member_reward(prompts, completions, *, path: str, calibrator: str | None = None, batch_size: int = 32,
+                      device: str = "cpu"):
+        return _score(path, prompts, completions, None, member=k, aggregate="mean", uwo_lambda=1.0, reduce=None,
+                      calibrator=calibrator, step_buckets=4, batch_size=batch_size, device=device)
+
+    member_reward.__doc__ = (f"Member {k} of a reward-model ensemble (column {k} of its K scores); list "
+                             f"model/0..model/K-1 to get K reward columns for ensemble_* shaping.")
+    member_reward.__qualname__ = f"member_reward_{k}"
+    return member_reward
+
+
+for _k in range(MAX_MEMBERS):
+    register("reward", f"model/{_k}", source="Reward Model Ensembles Help Mitigate Overoptimization (one member)")(
+        _member_source(_k))
