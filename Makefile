@@ -1,25 +1,31 @@
 # `make demo`: create the virtual environment if needed, install postrl, run the main job (postrl train).
-# `make test`: same set-up, then the whole test suite.
+# `make test`: same set-up plus the test extras, then the whole test suite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.postrl-installed
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+CORE := $(VENV)/.postrl-core
+DEV := $(VENV)/.postrl-dev
 
 .PHONY: demo test install clean
 
-install: $(STAMP)
+install: $(DEV)
 
-$(STAMP): pyproject.toml
+# torch is pinned to the CPU wheel (a looser requirement pulls a multi-GB CUDA build).
+$(CORE): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	@touch $(STAMP)
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	@touch $(CORE)
 
-demo: $(STAMP)
+$(DEV): $(CORE)
+	$(PIP) -e '.[dev]'
+	@touch $(DEV)
+
+demo: $(CORE)
 	$(VENV)/bin/postrl train
 
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m pytest -q
 
 clean:

@@ -77,4 +77,26 @@ def test_methods_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     names = {(r["kind"], r["name"]) for r in rows}
     assert ("advantage", "grpo") in names and ("loss", "ppo_clip") in names and ("task", "arithmetic") in names
-    assert all(r["description"] for r in rows)
+    from postrl import registry
+
+    own = {(e.kind, e.name) for e in registry.all_entries() if getattr(e.fn, "__module__", "").startswith("postrl.")}
+    assert all(r["description"] for r in rows if (r["kind"], r["name"]) in own)  # every postrl stage says what it is
+
+
+def test_config_reference_doc_is_current():
+    """docs/config.md is generated from the code (postrl config reference > docs/config.md): keep it true."""
+    from pathlib import Path
+
+    from postrl.config import reference_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert doc.read_text().strip() == reference_markdown().strip(), "regenerate: postrl config reference > docs/config.md"
+
+
+def test_changing_a_stage_name_drops_the_old_stage_params(tmp_path):
+    # the default task is arithmetic with chatty=0.6; countdown has no such parameter
+    assert load_config(None, ["task.name=countdown"]).task.params == {}
+    assert load_config(None, ["task.digits=3"]).task.params == {"chatty": 0.6, "digits": 3}  # same stage: merged
+    f = tmp_path / "run.yaml"
+    f.write_text("task: {name: countdown, numbers: 4}\n")
+    assert load_config(f).task.params == {"numbers": 4}

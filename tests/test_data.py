@@ -287,3 +287,19 @@ def test_reasoning_gym_entry_json_round_trip():
                                                           "l": [1, (2,)], "n": None}}
     text = entry_to_json(entry)
     assert isinstance(text, str) and entry_from_json(text) == entry
+
+
+def test_arithmetic_chatty_teacher_changes_only_the_demonstrations():
+    from postrl.data import ArithmeticTask
+
+    plain = ArithmeticTask(digits=2).train_rows(0, 400, seed=1)
+    chatty = ArithmeticTask(digits=2, chatty=0.6).train_rows(0, 400, seed=1)
+    verbose = [r for r in chatty if r["solution"].endswith(", I think")]
+    assert 0.5 < len(verbose) / len(chatty) < 0.7  # about the requested fraction
+    for r in chatty:  # the answer and the verifier are unchanged: the chatty demonstration itself scores 0
+        assert r["solution"] in (r["answer"], f"{r['answer']}, I think")
+        assert ArithmeticTask.verify(r["answer"], r) == 1.0
+        assert ArithmeticTask.verify(r["solution"], r) == (1.0 if r["solution"] == r["answer"] else 0.0)
+    assert all(r["solution"] == r["answer"] for r in plain)
+    with pytest.raises(ConfigError, match="chatty must be a fraction"):
+        ArithmeticTask(chatty=1.5)

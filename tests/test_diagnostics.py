@@ -83,7 +83,7 @@ def models(tmp_path_factory):
     return {"sft": sft, "dropout": drop}
 
 
-BASE = ["task.name=arithmetic", "task.digits=1", "rollout.max_new_tokens=4", "rollout.group_size=8",
+BASE = ["task.name=arithmetic", "task.digits=1", "task.chatty=0", "rollout.max_new_tokens=4", "rollout.group_size=8",
         "train.prompts_per_step=4", "train.save_every=0", "train.eval_size=8", "train.eval_k=1", "optim.lr=1e-3",
         "diagnostics.edge_of_stability.every=0"]
 
@@ -481,13 +481,15 @@ def test_reward_probe(capsys):
     for probe in ("empty", "tag_spam", "repeated_answer", "hedged", "prompt_echo", "very_long", "format_only"):
         assert pay[probe]["correct"] == 0.0, probe  # the arithmetic verifier pays for none of them
     assert pay["format_only"]["format"] == 1.0  # a format reward pays for a wrong answer in the right format
-    # numeric takes the last number of the text: it pays for hedged and padded answers (a known exploit)
-    assert pay["hedged"]["numeric"] == 1.0 and pay["padded_answer"]["numeric"] == 1.0
-    assert pay["hedged_first"]["numeric"] == 0.0
+    # the probe found numeric paying for hedges ("8 or 9 or 7") and repeated answers; the hedge guard closed that
+    for probe in ("hedged", "hedged_first", "hedged_in_tags", "repeated_answer"):
+        assert pay[probe]["numeric"] == 0.0, probe
+    # a correct answer after filler is right, not hedged: length is the length shaping's business, not the verifier's
+    assert pay["padded_answer"]["numeric"] == 1.0
     assert main(["probe-reward", "--task", "arithmetic", "--fail-on-pay", "0.5"]) == 0  # correct + 0.2 format
     assert main(["probe-reward", "--task", "arithmetic", "--reward", "numeric", "--fail-on-pay", "0.5"]) == 1
     err = capsys.readouterr().err
-    assert "hedged (1.00)" in err and "padded_answer (1.00)" in err
+    assert "padded_answer (1.00)" in err and "hedged" not in err
     assert main(["probe-reward", "--task", "arithmetic", "--reward", "nope"]) == 2
 
 
@@ -544,7 +546,9 @@ def test_mlflow_sink(tmp_path):
     hist = client.get_metric_history(run.info.run_id, "reward/mean")
     assert [m.value for m in sorted(hist, key=lambda m: m.step)] == pytest.approx([0.1, 0.2])
     assert client.get_metric_history(run.info.run_id, "pass_at_4")
-    assert run.data.params["optim.lr"] == "0.0001" and run.info.status == "FINISHED"
+    from postrl.config import Config
+
+    assert run.data.params["optim.lr"] == str(Config().optim.lr) and run.info.status == "FINISHED"
 
 
 def test_wandb_sink_offline(tmp_path, monkeypatch):

@@ -292,3 +292,73 @@ def test_rejects_bad_input(tok, model):
         gen.generate([[5]], 0, SamplingParams(), seed=0)
     with pytest.raises(ValueError):
         HFGenerator(model, tok, batch_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- static decoder
+def _tiny_qwen2(tok):
+    """Qwen2 (q/k/v biases) with grouped-query attention: 4 query heads share 2 KV heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return _reinit(Qwen2ForCausalLM(cfg))
+
+
+def test_static_decoder_supports_llama_family_only(tok, model):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from postrl.rollout.decoder import StaticDecoder
+
+    assert StaticDecoder.supports(model) and StaticDecoder.supports(_tiny_qwen2(tok))
+    assert HFGenerator(model, tok).static_cache
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert not StaticDecoder.supports(gpt2) and not HFGenerator(gpt2, tok).static_cache
+    scaled = copy.deepcopy(model)
+    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert not StaticDecoder.supports(scaled)  # a RoPE variant it does not implement: the model's own forward
+    with pytest.raises(ValueError):
+        HFGenerator(gpt2, tok, static_cache=True)
+    # An unsupported model still generates (through its forward with a DynamicCache).
+    out = HFGenerator(gpt2.eval(), tok).generate(_ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=5), seed=0)
+    assert out.completion_ids.shape == (4, 5)
+
+
+@pytest.mark.parametrize("which", ["eos_model", "qwen2"])
+def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which):
+    """Same tokens, EOS ends, stop strings and log-probs from the static decoder and from the model's forward;
+    sampled with top-k/top-p, rows finishing at different steps (cache compaction), chunked batches."""
+    m = eos_model if which == "eos_model" else _tiny_qwen2(tok)
+    prompts = _ids(tok, PROMPTS)
+    for params in (SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.95, stop=["e"]),
+                   SamplingParams(max_new_tokens=12, temperature=0.0)):
+        a = HFGenerator(m, tok, static_cache=True).generate(prompts, 3, params, seed=5)
+        b = HFGenerator(m, tok, static_cache=False).generate(prompts, 3, params, seed=5)
+        c = HFGenerator(m, tok, batch_size=5, static_cache=True).generate(prompts, 3, params, seed=5)
+        for o in (b, c):
+            assert torch.equal(a.completion_ids, o.completion_ids)
+            assert torch.equal(a.completion_mask, o.completion_mask)
+            assert torch.equal(a.truncated, o.truncated) and a.texts == o.texts
+            torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
+    if which == "eos_model":
+        assert len(set(a.completion_mask.sum(1).tolist())) > 2  # rows ended at different steps
+    # and the log-probs are the model's own full-forward ones
+    for r in range(len(prompts) * 3):
+        completion = _row(a, r)
+        lp = _recompute_logprobs(m, prompts[r // 3], completion, 1.0)
+        torch.testing.assert_close(a.logprobs[r, : len(completion)], lp, atol=1e-4, rtol=0)
+
+
+def test_generation_thread_policy(tok, model):
+    from postrl.perf import ThreadPolicy
+
+    before = torch.get_num_threads()
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    ref = HFGenerator(model, tok).generate(_ids(tok, PROMPTS), 2, params, seed=1)
+    out = HFGenerator(model, tok, threads=ThreadPolicy(1)).generate(_ids(tok, PROMPTS), 2, params, seed=1)
+    torch.set_num_threads(before)
+    assert torch.equal(ref.completion_ids, out.completion_ids)
+    with pytest.raises(ValueError):
+        ThreadPolicy(0)

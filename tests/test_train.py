@@ -42,9 +42,14 @@ def small(model_dir: Path, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
+_MACHINE_KEYS = ("time/", "throughput/", "memory/")  # wall-clock and memory measurements vary run to run
+
+
 def metrics(run: Path) -> list[dict]:
+    """Every logged metric except timings and memory; NaN becomes the string 'nan' so equal runs compare equal."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: ("nan" if isinstance(v, float) and v != v else v) for k, v in r.items()
+             if not k.startswith(_MACHINE_KEYS)} for r in rows]
 
 
 def run_inprocess(args: list[str], resume: bool = False) -> dict:
@@ -130,6 +135,8 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
            "-m", "postrl", "train", "--quiet", *small(model_dir, two, *extra)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((two / "summary.json").read_text())["processes"] == 2  # really two workers, not one
+    assert json.loads((one / "summary.json").read_text())["processes"] == 1
     m1, m2 = metrics(one), metrics(two)
     assert len(m2) == 3
     for a, b in zip(m1, m2):
@@ -163,7 +170,7 @@ def test_prompts_file_with_missing_column_is_one_line_error(model_dir, tmp_path)
 def test_reward_with_wrong_number_of_values_is_one_line_error(model_dir, tmp_path):
     (tmp_path / "badreward.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n")
     r = cli("train", "--quiet", *small(model_dir, tmp_path / "run"), "rewards=[{name: 'badreward:short'}]",
-            env={"PYTHONPATH": str(tmp_path)})
+            "reward.strict=true", env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "postrl: error: reward 'badreward:short' returned 1 values for 32 completions"
 
@@ -173,15 +180,20 @@ def test_user_reward_by_import_path_trl_and_verl_signatures(model_dir, tmp_path)
         "def trl_style(prompts, completions, answer, **kwargs):\n"
         "    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return {'score': float(solution_str.strip() == ground_truth)}\n")
+        "    return {'score': float(solution_str.strip() == ground_truth)}\n"
+        "async def async_style(prompts, completions, answer, **kwargs):\n"
+        "    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]\n")
     out = tmp_path / "run"
     r = cli("train", "--quiet", *small(model_dir, out, "train.steps=2", "train.save_every=0"),
-            "rewards=[{name: 'myrewards:trl_style'}, {name: 'myrewards:compute_score'}, {name: correct}]",
+            "rewards=[{name: 'myrewards:trl_style'}, {name: 'myrewards:compute_score'}, {name: correct}, "
+            "{name: 'myrewards:async_style'}]",
             env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    for m in metrics(out):  # all three agree with the task verifier on every completion
+    for m in metrics(out):  # all of them agree with the task verifier on every completion
         assert m["reward/myrewards:trl_style/mean"] == m["reward/correct/mean"]
         assert m["reward/myrewards:compute_score/mean"] == m["reward/correct/mean"]
+        assert m["reward/myrewards:async_style/mean"] == m["reward/correct/mean"]  # async def, awaited
+        assert m["reward/myrewards:async_style/failure_rate"] == 0.0
 
 
 def test_sft_then_eval_cli(model_dir, tmp_path):

@@ -16,14 +16,23 @@ prompts             list[str]      prompt text per completion
 completions         list[str]      decoded completion text (stop string cut off)
 columns             dict[str, list] per-completion data columns (answer, task label ...) passed to rewards
 reward_names        list[str]      names of the K reward sources
-rewards             [N, K] float   raw reward matrix; NaN marks an entry whose reward failed
+rewards             [N, K] float   named reward matrix; NaN marks an entry whose reward failed. Raw after
+                                   scoring; shaping stages may transform columns or append named ones (the
+                                   raw matrix stays in ``raw_rewards``)
+raw_rewards         [N, K0] float  the reward matrix as scored, before shaping (columns:
+                                   ``extra['raw_reward_names']``); for metrics and filters on raw rewards
 reward_weights      [K] float      weight of each source
 reward              [N] float      scalar reward after shaping (NaN where excluded)
 valid               [N] bool       False for completions excluded from the advantage (failed reward)
+step_ends           [N, S] long    token index of the last token of each reasoning step (-1 padded); steps
+                                   split at ``reward.step_delimiter`` (``postrl.rewards.steps``)
+step_rewards        [N, S] float   per-step scores of the process reward source (NaN padded); process
+                                   shaping stages rewrite them (clip_prm, delta_prm, min_form, gated, potential)
 advantages          [N] or [N, T]  set by the advantage stage
 old_logprobs        [N, T]         policy log-probs before the update (None when one epoch: ratio uses detach)
 ref_logprobs        [N, T]         reference model log-probs (None without a reference)
-extra               dict           anything a stage adds for later stages or the logs
+extra               dict           anything a stage adds for later stages or the logs; per-row entries
+                                   (a tensor with N rows, a list of N) follow the rows in select/concat
 ==================  =============  ===========================================================
 
 A stage reads what it needs and adds its own fields; it never reaches into the trainer.
@@ -52,8 +61,11 @@ class RolloutBatch:
     reward_names: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None
     reward_weights: torch.Tensor | None = None
+    raw_rewards: torch.Tensor | None = None
     reward: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    step_ends: torch.Tensor | None = None
+    step_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -85,8 +97,10 @@ class RolloutBatch:
                 out[f.name] = [v[i] for i in ids]
             elif f.name == "columns":
                 out[f.name] = {k: [c[i] for i in ids] for k, c in v.items()}
-            elif f.name == "extra":
-                out[f.name] = dict(v)
+            elif f.name == "extra":  # per-row entries (tensor with N rows, list of N) follow the rows
+                out[f.name] = {k: (e[idx] if isinstance(e, torch.Tensor) and e.dim() > 0 and e.shape[0] == n
+                                   else [e[i] for i in ids] if isinstance(e, list) and len(e) == n else e)
+                               for k, e in v.items()}
             else:
                 out[f.name] = v
         return RolloutBatch(**out)
@@ -123,6 +137,26 @@ class RolloutBatch:
                 vals = [rpad(v, pad_to, 0.0) for v in vals]
             return torch.cat(vals)
 
+        def cat_steps(name: str, value: float) -> torch.Tensor | None:
+            vals = [getattr(b, name) for b in batches]
+            if any(v is None for v in vals):
+                return None
+            S = max(v.shape[1] for v in vals)
+            return torch.cat([rpad(v, S, value) for v in vals])
+
+        extra = dict(batches[0].extra)  # per-row entries present in every batch are concatenated (2-D: padded)
+        for k in batches[0].extra:
+            vals = [b.extra.get(k) for b in batches]
+            if all(isinstance(e, list) and len(e) == len(b) for e, b in zip(vals, batches)):
+                extra[k] = [x for e in vals for x in e]
+            elif all(isinstance(e, torch.Tensor) and e.dim() > 0 and e.shape[0] == len(b)
+                     for e, b in zip(vals, batches)):
+                W = max(e.shape[1] for e in vals) if vals[0].dim() == 2 else 0
+                extra[k] = torch.cat([rpad(e, W, 0.0) if e.dim() == 2 else e for e in vals])
+            elif any((isinstance(e, list) or isinstance(e, torch.Tensor) and e.dim() > 0) and len(e) == len(b)
+                     for e, b in zip(vals, batches)):
+                extra.pop(k)  # per-row in some batches only: cannot be aligned with the rows
+
         return RolloutBatch(
             prompt_ids=torch.cat([lpad(b.prompt_ids, P, pad_id) for b in batches]),
             prompt_mask=torch.cat([lpad(b.prompt_mask, P, 0) for b in batches]),
@@ -137,9 +171,13 @@ class RolloutBatch:
             reward_names=batches[0].reward_names,
             rewards=cat_opt("rewards"),
             reward_weights=batches[0].reward_weights,
+            raw_rewards=cat_opt("raw_rewards"),
             reward=cat_opt("reward"),
             valid=cat_opt("valid"),
             advantages=cat_opt("advantages", T),
             old_logprobs=cat_opt("old_logprobs", T),
             ref_logprobs=cat_opt("ref_logprobs", T),
+            step_ends=cat_steps("step_ends", -1),
+            step_rewards=cat_steps("step_rewards", float("nan")),
+            extra=extra,
         )

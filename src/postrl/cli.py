@@ -17,6 +17,7 @@ from postrl.errors import PostrlError
 EPILOG = """examples:
   postrl train                                  the embedded default: tiny model, arithmetic, CPU
   postrl train run.yaml optim.lr=1e-5           a YAML config plus dot-list overrides
+  postrl train --recipe dapo train.steps=100    a bundled recipe (base config) plus overrides
   postrl train --resume runs/arithmetic-...     continue a run from its latest checkpoint
   postrl config show run.yaml train.steps=10    print the resolved config
   postrl methods --kind advantage               list registered stages
@@ -51,11 +52,13 @@ def cmd_train(args) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise PostrlError(f"--resume {run_dir}: no config.yaml in it (expected a postrl run directory)")
-        if path is not None:
+        if path is not None or args.recipe:
             raise PostrlError("--resume takes the run's own config; give only KEY=VALUE overrides")
         cfg = load_config(None, overrides, base=read_yaml(run_dir / "config.yaml"))
     else:
-        cfg = load_config(path, overrides)
+        from postrl import recipes
+
+        cfg = load_config(path, overrides, base=recipes.load(args.recipe) if args.recipe else None)
         run_dir = Path(cfg.output_dir) if cfg.output_dir else _default_run_dir(cfg)
         if cfg.output_dir is None:
             cfg.output_dir = str(run_dir)
@@ -177,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="RL-train a model. CONFIG is a YAML file; KEY=VALUE items override any key.")
     t.add_argument("items", nargs="*", metavar="[CONFIG] [KEY=VALUE]")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.add_argument("--recipe", metavar="NAME", help="start from a bundled recipe (grpo, dapo, gspo, ppo, ...); "
+                   "CONFIG and KEY=VALUE apply on top")
     t.add_argument("--quiet", action="store_true", help="no console table")
     t.set_defaults(fn=cmd_train)
 
@@ -205,10 +210,34 @@ def build_parser() -> argparse.ArgumentParser:
     cs = csub.add_parser("show", help="print the resolved config")
     cs.add_argument("items", nargs="*", metavar="[FILE] [KEY=VALUE]")
     cs.set_defaults(fn=cmd_config)
+    cr = csub.add_parser("reference", help="print the configuration reference (markdown)")
+    cr.set_defaults(fn=lambda a: print(__import__("postrl.config", fromlist=["x"]).reference_markdown()) or 0)
+
+    from postrl.bench import add_parser as add_bench_parser  # postrl bench: side by side with TRL's GRPOTrainer
+
+    add_bench_parser(sub)
+    from postrl.report.commands import add_parsers as add_run_parsers  # samples, report, doctor, probe-reward
+
+    add_run_parsers(sub)
+    from postrl.reward_models.cli import add_commands as add_rm_commands  # rm train|eval, prm train, calibrate
+
+    add_rm_commands(sub)
+    from postrl.sandbox.cli import add_parser as add_sandbox_parser  # postrl sandbox FILE.py [--tests TESTS]
+
+    add_sandbox_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from postrl.launch import relaunch_if_needed
+
+    try:
+        status = relaunch_if_needed(list(sys.argv[1:] if argv is None else argv))
+    except PostrlError as e:
+        print(f"postrl: error: {e}", file=sys.stderr)
+        return 2
+    if status is not None:
+        return status
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse cannot take positionals after an option (`eval RUN --task t task.digits=3`): KEY=VALUE items that

@@ -11,6 +11,7 @@ stage function's keyword-only arguments.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from postrl.diagnostics.config import DiagnosticsConfig, LoggingConfig
 from postrl.errors import ConfigError
 
 
@@ -62,91 +64,150 @@ class RewardSpec(StageSpec):
 class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )
 
 
 class TaskConfig(StageSpec):
-    name: str = "arithmetic"
+    name: str = Field("arithmetic", description="prompt source: a task (arithmetic, countdown, reasoning_gym), file, dataset")
 
 
 class RolloutConfig(_Strict):
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend (hf: KV-cache sampler on CPU/GPU)")
     group_size: int = Field(8, ge=1, description="G completions per prompt")
-    max_new_tokens: int = Field(8, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    stop: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(16, ge=1, description="completion length limit; longer ones are truncated")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy); log-probs use it too")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1.0: off)")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
+    stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
 
 
+class RewardConfig(_Strict):
+    """How the reward sources are evaluated (postrl.rewards.core) and how failures are handled."""
+
+    strict: bool = Field(False, description="fail fast: the first failing reward entry (raise, timeout, None/NaN/"
+                         "inf, wrong count) stops the run with a one-line RewardError naming the reward and input")
+    timeout: float | None = Field(60.0, gt=0.0, description="wall-clock seconds per reward call (None: no limit); "
+                                  "a call past it fails its entries")
+    workers: int = Field(4, ge=1, description="threads evaluating reward sources / chunks in parallel")
+    chunk_size: int | None = Field(None, ge=1, description="rows per reward call (None: the whole batch); chunks "
+                                   "end at group boundaries")
+    alarm_rate: float = Field(0.1, ge=0.0, le=1.0, description="a source failing on more than this fraction of a "
+                              "batch logs a warning (metric reward/<name>/failure_rate)")
+    weights: list[float] | None = Field(None, description="weight per reward source, in order (TRL reward_weights); "
+                                        "overrides rewards.N.weight; one per source")
+    step_delimiter: str = Field("\n\n", min_length=1, description="text that ends a reasoning step (process "
+                                "rewards, step_ends)")
+
+
 class AdvantageConfig(StageSpec):
-    name: str = "grpo"
+    name: str = Field("grpo", description="advantage estimator (postrl methods --kind advantage)")
+
+
+class TISConfig(_Strict):
+    level: Literal["none", "token", "sequence"] = Field(
+        "none", description="truncated importance sampling for the sampler/trainer mismatch (none: off)")
+    mode: Literal["truncate", "mask"] = Field("truncate",
+                                              description="weights above cap: truncate to cap, or mask to 0")
+    cap: float = Field(2.0, gt=0.0, description="cap C on the importance weight (verl rollout_is_threshold)")
 
 
 class LossConfig(StageSpec):
-    name: str = "ppo_clip"
-    agg: str = Field("token_mean", description="aggregation: token_mean, seq_mean_token_mean, ...")
+    name: str = Field("ppo_clip", description="policy loss (postrl methods --kind loss)")
+    agg: str = Field("token_mean", description="aggregation: token_mean, seq_mean_token_mean, sequence, "
+                     "seq_mean_token_sum, dr_grpo")
+    tis: TISConfig = Field(default_factory=TISConfig, description="truncated importance sampling (docs/losses.md)")
+
+
+class RegularizerSpec(StageSpec):
+    coef: float = Field(1.0, description="weight of the regulariser's aggregated term in the loss")
 
 
 class KLConfig(_Strict):
-    coef: float = Field(0.0, ge=0.0, description="0 disables the reference model and the KL term")
-    estimator: str = "k3"
+    coef: float = Field(0.0, ge=0.0, description="0 disables the reference model and the KL term (initial value "
+                        "when adaptive)")
+    estimator: str = Field("k3", description="KL estimator: k1, k2, k3, abs, or straight-through k1+, k3+, abs+ "
+                           "(regularizer kl_<name>)")
+    placement: Literal["loss", "reward"] = Field(
+        "loss", description="loss: coef * agg(KL) in the loss; reward: r - coef * sum_t KL_t before advantages")
+    controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type)")
+    target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller")
+    horizon: int = Field(10000, ge=1, description="horizon of the adaptive controller (in sequences)")
+
+    @model_validator(mode="after")
+    def _check_controller(self) -> "KLConfig":
+        if self.controller == "adaptive" and self.coef <= 0:
+            raise ValueError("kl.controller=adaptive needs kl.coef > 0 (the initial coefficient)")
+        return self
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(1e-4, gt=0.0)
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr after warmup")
     max_grad_norm: float | None = Field(1.0, description="clip the global grad norm (None: no clipping)")
 
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=1, description="RL steps (one rollout batch each)")
-    prompts_per_step: int = Field(16, ge=1, description="prompts per step over all processes")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per step over all processes")
     epochs: int = Field(1, ge=1, description="optimisation passes over each rollout batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps (0: only before and after)")
-    eval_size: int = Field(200, ge=1)
+    eval_size: int = Field(200, ge=1, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: torch default)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: chosen per phase by a "
+                                "short measurement, postrl.perf; fix it for bitwise-reproducible runs)")
 
 
 class SFTConfig(_Strict):
-    steps: int = Field(300, ge=1)
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0.0)
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
+    """`postrl sft` and the built-in model's warm start."""
+
+    steps: int = Field(800, ge=1, description="SFT steps (the built-in model trains this many on first use)")
+    batch_size: int = Field(64, ge=1, description="demonstrations per SFT step")
+    lr: float = Field(3e-3, gt=0.0, description="peak lr (warmup, then cosine to 10%)")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
 
 
 class Config(_Strict):
-    seed: int = 0
+    seed: int = Field(0, description="seeds prompts, sampling, shuffling and init; same seed + config = same metrics")
     output_dir: str | None = Field(None, description="run directory (default: runs/<task>-<time>)")
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
+    task: TaskConfig = Field(default_factory=lambda: TaskConfig(name="arithmetic", chatty=0.6),
+                             description="prompt source and its parameters (the main job: arithmetic whose "
+                                         "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: list[RewardSpec] = Field(
-        default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)]
+        default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],
+        description="named reward sources, each {name, weight, params}; every completion keeps all K values",
     )
-    shaping: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="weighted_sum")])
-    filters: list[StageSpec] = Field(default_factory=list)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    loss: LossConfig = Field(default_factory=LossConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="reward evaluation and fault handling")
+    shaping: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="weighted_sum")],
+                                     description="reward transforms in order; one must produce the scalar reward")
+    filters: list[StageSpec] = Field(default_factory=list, description="group/completion filters in order")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimator + params")
+    loss: LossConfig = Field(default_factory=LossConfig, description="policy loss + params; agg: aggregation")
     kl: KLConfig = Field(default_factory=KLConfig)
+    regularizers: list[RegularizerSpec] = Field(default_factory=list,
+                                                description="loss regularisers in order, each {name, coef, params}")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig,
+                                           description="monitors and alarm thresholds (docs/metrics.md)")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric sinks besides metrics.jsonl")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -191,6 +252,8 @@ def _set_path(data: dict, path: list[str], value: Any, full: str) -> None:
                 node = node[idx]
         else:
             if last:
+                if part == "name" and _other_stage(node, {"name": value}):
+                    node.clear()  # another stage: the old stage's parameters do not carry over
                 node[part] = value
             else:
                 if not isinstance(node.get(part), (dict, list)):
@@ -227,10 +290,18 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def _other_stage(old: Any, new: dict) -> bool:
+    """True when ``new`` names a different stage than ``old``: its parameters then replace old's, not merge."""
+    return isinstance(old, dict) and "name" in new and new["name"] != old.get("name")
+
+
 def _merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and not _other_stage(out[k], v):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
     return out
 
 
@@ -264,6 +335,9 @@ def check_stages(cfg: Config) -> None:
     for i, r in enumerate(cfg.rewards):
         registry.entry("reward", r.name)
         registry.check_params("reward", r.name, r.params, where=f"rewards.{i}")
+    if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.rewards):
+        raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} values but rewards lists "
+                          f"{len(cfg.rewards)} sources; give one weight per reward source")
     for i, s in enumerate(cfg.shaping):
         registry.entry("shaping", s.name)
         registry.check_params("shaping", s.name, s.params, where=f"shaping.{i}")
@@ -276,8 +350,43 @@ def check_stages(cfg: Config) -> None:
     registry.check_params("loss", cfg.loss.name, cfg.loss.params, where="loss")
     registry.entry("aggregation", cfg.loss.agg)
     registry.entry("regularizer", f"kl_{cfg.kl.estimator}")
+    for i, s in enumerate(cfg.regularizers):
+        registry.entry("regularizer", s.name)
+        registry.check_params("regularizer", s.name, s.params, where=f"regularizers.{i}")
     load_source(cfg.task.model_dump())  # validates the task name and its parameters
 
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/config.md), generated from the pydantic models' fields."""
+    lines = ["# Configuration reference", "",
+             "Generated by `postrl config reference` from `src/postrl/config.py`; do not edit by hand.", "",
+             "Any key can be set in a YAML file or overridden on the command line as `section.key=value`.",
+             "A stage section (`task`, `advantage`, `loss`, each entry of `rewards`, `shaping`, `filters`) takes "
+             "`name` plus the stage's own parameters; `postrl methods` lists the stages and their sources.", ""]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        rows = []
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel) and not issubclass(ann, StageSpec):
+                continue
+            default = f.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = default.model_dump(mode="json")
+            elif isinstance(default, list):
+                default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
+            rows.append(f"| `{prefix}{name}` | `{json.dumps(default)}` | {f.description or ''} |")
+        if rows:
+            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | meaning |",
+                          "|---|---|---|", *rows, ""])
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel) and not issubclass(ann, StageSpec):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(Config, "")
+    return "\n".join(lines)

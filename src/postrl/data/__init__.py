@@ -63,3 +63,7 @@ def verify_row(completion: str, row: dict) -> float | None:
     if not isinstance(cls, type) or not issubclass(cls, PromptSource) or issubclass(cls, RowsSource):
         return None
     return cls.verify(completion, row)
+
+
+# Filters, prompt selectors and rollout options register themselves (kind "filter") on import.
+from postrl.data import filters, rollout_options  # noqa: E402,F401

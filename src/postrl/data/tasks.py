@@ -97,11 +97,20 @@ def parse_int(text: str) -> int | None:
 
 @register("task", "arithmetic", source="procedural (TinyStories-scale sanity task)")
 class ArithmeticTask(ProceduralTask):
-    """Integer arithmetic ``a<op>b=`` with operands of min_digits..digits digits; answer is the integer."""
+    """Integer arithmetic ``a<op>b=`` with operands of min_digits..digits digits; answer is the integer.
+
+    ``chatty``: the fraction of demonstrations (the ``solution`` column, used by ``postrl sft``) that an imperfect,
+    hedging teacher wrote as ``"N, I think"`` instead of the bare number the verifier accepts. The answer
+    and the verifier do not change. A model warm-started on such demonstrations has a systematic format error
+    that RL with the verifier can correct; the main job uses it (see README). Default 0: a perfect teacher.
+    """
 
     name = "arithmetic"
 
-    def __init__(self, *, digits: int = 2, ops: str = "+", min_digits: int = 1):
+    def __init__(self, *, digits: int = 2, ops: str = "+", min_digits: int = 1, chatty: float = 0.0):
+        if not isinstance(chatty, (int, float)) or not 0.0 <= chatty <= 1.0:
+            raise ConfigError(f"task 'arithmetic': chatty must be a fraction in [0, 1], got {chatty!r}")
+        self.chatty = float(chatty)
         if not isinstance(digits, int) or digits < 1:
             raise ConfigError(f"task 'arithmetic': digits must be an integer >= 1, got {digits!r}")
         if not isinstance(min_digits, int) or not 1 <= min_digits <= digits:
@@ -113,6 +122,8 @@ class ArithmeticTask(ProceduralTask):
         self.digits, self.min_digits = digits, min_digits
         self.ops = "".join(sorted(set(ops), key=ops.index))
         self.params = {"digits": digits, "ops": self.ops, "min_digits": min_digits}
+        if self.chatty:  # only then part of the RNG key, so the problems of chatty=0 stay what they were
+            self.params["chatty"] = self.chatty
 
     def _operand(self, rng: random.Random) -> int:
         k = rng.randint(self.min_digits, self.digits)
@@ -124,7 +135,8 @@ class ArithmeticTask(ProceduralTask):
         op = rng.choice(self.ops)
         result = a + b if op == "+" else a - b if op == "-" else a * b
         answer = str(result)
-        return {"prompt": f"{a}{op}{b}=", "answer": answer, "solution": answer, "task": self.name}
+        solution = f"{answer}, I think" if self.chatty and rng.random() < self.chatty else answer
+        return {"prompt": f"{a}{op}{b}=", "answer": answer, "solution": solution, "task": self.name}
 
     @staticmethod
     def verify(completion: str, row: dict) -> float | None:

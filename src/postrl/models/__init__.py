@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -55,11 +56,14 @@ def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int
 
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False):
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                        return_logits: bool = False):
     """log pi(o_t | q, o_<t) for every completion token, from one forward over [prompt; completion].
 
     prompt_ids/prompt_mask [N, P] left-padded; completion_ids [N, T]. Logits are divided by ``temperature``
-    (the sampler's convention; 0 means greedy and is treated as 1). Returns (logp [N, T], entropy [N, T] or None).
+    (the sampler's convention; 0 means greedy and is treated as 1). Returns (logp [N, T], entropy [N, T] or None),
+    plus the temperature-scaled logits [N, T, V] when ``return_logits``. The entropy is a no-grad diagnostic
+    unless ``entropy_grad`` (a loss term that differentiates it).
     Only the last T+1 positions go through the LM head (``logits_to_keep``).
     """
     T = completion_ids.shape[1]
@@ -74,7 +78,7 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logz
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.no_grad() if not entropy_grad else nullcontext():
             p = torch.softmax(logits, dim=-1)
             ent = logz - (p * logits).sum(-1)
-    return logp, ent
+    return (logp, ent, logits) if return_logits else (logp, ent)

@@ -25,7 +25,7 @@ def cache_root() -> Path:
 
 
 def builtin_key(cfg) -> str:
-    spec = (cfg.model.builtin_size, cfg.task.model_dump(), cfg.sft.model_dump(), cfg.seed, cfg.model.chat_template, 1)
+    spec = (cfg.model.builtin_size, cfg.task.model_dump(), cfg.sft.model_dump(), cfg.seed, cfg.model.chat_template, 3)  # bump when demonstrations change
     return f"{stable_hash(json.dumps(spec, sort_keys=True, default=str)):016x}"
 
 

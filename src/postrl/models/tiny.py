@@ -25,6 +25,8 @@ SIZES = {
     "tiny": (128, 4, 4, 384),
     "small": (256, 6, 8, 768),
     "medium": (512, 8, 8, 1536),
+    "1m": (128, 4, 4, 480),  # 1.01M parameters (benchmarks)
+    "20m": (512, 6, 8, 1536),  # 20.5M parameters (benchmarks)
 }
 
 

@@ -2,9 +2,16 @@
 
 Every reward source is called like a TRL reward function, ``f(prompts, completions, **columns) -> list[float |
 None]``, once per batch; a verl-style ``compute_score(data_source, solution_str, ground_truth, extra_info)`` is
-detected by its signature and called once per completion. Built-in sources take their configuration as
-keyword-only arguments. :func:`score_batch` builds the named reward matrix ``[N, K]``.
+detected by its signature and called once per completion; ``async def`` sources are awaited. Built-in sources take
+their configuration as keyword-only arguments. :func:`score_batch` builds the named reward matrix ``[N, K]``
+(parallel, with per-call timeouts and fault isolation; see :mod:`postrl.rewards.core`).
+
+Built-in sources: ``correct`` (task verifier), ``format`` (regex / strict tags), ``exact``, ``numeric``, ``math``
+(math-verify), ``reasoning_gym`` (builtin.py); ``majority_vote``, ``novelty`` (label_free.py); ``likelihood``
+(likelihood.py); ``judge`` (judge.py).
 """
 
-from postrl.rewards.core import RewardOutcome, score_batch  # noqa: F401
-from postrl.rewards import builtin  # noqa: F401  (registers the built-in sources)
+from postrl.rewards.core import RewardContext, RewardOutcome, score_batch  # noqa: F401
+from postrl.rewards import builtin, judge, label_free, likelihood  # noqa: F401  (register the built-in sources)
+from postrl.rewards import model  # noqa: F401  (registers model, model/0..7: trained reward models)
+from postrl.rewards import code  # noqa: F401  (registers code_tests, code_reshaped, verrpo_weighted_tests)

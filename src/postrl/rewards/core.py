@@ -1,15 +1,40 @@
-"""Scoring a batch with several named reward sources.
+"""Scoring a batch with several named reward sources, in parallel, with fault isolation.
 
-Failure is loud but does not stop the run: a source that raises, or returns None / NaN / inf for an entry,
-leaves NaN in the reward matrix for the affected entries; those completions are then excluded from the
-advantage computation (never read as 0), and the count and the first failing input are reported per source.
-A source that returns the wrong number of values breaks its contract: that is a :class:`RewardError`.
+Calling conventions (detected from the signature, user functions work unchanged):
+
+- TRL: ``f(prompts, completions, **columns) -> list[float | None]``, once per batch (or per chunk). Columns the
+  function names (or all of them when it takes ``**kwargs``) are passed as keyword lists; ``group_ids`` is always
+  one of them (completions of the same prompt share an id), ``steps`` (the completion split into reasoning
+  steps) only to a function that names it.
+- verl: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` once per completion; a dict result
+  contributes its ``"score"``.
+- ``async def`` functions of either kind are awaited; the per-completion calls of an async verl function run
+  concurrently in one event loop.
+- A function that declares a ``context`` parameter receives a :class:`RewardContext` (the policy, tokenizer and
+  device) from the trainer; no other function sees the model.
+- A process reward returns, per completion, a list of step scores (one per entry of ``steps``); its column in the
+  reward matrix holds their sum, and the scores themselves go to ``step_rewards`` [N, S] (NaN padded).
+
+Parallelism: every (source, chunk) call runs in its own worker thread, at most ``workers`` at a time, each with a
+wall-clock ``timeout`` (a timed-out call is abandoned: its thread cannot be killed, but the run moves on and the
+late result is ignored; an async call is cancelled). ``chunk_size`` splits the batch into chunks that end at group
+boundaries, so group-aware sources (majority vote, novelty) always see whole groups.
+
+Fault isolation: a call that raises, times out, or returns the wrong number of values fails all its entries; an
+entry that is None, NaN, inf, not a number, or (for a process reward) a step list of the wrong length fails that
+entry (a source may put an exception instance in an entry to say why it failed). Failed entries are NaN in the
+reward matrix; they are then excluded from the advantage computation (never read as 0), counted per source, and
+the first failing input is reported. ``strict=True`` raises a one-line :class:`RewardError` naming the reward and
+the input at the first failure instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +46,28 @@ from postrl.errors import RewardError
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
 
 
+@dataclass
+class RewardContext:
+    """What a reward source that declares a ``context`` parameter receives from the trainer.
+
+    ``model`` is the policy (unwrapped, not under DDP); use it under ``torch.no_grad()``. ``chat_template`` is the
+    run's ``model.chat_template`` so that prompts are encoded exactly as for generation.
+    """
+
+    model: Any = None
+    tokenizer: Any = None
+    device: Any = "cpu"
+    chat_template: str = "auto"
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------ calling
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
 def _is_verl(fn: Callable) -> bool:
     try:
         params = set(inspect.signature(fn).parameters)
@@ -30,33 +77,125 @@ def _is_verl(fn: Callable) -> bool:
 
 
 def _accepts(fn: Callable) -> tuple[set[str], bool]:
-    sig = inspect.signature(fn)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return set(), True
     names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return names, any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def call_reward(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list], params: dict) -> list:
-    """Call one reward source on a batch; returns its raw list of values."""
+def wants(fn: Callable, name: str) -> bool:
+    """True when ``fn`` names the parameter ``name`` explicitly (``**kwargs`` does not count)."""
+    return name in _accepts(fn)[0]
+
+
+async def _await_all(coros: list, timeout: float | None) -> list:
+    async def one(c):
+        return await (asyncio.wait_for(c, timeout) if timeout else c)
+
+    return await asyncio.gather(*(one(c) for c in coros))
+
+
+def _resolve(value: Any, timeout: float | None) -> Any:
+    if inspect.isawaitable(value):
+        return asyncio.run(_await_all([value], timeout))[0]
+    return value
+
+
+def call_reward(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list], params: dict,
+                context: RewardContext | None = None, timeout: float | None = None) -> list:
+    """Call one reward source on a batch; returns its raw list of values (one per completion).
+
+    ``timeout`` bounds each awaited coroutine of an async source (sync sources are bounded by the caller's
+    thread timeout).
+    """
+    names, var_kw = _accepts(fn)
+    extra = dict(params)
+    if context is not None and "context" in names:
+        extra["context"] = context
     if _is_verl(fn):
-        out = []
+        calls = []
         for i, c in enumerate(completions):
             row = {k: v[i] for k, v in columns.items()}
             gt = row.get("ground_truth", row.get("answer"))
-            res = fn(data_source=row.get("data_source", row.get("task", "")), solution_str=c, ground_truth=gt,
-                     extra_info=row, **params)
-            out.append(res["score"] if isinstance(res, dict) else res)
-        return out
-    names, var_kw = _accepts(fn)
-    kwargs = {k: v for k, v in columns.items() if var_kw or k in names}
-    kwargs.update(params)
-    res = fn(prompts, completions, **kwargs)
+            calls.append(lambda c=c, row=row, gt=gt: fn(
+                data_source=row.get("data_source", row.get("task", "")), solution_str=c, ground_truth=gt,
+                extra_info=row, **extra))
+        if _is_async(fn):
+            out = asyncio.run(_await_all([call() for call in calls], timeout))
+        else:
+            out = [_resolve(call(), timeout) for call in calls]
+        return [r["score"] if isinstance(r, dict) else r for r in out]
+    kwargs = {k: v for k, v in columns.items() if (var_kw and k != "steps") or k in names}
+    kwargs.update(extra)
+    res = _resolve(fn(prompts, completions, **kwargs), timeout)
     if isinstance(res, torch.Tensor):
         res = res.tolist()
+    if res is None or isinstance(res, (str, bytes, dict)) or not hasattr(res, "__len__"):
+        raise TypeError(f"expected a list of values, got {type(res).__name__}")
     return list(res)
 
 
+# ------------------------------------------------------------------------------------------------ threads
+
+
+def run_parallel(calls: list[Callable[[], Any]], workers: int, timeout: float | None) -> list[tuple[str, Any]]:
+    """Run zero-argument ``calls`` on at most ``workers`` threads, each with its own wall-clock ``timeout``.
+
+    Returns, in order, ``("ok", value)``, ``("error", exception)`` or ``("timeout", None)``. A timed-out call is
+    abandoned (its daemon thread may finish later; the result is dropped) and frees its slot at once.
+    ``workers=1`` without a timeout runs the calls inline, in order, in the calling thread.
+    """
+    n = len(calls)
+    if workers <= 1 and timeout is None:
+        out = []
+        for c in calls:
+            try:
+                out.append(("ok", c()))
+            except Exception as e:  # noqa: BLE001 - isolation is the point
+                out.append(("error", e))
+        return out
+    results: list[tuple[str, Any] | None] = [None] * n
+    cond = threading.Condition()
+
+    def runner(i: int) -> None:
+        try:
+            r: tuple[str, Any] = ("ok", calls[i]())
+        except BaseException as e:  # noqa: BLE001
+            r = ("timeout", None) if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else ("error", e)
+        with cond:
+            if results[i] is None:
+                results[i] = r
+            cond.notify_all()
+
+    pending = list(range(n))
+    running: dict[int, float] = {}
+    with cond:
+        while pending or running:
+            while pending and len(running) < max(1, workers):
+                i = pending.pop(0)
+                running[i] = time.monotonic()
+                threading.Thread(target=runner, args=(i,), daemon=True, name=f"postrl-reward-{i}").start()
+            for i in [i for i in running if results[i] is not None]:
+                del running[i]
+            now = time.monotonic()
+            if timeout is not None:
+                for i, t0 in list(running.items()):
+                    if now - t0 >= timeout:
+                        results[i] = ("timeout", None)
+                        del running[i]
+            if running and (not pending or len(running) >= workers):
+                wait = None if timeout is None else max(0.0, min(t0 + timeout for t0 in running.values()) - now)
+                cond.wait(wait if wait is None else wait + 1e-3)
+    return [r if r is not None else ("timeout", None) for r in results]
+
+
+# ------------------------------------------------------------------------------------------------ values
+
+
 def _to_float(v: Any) -> float:
-    if v is None:
+    if v is None or isinstance(v, (str, bytes)):
         return math.nan
     try:
         f = float(v)
@@ -65,32 +204,127 @@ def _to_float(v: Any) -> float:
     return f if math.isfinite(f) else math.nan
 
 
+def _short(s: Any, n: int = 80) -> str:
+    r = repr(s)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def group_chunks(n: int, group_ids: list | None, chunk_size: int | None) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges of about ``chunk_size`` rows that never split a group."""
+    if not chunk_size or chunk_size >= n:
+        return [(0, n)] if n else []
+    out, start = [], 0
+    for i in range(1, n + 1):
+        boundary = i == n or group_ids is None or group_ids[i] != group_ids[i - 1]
+        if i - start >= chunk_size and boundary:
+            out.append((start, i))
+            start = i
+    if start < n:
+        out.append((start, n))
+    return out
+
+
 @dataclass
 class RewardOutcome:
     matrix: torch.Tensor  # [N, K], NaN where the entry failed
     failures: dict[str, int] = field(default_factory=dict)  # per source: entries that failed
     first_failure: dict[str, str] = field(default_factory=dict)  # per source: the first failing input / error
+    step_rewards: torch.Tensor | None = None  # [N, S] step scores of the process source, NaN padded
+    step_source: str | None = None  # name of the source that returned step scores
+
+    def failure_rate(self, name: str) -> float:
+        n = self.matrix.shape[0]
+        return self.failures.get(name, 0) / n if n else 0.0
 
 
-def score_batch(prompts: list[str], completions: list[str], columns: dict[str, list], specs: list) -> RewardOutcome:
-    """Score ``completions`` with every reward spec (objects with ``.name`` and ``.params``)."""
+def score_batch(prompts: list[str], completions: list[str], columns: dict[str, list], specs: list, *,
+                context: RewardContext | None = None, strict: bool = False, timeout: float | None = None,
+                workers: int = 1, chunk_size: int | None = None,
+                built: list[tuple[Any, dict]] | None = None) -> RewardOutcome:
+    """Score ``completions`` with every reward spec (objects with ``.name`` and ``.params``).
+
+    Returns the reward matrix [N, K] (NaN marks a failed entry) with per-source failure counts and the first
+    failing input; see the module docstring for the fault rules. ``strict`` raises :class:`RewardError` at the
+    first failure (in source order, then row order). ``built``: one (callable, call params) per spec, made once
+    per run by the trainer (``postrl.shaping.build_stage``: a reward class is instantiated with its params and
+    keeps its state across steps); without it each spec's registered function is called with ``spec.params``.
+    """
     n = len(completions)
     mat = torch.full((n, len(specs)), math.nan, dtype=torch.float32)
     out = RewardOutcome(mat)
-    for k, spec in enumerate(specs):
-        fn = registry.get("reward", spec.name)
-        try:
-            values = call_reward(fn, prompts, completions, columns, spec.params)
-        except Exception as e:  # a broken reward must not stop the run: every entry of this source fails
-            out.failures[spec.name] = n
-            out.first_failure[spec.name] = f"{type(e).__name__}: {e} (first completion {completions[0]!r})" if n else str(e)
+    if built is None:
+        built = [(registry.get("reward", spec.name), spec.params) for spec in specs]
+    fns = [fn for fn, _ in built]
+    call_params = [params for _, params in built]
+    chunks = group_chunks(n, columns.get("group_ids"), chunk_size)
+    tasks, calls = [], []
+    for k, (fn, params) in enumerate(zip(fns, call_params)):
+        for a, b in chunks:
+            cols = {key: v[a:b] for key, v in columns.items()}
+            tasks.append((k, a, b))
+            calls.append(lambda fn=fn, a=a, b=b, cols=cols, params=params: call_reward(
+                fn, prompts[a:b], completions[a:b], cols, params, context, timeout))
+    results = run_parallel(calls, workers, timeout)
+    steps: dict[int, list[float]] = {}
+
+    def fail(k: int, rows: range, what: str) -> None:
+        name = specs[k].name
+        i = rows[0]
+        msg = f"reward '{name}' {what} on completion {_short(completions[i])} (prompt {_short(prompts[i])})"
+        if strict:
+            raise RewardError(_one_line(msg))
+        out.failures[name] = out.failures.get(name, 0) + len(rows)
+        out.first_failure.setdefault(name, _one_line(f"{what} on completion {_short(completions[i])} "
+                                                     f"(prompt {_short(prompts[i])})"))
+
+    for (k, a, b), (status, value) in zip(tasks, results):
+        name = specs[k].name
+        if status == "timeout":
+            fail(k, range(a, b), f"timed out after {timeout:g}s")
             continue
-        if len(values) != n:
-            raise RewardError(f"reward '{spec.name}' returned {len(values)} values for {n} completions")
-        vals = [_to_float(v) for v in values]
-        mat[:, k] = torch.tensor(vals, dtype=torch.float32)
-        bad = [i for i, v in enumerate(vals) if math.isnan(v)]
-        if bad:
-            out.failures[spec.name] = len(bad)
-            out.first_failure[spec.name] = f"returned {values[bad[0]]!r} for completion {completions[bad[0]]!r}"
+        if status == "error":
+            fail(k, range(a, b), f"raised {type(value).__name__}: {_one_line(value)}")
+            continue
+        if len(value) != b - a:
+            if strict:
+                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions")
+            fail(k, range(a, b), f"returned {len(value)} values for {b - a} completions")
+            continue
+        for j, v in enumerate(value):
+            i = a + j
+            if isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 1):
+                v = v.tolist() if isinstance(v, torch.Tensor) else list(v)
+                if out.step_source not in (None, name):
+                    raise RewardError(f"reward '{name}' returned step scores, but '{out.step_source}' already "
+                                      "did; only one process reward source per run")
+                out.step_source = name
+                want = columns.get("steps")
+                sv = [_to_float(x) for x in v]
+                if want is not None and len(sv) != len(want[i]):
+                    fail(k, range(i, i + 1), f"returned {len(sv)} step scores for {len(want[i])} steps")
+                    continue
+                if not sv or any(math.isnan(x) for x in sv):
+                    fail(k, range(i, i + 1), f"returned step scores {_short(v)}")
+                    continue
+                steps[i] = sv
+                mat[i, k] = sum(sv)
+                continue
+            if isinstance(v, BaseException):  # a source may report why one entry failed
+                fail(k, range(i, i + 1), f"failed with {type(v).__name__}: {_one_line(v)}")
+                continue
+            f = _to_float(v)
+            if math.isnan(f):
+                fail(k, range(i, i + 1), f"returned {_short(v, 40)}")
+                continue
+            mat[i, k] = f
+    if out.step_source is not None:
+        S = max((len(v) for v in steps.values()), default=0)
+        sr = torch.full((n, S), math.nan, dtype=torch.float32)
+        for i, v in steps.items():
+            sr[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
+        out.step_rewards = sr
     return out

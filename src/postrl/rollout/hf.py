@@ -3,7 +3,9 @@
 :class:`HFGenerator` samples with the model's KV cache: one forward over the left-padded prompts (with an
 explicit attention mask and position ids), then one token per step, feeding only the new token. Rows that
 finish (EOS or a stop string) are dropped from the running batch and its cache, so a long straggler does not
-pay for the rows that are already done.
+pay for the rows that are already done. Llama-family models (llama, mistral, qwen2) are decoded by
+:class:`~postrl.rollout.decoder.StaticDecoder`: the same function with fused projections and a KV cache allocated
+once for the whole generation; other models go through their own ``forward`` with a ``DynamicCache``.
 
 Sampling draws only from a ``torch.Generator`` seeded with ``seed``: one uniform number per (row, step), turned
 into a token by the inverse CDF of that row's (top-k / top-p filtered) distribution. So the same seed gives the
@@ -15,11 +17,13 @@ The log-prob of each sampled token is ``log_softmax(logits / temperature)`` of t
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
+from postrl.perf import ThreadPolicy
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
+from postrl.rollout.decoder import StaticDecoder
 
 __all__ = ["HFGenerator", "left_pad"]
 
@@ -51,7 +55,7 @@ def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
         tokens = logits.argmax(dim=-1)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
-    scaled = logits / params.temperature
+    scaled = logits if params.temperature == 1.0 else logits / params.temperature
     logp = torch.log_softmax(scaled, dim=-1)
     filtered = scaled
     vocab = scaled.shape[-1]
@@ -73,14 +77,64 @@ def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
+class _HFStepper:
+    """Incremental decoding through the model's own forward with a transformers ``DynamicCache``."""
+
+    compact_below = 1.0  # drop finished rows as soon as any finishes (the cache is re-sliced, not copied in full)
+
+    def __init__(self, gen: HFGenerator, ids: torch.Tensor, mask: torch.Tensor, max_new: int):
+        self.gen = gen
+        self.width = ids.shape[1]
+        # The attention mask for the whole run, filled in one column per step.
+        self.attn = torch.zeros((ids.shape[0], self.width + max_new), dtype=torch.long, device=ids.device)
+        self.attn[:, : self.width] = mask
+        self.t = 0
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.first_logits, self.cache = gen._forward(ids, mask, positions, gen._new_cache())
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        col = self.width + self.t
+        self.t += 1
+        self.attn[:, col] = live.long()
+        logits, self.cache = self.gen._forward(tokens[:, None], self.attn[:, : col + 1], positions[:, None], self.cache)
+        return logits
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.cache.batch_select_indices(idx)
+        self.attn = self.attn[idx]
+
+
+class _StaticStepper:
+    """Incremental decoding with :class:`~postrl.rollout.decoder.StaticDecoder` (static KV cache)."""
+
+    compact_below = 0.75  # a compaction copies the filled cache: do it once a quarter of the rows has finished
+
+    def __init__(self, decoder: StaticDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new: int):
+        self.cache = decoder
+        self.first_logits = decoder.prefill(ids, mask, max_new)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return self.cache.decode(tokens, positions, live)
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.cache.select(idx)
+
+
 class HFGenerator(GenerationBackend):
     """Generate with a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids, past_key_values)``).
 
     ``batch_size`` caps the rows (prompts x n) run through the model at once; ``None`` runs all rows together.
     Results depend on ``seed`` but not on ``batch_size`` (up to float noise in batched matmuls).
+
+    ``static_cache``: decode Llama-family models with :class:`~postrl.rollout.decoder.StaticDecoder` (fused
+    projections, a KV cache allocated once); ``None`` (default) uses it whenever it supports the model, ``False``
+    always uses the model's forward with a ``DynamicCache``. Both compute the same tokens and log-probs.
+    ``threads``: torch intra-op threads while generating: an int, a :class:`~postrl.perf.ThreadPolicy` (phase
+    ``generation``), or ``None`` to leave the current setting.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int | None = None):
+    def __init__(self, model, tokenizer, batch_size: int | None = None, *, static_cache: bool | None = None,
+                 threads: ThreadPolicy | int | None = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.model = model
@@ -96,6 +150,12 @@ class HFGenerator(GenerationBackend):
         except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
             params = {}
         self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        supported = StaticDecoder.supports(model)
+        if static_cache and not supported:
+            raise ValueError(f"static_cache=True: no static decoder for model type "
+                             f"'{getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)}'")
+        self.static_cache = supported if static_cache is None else bool(static_cache)
+        self.threads = ThreadPolicy(threads) if isinstance(threads, int) else threads
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> list[int]:
@@ -141,8 +201,10 @@ class HFGenerator(GenerationBackend):
         chunk = self.batch_size or max(num_rows, 1)
         was_training = model.training
         model.eval()
+        threads = self.threads.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
+            if self.threads is not None else nullcontext()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), threads:
                 # One uniform draw per (row, step), taken up front: a row's samples depend on the seed and its own
                 # logits only, not on batch_size or on which rows have already finished.
                 noise = None
@@ -156,10 +218,11 @@ class HFGenerator(GenerationBackend):
                         gen.manual_seed(s)
                         blocks.append(torch.rand((num_rows // len(seeds), max_new), generator=gen, device=device))
                     noise = torch.cat(blocks)
+                decoder = StaticDecoder(model) if self.static_cache and max_new > 0 else None
                 for start in range(0, num_rows, chunk):
                     end = min(start + chunk, num_rows)
                     c_ids, c_lp, c_len, c_end = self._generate_chunk(
-                        rows[start:end], params, None if noise is None else noise[start:end], device
+                        rows[start:end], params, None if noise is None else noise[start:end], device, decoder
                     )
                     comp_ids[start:end] = c_ids
                     logprobs[start:end] = c_lp
@@ -220,7 +283,10 @@ class HFGenerator(GenerationBackend):
 
     @staticmethod
     def _can_compact(cache) -> bool:
-        """Only drop finished rows from caches whose every layer is a plain (or sliding) dynamic KV layer."""
+        """Finished rows can be dropped from the static decoder's cache and from caches whose every layer is a plain
+        (or sliding) dynamic KV layer."""
+        if isinstance(cache, StaticDecoder):
+            return True
         try:
             from transformers.cache_utils import DynamicLayer
         except ImportError:  # pragma: no cover - older transformers
@@ -228,71 +294,86 @@ class HFGenerator(GenerationBackend):
         layers = getattr(cache, "layers", None)
         return bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
 
-    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, noise: torch.Tensor | None, device):
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, noise: torch.Tensor | None, device,
+                        decoder: StaticDecoder | None = None):
         """Generate for one chunk of rows; returns (ids [B, M], logprobs [B, M], lengths [B], ended [B]) on CPU."""
         num = len(rows)
         max_new = params.max_new_tokens
         out_ids = torch.full((num, max(max_new, 1)), self.pad_id, dtype=torch.long)
         out_lp = torch.zeros((num, max(max_new, 1)), dtype=torch.float32)
-        lengths = torch.zeros(num, dtype=torch.long)
         ended = torch.zeros(num, dtype=torch.bool)
         if max_new == 0 or num == 0:
-            return out_ids, out_lp, lengths, ended
+            return out_ids, out_lp, torch.zeros(num, dtype=torch.long), ended
 
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        width = ids.shape[1]
-        # The attention mask for the whole run, filled in one column per step.
-        attn = torch.zeros((num, width + max_new), dtype=torch.long, device=device)
-        attn[:, :width] = mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stepper = _StaticStepper(decoder, ids, mask, max_new) if decoder is not None \
+            else _HFStepper(self, ids, mask, max_new)
+        logits = stepper.first_logits
+        compact = self._can_compact(stepper.cache)
         next_pos = mask.sum(-1)  # position of the next token in each row
-
-        logits, cache = self._forward(ids, mask, positions, self._new_cache())
-        compact = self._can_compact(cache)
-        rows_idx = torch.arange(num, device=device)  # original row of each row of the running batch
-        live = torch.ones(num, dtype=torch.bool, device=device)  # used only when the cache cannot be compacted
+        rows_idx: torch.Tensor | None = None  # original row of each running row (None: all rows, in order)
+        live = torch.ones(num, dtype=torch.bool, device=device)  # rows still generating in the running batch
+        all_live = True
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         stops = [s for s in params.stop if s]
         # Host-side copy of every row's sampled tokens, for stop-string checks.
         history: list[list[int]] = [[] for _ in range(num)]
+        # Sampled tokens / log-probs by (original row, step), on the device; cut to each row's length at the end.
+        tok_buf = torch.full((num, max_new), self.pad_id, dtype=torch.long, device=device)
+        lp_buf = torch.zeros((num, max_new), dtype=torch.float32, device=device)
+        lengths = torch.full((num,), max_new, dtype=torch.long)  # rows that never finish run to max_new
 
         for t in range(max_new):
-            tokens, lp = _sample(logits, params, None if noise is None else noise[rows_idx, t])
-            sel = live.nonzero().squeeze(1)
-            orig = rows_idx[sel]
-            orig_cpu = orig.cpu()
-            out_ids[orig_cpu, t] = tokens[sel].cpu()
-            out_lp[orig_cpu, t] = lp[sel].float().cpu()
-            lengths[orig_cpu] = t + 1
+            u = None if noise is None else (noise[:, t] if rows_idx is None else noise[rows_idx, t])
+            tokens, lp = _sample(logits, params, u)
+            if rows_idx is None:
+                tok_buf[:, t] = tokens
+                lp_buf[:, t] = lp.float()
+            else:
+                tok_buf[rows_idx, t] = tokens
+                lp_buf[rows_idx, t] = lp.float()
 
-            done = torch.zeros_like(live)
-            if eos.numel():
-                done = torch.isin(tokens, eos) & live
+            done = torch.isin(tokens, eos) & live if eos.numel() else None
             if stops:
+                done = torch.zeros_like(live) if done is None else done
                 done_cpu = done.cpu()
                 tok_cpu = tokens.cpu().tolist()
-                for k, r in zip(sel.tolist(), orig_cpu.tolist()):
+                sel = live.nonzero().squeeze(1).tolist()
+                orig = sel if rows_idx is None else rows_idx[sel].tolist()
+                for k, r in zip(sel, orig):
                     history[r].append(tok_cpu[k])
                     if not done_cpu[k] and self._hit_stop(history[r], stops):
                         done[k] = True
-            ended[rows_idx[done].cpu()] = True
+            if done is None or not bool(done.any()):
+                if t == max_new - 1:
+                    break
+                logits = stepper.decode(tokens if all_live else torch.where(live, tokens, self.pad_id), next_pos,
+                                        live)
+                next_pos = next_pos + 1
+                continue
 
-            if t == max_new - 1:
-                break
+            finished = done.nonzero().squeeze(1)
+            orig = (finished if rows_idx is None else rows_idx[finished]).cpu()
+            lengths[orig] = t + 1
+            ended[orig] = True
             keep = live & ~done
-            if not keep.any():
+            n_keep = int(keep.sum())
+            if t == max_new - 1 or n_keep == 0:
                 break
-            if compact and not keep.all():
+            if compact and n_keep <= stepper.compact_below * len(keep):
                 idx = keep.nonzero().squeeze(1)
-                cache.batch_select_indices(idx)
-                rows_idx, tokens, next_pos, attn = rows_idx[idx], tokens[idx], next_pos[idx], attn[idx]
+                stepper.select(idx)
+                base = torch.arange(num, device=device) if rows_idx is None else rows_idx
+                rows_idx, tokens, next_pos = base[idx], tokens[idx], next_pos[idx]
                 live = torch.ones(len(idx), dtype=torch.bool, device=device)
+                all_live = True
             else:
-                live = keep
-                tokens = torch.where(live, tokens, torch.full_like(tokens, self.pad_id))
-            attn[:, width + t] = live.long()
-            logits, cache = self._forward(tokens[:, None], attn[:, : width + t + 1], next_pos[:, None], cache)
+                live, all_live = keep, False
+            logits = stepper.decode(tokens if all_live else torch.where(live, tokens, self.pad_id), next_pos, live)
             next_pos = next_pos + 1
 
+        keep_col = torch.arange(max_new)[None, :] < lengths[:, None]
+        out_ids[:, :max_new] = torch.where(keep_col, tok_buf.cpu(), self.pad_id)
+        out_lp[:, :max_new] = torch.where(keep_col, lp_buf.cpu(), 0.0)
         return out_ids, out_lp, lengths, ended

@@ -15,6 +15,7 @@ import torch
 from postrl.data.base import PromptSource
 from postrl.errors import DataError
 from postrl.models import encode_prompt
+from postrl.perf import ThreadPolicy
 
 
 def _sft_batch(tokenizer, rows: list[dict], chat_template: str):
@@ -40,10 +41,11 @@ def _sft_batch(tokenizer, rows: list[dict], chat_template: str):
 
 def run_sft(model, tokenizer, source: PromptSource, *, steps: int, batch_size: int, lr: float, warmup_steps: int = 0,
             weight_decay: float = 0.0, seed: int = 0, chat_template: str = "auto",
-            on_step: Callable[[int, float], None] | None = None) -> list[float]:
+            on_step: Callable[[int, float], None] | None = None, threads: int | None = None) -> list[float]:
     """Train ``model`` in place for ``steps`` steps of ``batch_size`` rows; returns the loss per step.
 
-    AdamW, linear warmup then cosine decay to 10% of ``lr``. Rows come from ``source.train_rows(step, ...)``,
+    AdamW, linear warmup then cosine decay to 10% of ``lr``. ``threads``: torch threads (None: measured per
+    phase, 1 or all, see ``postrl.perf``; the choice changes speed only). Rows come from ``source.train_rows(step, ...)``,
     so the run is deterministic given ``seed``.
     """
     torch.manual_seed(seed)
@@ -57,12 +59,14 @@ def run_sft(model, tokenizer, source: PromptSource, *, steps: int, batch_size: i
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    threads = ThreadPolicy.for_model(model, threads)  # 1 or all threads, measured (postrl.perf)
     losses = []
     for step in range(steps):
         rows = source.train_rows(step, batch_size, seed)
         ids, attn, labels = _sft_batch(tokenizer, rows, chat_template)
-        out = model(input_ids=ids, attention_mask=attn, labels=labels)
-        out.loss.backward()
+        with threads.use("update", rows=int(attn.sum()), work=int(attn.sum())):
+            out = model(input_ids=ids, attention_mask=attn, labels=labels)
+            out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()

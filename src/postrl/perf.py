@@ -1,0 +1,167 @@
+"""How many torch intra-op threads each phase of a step uses.
+
+On a CPU, more threads are not always faster. Every parallel operator ends in a barrier where all its threads wait
+for the slowest; when the operator is small (a decode step of a tiny model multiplies a few rows by a small matrix)
+or when the cores are shared with other processes (a busy machine, or several training processes on the same
+cores), a thread that the OS has descheduled holds every other one at that barrier, and a step can become many
+times slower than on one thread. When the operators are large and the cores free, more threads are faster.
+
+:class:`ThreadPolicy` therefore picks the thread count per phase ("generation", "update") by measuring: it times a
+short probe shaped like the phase's matrix products (from the model's hidden and intermediate sizes and the
+phase's rows) on one thread and on the full count, alternately, keeps the faster, and measures again after
+``refresh_s`` seconds, or sooner when a phase's time per unit of work moves by more than 1.5x (the load of a shared
+machine changes). More threads are chosen only when they are clearly (25%) faster. A fixed ``threads`` turns all
+this off.
+
+The choice changes speed, not what is computed, but not always the last bits: a matrix product split over a
+different number of threads may round differently (rarely: the forward and backward passes of the built-in models
+are bitwise identical on 1 and 2 threads; a decode step occasionally differs in the 7th digit). Metrics are
+bitwise reproducible run to run with a fixed ``train.threads``; with the default (measured) they are whenever the
+runs choose the same counts, which on a given machine and load they do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+# Models up to this hidden size always use one thread (``for_model``): their matrix products are too small for a
+# second thread to pay, and a fixed count keeps a run bit-reproducible (a measured choice may differ between runs,
+# which changes float rounding). Larger models measure.
+SMALL_HIDDEN = 256
+
+
+class ThreadPolicy:
+    """Per-phase torch thread counts: fixed (``threads``) or measured (``threads=None``, see module docstring)."""
+
+    def __init__(self, threads: int | None = None, *, hidden: int = 256, inter: int = 1024,
+                 max_threads: int | None = None, refresh_s: float = 60.0, base_phase: str = "update"):
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        self.fixed = threads
+        self.max_threads = max_threads or torch.get_num_threads()
+        self.hidden, self.inter = int(hidden), int(inter)
+        self.refresh_s = refresh_s
+        self.base_phase = base_phase
+        self.choices: dict[str, tuple[int, float]] = {}  # phase -> (threads, when measured)
+        self.timings: dict[str, dict[int, float]] = {}  # phase -> threads -> probe seconds (last measurement)
+        self.pace: dict[str, tuple[int, float]] = {}  # phase -> (threads, seconds per unit of work) of the last use
+
+    @classmethod
+    def for_model(cls, model, threads: int | None = None, **kw) -> ThreadPolicy:
+        cfg = getattr(model, "config", None)
+        hidden = getattr(cfg, "hidden_size", None) or 256
+        inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+        if threads is None and hidden <= SMALL_HIDDEN:
+            threads = 1  # tiny operators: one thread is as fast, and a fixed count keeps runs bit-reproducible
+        return cls(threads, hidden=hidden, inter=inter, **kw)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def candidates(self) -> list[int]:
+        return sorted({1, self.max_threads})
+
+    def _probe(self, phase: str, rows: int):
+        """Matrix products shaped like the phase (a decode step's rows, or a micro-batch's tokens): returns a
+        function running one unit of it."""
+        # About 1e8 (generation) / 4e8 (update) floating-point operations per round: a few ms on one core.
+        budget = 1e8 if phase == "generation" else 4e8
+        per_row = 4.0 * self.hidden * self.inter
+        rows = max(1, min(int(rows), 32 if phase == "generation" else 512, int(budget / per_row)))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, self.hidden, generator=g)
+        w1 = torch.randn(self.inter, self.hidden, generator=g) * self.hidden ** -0.5
+        w2 = torch.randn(self.hidden, self.inter, generator=g) * self.inter ** -0.5
+
+        def unit() -> None:
+            torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2)
+
+        return unit, max(1, min(64, int(budget / (per_row * rows))))
+
+    def measure(self, phase: str, rows: int, rounds: int = 5) -> int:
+        """Time the phase's probe on each candidate thread count, in interleaved rounds, and keep the fastest by
+        total time (so occasional stalls at a barrier count as they do in a real step). A candidate that takes
+        more than twice as long as one thread in a round is dropped at once (a busy machine makes that happen,
+        and finishing its probe would waste the time the measurement is meant to save). Returns the choice."""
+        cands = self.candidates()
+        old = torch.get_num_threads()
+        unit, reps = self._probe(phase, rows)
+        total = {c: 0.0 for c in cands}
+        alive = list(cands)
+        try:
+            with torch.inference_mode():
+                for c in cands:  # warm-up: first-call allocations
+                    torch.set_num_threads(c)
+                    unit()
+                for _ in range(rounds):
+                    limit = math.inf
+                    for c in list(alive):
+                        torch.set_num_threads(c)
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            unit()
+                            if time.perf_counter() - t > limit:
+                                break
+                        dt = time.perf_counter() - t
+                        total[c] += dt
+                        if c == 1:
+                            limit = 2.0 * dt
+                        elif dt > limit:
+                            alive.remove(c)
+                    if len(alive) == 1:
+                        break
+        finally:
+            torch.set_num_threads(old)
+        # More threads only when clearly faster (by 25%): near a tie, fewer threads leave the cores to everyone
+        # else on the machine, and the choice does not flip between runs (see the module docstring).
+        choice = alive[0]
+        for c in alive[1:]:
+            if total[c] * 1.25 < total[choice]:
+                choice = c
+        self.choices[phase] = (choice, time.monotonic())
+        self.timings[phase] = dict(total)
+        return choice
+
+    def threads_for(self, phase: str, rows: int = 1) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if len(self.candidates()) == 1:
+            return self.max_threads
+        chosen = self.choices.get(phase)
+        if chosen is None or time.monotonic() - chosen[1] > self.refresh_s:
+            return self.measure(phase, rows)
+        return chosen[0]
+
+    @contextmanager
+    def use(self, phase: str, rows: int = 1, work: float | None = None) -> Iterator[int]:
+        """Run the body with the phase's thread count. Afterwards the count is the ``base_phase``'s choice once
+        that phase has been measured (the small operations between phases, such as metrics, stall at barriers
+        just as a decode step does on a busy machine), else the count from before.
+
+        ``work``: the body's amount of work in any unit fixed per phase (e.g. tokens). When the time per unit moves
+        by more than 1.5x from the previous run with the same choice, the machine's load has changed: the choice
+        is measured again at the next use instead of after ``refresh_s``."""
+        n = self.threads_for(phase, rows)
+        old = torch.get_num_threads()
+        if n != old:
+            torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        try:
+            yield n
+            if work and self.fixed is None and phase in self.choices:
+                per = (time.perf_counter() - t0) / work
+                last = self.pace.get(phase)
+                if last is not None and last[0] == n and not (last[1] / 1.5 <= per <= last[1] * 1.5):
+                    self.choices.pop(phase)  # measure again next time
+                    self.pace.pop(phase)
+                else:
+                    self.pace[phase] = (n, per)
+        finally:
+            base = self.choices.get(self.base_phase) if self.fixed is None else None
+            after = base[0] if base is not None else old
+            if torch.get_num_threads() != after:
+                torch.set_num_threads(after)

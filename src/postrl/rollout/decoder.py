@@ -1,0 +1,212 @@
+"""A lean incremental decoder for Llama-family causal LMs with a pre-allocated (static) KV cache.
+
+:class:`HFGenerator` drives generation one token at a time. For tiny models on a CPU, the cost of a decode step is
+mostly the number of tensor operations, not their arithmetic: the Hugging Face forward runs several dozen per layer
+(module calls, mask construction, a cache that grows by concatenation). :class:`StaticDecoder` computes the same
+function as the model's own ``forward`` — same weights, same formulas (RMSNorm in float32, rotary embedding,
+grouped-query attention scaled by ``head_dim**-0.5``, SwiGLU MLP, tied or untied LM head) — with fewer operations:
+
+* fused projections: one matmul for q/k/v and one for gate/up (the weights are concatenated once per
+  ``generate`` call, so they always are the current weights of the training module);
+* a KV cache allocated once for the whole generation (``[layers, 2, rows, kv_heads, prompt + max_new, head_dim]``)
+  and written in place, so no step copies the cache;
+* rotary cos/sin read from a table computed once per call; an additive attention bias row per step;
+* the LM head only on the last position.
+
+It is used for models it can reproduce exactly (``StaticDecoder.supports``): ``model_type`` llama, mistral or qwen2,
+default RoPE, SiLU MLP without bias, no sliding window, no logit soft-capping. Any other model goes through the
+Hugging Face forward with a ``DynamicCache``. Both give the same tokens and log-probs up to float rounding
+(tests/test_rollout.py checks this against the model's full forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _rope_default(config) -> bool:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        return params.get("rope_type", "default") == "default"
+    scaling = getattr(config, "rope_scaling", None)
+    return scaling is None or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default")
+
+
+class StaticDecoder:
+    """Prefill + one-token decode steps over a static KV cache, for a supported HF model (see module docstring)."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        cfg = getattr(model, "config", None)
+        base = getattr(model, "model", None)
+        if cfg is None or base is None or getattr(cfg, "model_type", None) not in _TYPES:
+            return False
+        if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
+            return False
+        if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "final_logit_softcapping", None):
+            return False
+        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            return False
+        if not _rope_default(cfg):
+            return False
+        rot = getattr(base, "rotary_emb", None)
+        if rot is None or getattr(rot, "attention_scaling", 1.0) != 1.0 or not hasattr(rot, "inv_freq"):
+            return False
+        try:
+            layers = list(base.layers)
+            for layer in layers:
+                a, m = layer.self_attn, layer.mlp
+                for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+                    if type(lin) is not torch.nn.Linear:
+                        return False
+                if m.gate_proj.bias is not None or m.up_proj.bias is not None or m.down_proj.bias is not None:
+                    return False
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    if not hasattr(norm, "variance_epsilon") or tuple(norm.weight.shape) != (cfg.hidden_size,):
+                        return False
+            head = model.get_output_embeddings()
+            if type(head) is not torch.nn.Linear or type(base.embed_tokens) is not torch.nn.Embedding:
+                return False
+            if not hasattr(base.norm, "variance_epsilon"):
+                return False
+        except AttributeError:
+            return False
+        return bool(layers)
+
+    def __init__(self, model):
+        cfg = model.config
+        base = model.model
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.scaling = self.head_dim ** -0.5
+        self.embed = base.embed_tokens.weight
+        self.dtype = self.embed.dtype
+        self.inv_freq = base.rotary_emb.inv_freq
+        self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+        head = model.get_output_embeddings()
+        self.head_w, self.head_b = head.weight, head.bias
+        self.layers = []
+        with torch.no_grad():
+            for layer in base.layers:
+                a, m = layer.self_attn, layer.mlp
+                # Queries pre-scaled by head_dim**-0.5 (the attention's scaling, applied to q instead of q.k).
+                wqkv = torch.cat([a.q_proj.weight * self.scaling, a.k_proj.weight, a.v_proj.weight])
+                bqkv = None
+                if a.q_proj.bias is not None:
+                    bqkv = torch.cat([a.q_proj.bias * self.scaling, a.k_proj.bias, a.v_proj.bias])
+                wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                self.layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, wqkv, bqkv,
+                                    a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                                    layer.post_attention_layernorm.variance_epsilon, wgu, m.down_proj.weight))
+        self.inter = self.layers[0][8].shape[0] // 2
+        self.cache: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # As LlamaRMSNorm: in float32, then back to the activations' dtype, then the weight (one fused kernel when
+        # the activations are float32 already).
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    def _rope_table(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        # As LlamaRotaryEmbedding.forward: freqs = position * inv_freq in float32, emb = [freqs, freqs].
+        pos = torch.arange(n, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def _layer(self, x, li, cos, sin, bias, start: int, n_new: int) -> torch.Tensor:
+        """One decoder layer over ``n_new`` new positions written at cache columns [start, start + n_new)."""
+        w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, wd = self.layers[li]
+        B = x.shape[0]
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        h = self._rms(x, w_in, eps_in)
+        qkv = F.linear(h, wqkv, bqkv).view(B, n_new, H + 2 * K, D).transpose(1, 2)  # [B, H+2K, n, D]
+        qk = self._rotate(qkv[:, :H + K], cos, sin)  # RoPE on queries and keys at once
+        q = qk[:, :H]
+        kv = self.cache[li]
+        kv[0, :, :, start:start + n_new] = qk[:, H:]
+        kv[1, :, :, start:start + n_new] = qkv[:, H + K:]
+        keys, values = kv[0, :, :, :start + n_new], kv[1, :, :, :start + n_new]
+        if n_new == 1:  # decode: two batched matrix products; query heads grouped by their KV head (GQA)
+            # (the queries are pre-scaled by head_dim**-0.5: their rows of wqkv are multiplied once per call)
+            scores = torch.matmul(q.reshape(B, K, H // K, D), keys.transpose(-1, -2))  # [B, K, G, S]
+            if scores.dtype == torch.float32:
+                probs = torch.softmax(scores.add_(bias), dim=-1)
+            else:
+                probs = torch.softmax(scores.float() + bias.float(), dim=-1).to(q.dtype)
+            o = torch.matmul(probs, values).reshape(B, 1, H * D)
+        else:  # prefill (pre-scaled queries: scale 1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0,
+                                               enable_gqa=H != K).transpose(1, 2).reshape(B, n_new, H * D)
+        x = x + F.linear(o, wo, bo)
+        h = self._rms(x, w_post, eps_post)
+        g, u = F.linear(h, wgu).split(self.inter, dim=-1)
+        return x + F.linear(F.silu(g) * u, wd)
+
+    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms(x_last, self.norm_w, self.norm_eps), self.head_w, self.head_b).float()
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> torch.Tensor:
+        """Run the left-padded prompts ``ids``/``mask`` [B, W]; allocate the cache for ``max_new`` more tokens.
+
+        Returns the float32 logits of the next token [B, V]."""
+        B, W = ids.shape
+        dev = ids.device
+        self.width, self.total = W, W + max_new
+        self.cache = torch.empty((len(self.layers), 2, B, self.n_kv, self.total, self.head_dim), dtype=self.dtype,
+                                 device=dev)
+        self.cos, self.sin = self._rope_table(self.total, dev)
+        # Additive key bias for every cache column: 0 for real tokens, -inf for padding (and for finished rows).
+        self.key_bias = torch.zeros((B, self.total), dtype=self.dtype, device=dev)
+        self.key_bias[:, :W].masked_fill_(mask == 0, float("-inf"))
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
+        causal = torch.ones((W, W), dtype=torch.bool, device=dev).tril()
+        allowed = causal[None] & (mask[:, None, :] != 0)
+        allowed |= torch.eye(W, dtype=torch.bool, device=dev)[None]  # padding queries see themselves (no NaN)
+        bias = torch.zeros((B, 1, W, W), dtype=self.dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
+        x = F.embedding(ids, self.embed)
+        for li in range(len(self.layers)):
+            x = self._layer(x, li, cos, sin, bias, 0, W)
+        self.step_idx = 0
+        return self._logits(x[:, -1])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``positions`` [B]); rows with ``live`` False are masked out of later attention
+        (their output is ignored). Returns the float32 logits of the next token [B, V]."""
+        col = self.width + self.step_idx
+        self.step_idx += 1
+        if not bool(live.all()):
+            self.key_bias[:, col].masked_fill_(~live, float("-inf"))
+        bias = self.key_bias[:, None, None, :col + 1]
+        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # [B, 1, 1, D]
+        x = F.embedding(tokens[:, None], self.embed)
+        for li in range(len(self.layers)):
+            x = self._layer(x, li, cos, sin, bias, col, 1)
+        return self._logits(x[:, -1])
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep only rows ``idx`` of the running batch (copies the filled part of the cache)."""
+        used = self.width + self.step_idx
+        cache = torch.empty((len(self.layers), 2, len(idx), self.n_kv, self.total, self.head_dim), dtype=self.dtype,
+                            device=self.cache.device)
+        cache[..., :used, :] = self.cache[:, :, idx, :, :used, :]
+        self.cache = cache
+        self.key_bias = self.key_bias[idx]

@@ -1,0 +1,171 @@
+"""The benchmark against TRL: postrl computes TRL's GRPO loss (the same numbers, the same gradients) on a fixed
+batch, so the comparison in ``postrl bench`` is at equal work; the harness runs end to end in a minimal mode
+(when trl is installed); the FLOP and bandwidth models behind its tables; the thread policy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from postrl import bench
+from postrl.batch import RolloutBatch
+from postrl.config import load_config
+from postrl.models import load_model_and_tokenizer
+from postrl.models.tiny import build_local
+from postrl.perf import ThreadPolicy
+from postrl.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-nano")
+    build_local(path, size="nano", seed=0)
+    return path
+
+
+def _fixed_batch(tok) -> RolloutBatch:
+    """4 completions of 2 prompts (left-padded), of lengths 6, 4, 6, 2 (right-padded), mixed-sign advantages."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [tok.encode("12+3="), tok.encode("7*8=")]
+    P = max(len(p) for p in prompts)
+    prompt_ids = torch.full((4, P), tok.pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((4, P), dtype=torch.long)
+    for i in range(4):
+        p = prompts[i // 2]
+        prompt_ids[i, P - len(p):] = torch.tensor(p)
+        prompt_mask[i, P - len(p):] = 1
+    lengths = torch.tensor([6, 4, 6, 2])
+    T = 6
+    completion_ids = torch.randint(5, 40, (4, T), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    completion_ids = torch.where(mask.bool(), completion_ids, tok.pad_token_id)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=mask,
+        group_ids=torch.tensor([0, 0, 1, 1]), sampler_logprobs=torch.zeros(4, T), truncated=torch.zeros(4, dtype=bool),
+        prompts=["12+3="] * 2 + ["7*8="] * 2, completions=[""] * 4, valid=torch.ones(4, dtype=torch.bool),
+        advantages=torch.tensor([1.3, -0.7, -1.1, 0.4]))
+
+
+def trl_grpo_loss(model, batch: RolloutBatch, old: torch.Tensor | None, eps: float = 0.2) -> torch.Tensor:
+    """TRL GRPOTrainer._compute_loss (trl 1.x), loss_type='dapo', beta=0, importance_sampling_level='token',
+    temperature 1, one process and no accumulation, written out from its source: a forward over
+    [prompt; completion] with attention_mask [prompt_mask; completion_mask] (no position ids), the log-probs of
+    the completion tokens, coef_1 = exp(logp - old), coef_2 = clamp(coef_1, 1 - eps, 1 + eps),
+    per_token_loss = -min(coef_1 A, coef_2 A), loss = sum(per_token_loss * mask) / sum(mask); old = logp.detach()
+    when TRL does not store old log-probs (num_iterations 1)."""
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attn = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+    T = batch.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1:-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    old = logp.detach() if old is None else old
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    adv = batch.advantages.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    mask = batch.completion_mask
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _postrl_first_update(model_dir, tmp_path, batch, epochs: int):
+    """postrl's Trainer.update on ``batch`` (the benchmark's settings); the loss of the first backward and the
+    gradients at the first optimizer step."""
+    cfg = load_config(None, [f"model.path={model_dir}", f"output_dir={tmp_path}", "loss.name=ppo_clip",
+                             "loss.eps_low=0.2", "loss.eps_high=0.2", "loss.agg=token_mean", "kl.coef=0.0",
+                             f"train.epochs={epochs}", "train.mini_batches=1", "train.micro_batch_size=64",
+                             "optim.max_grad_norm=null", "rollout.temperature=1.0", "rollout.max_new_tokens=6",
+                             "train.threads=1"])
+    trainer = Trainer(cfg, tmp_path)
+    seen: dict = {}
+    backward, step = trainer.acc.backward, trainer.optimizer.step
+
+    def record_backward(loss, **kw):
+        seen.setdefault("loss", float(loss.detach()))
+        return backward(loss, **kw)
+
+    def record_step(*a, **kw):
+        seen.setdefault("grads", {n: p.grad.detach().clone() for n, p in trainer.policy.named_parameters()})
+        return step(*a, **kw)
+
+    trainer.acc.backward = record_backward
+    trainer.optimizer.step = record_step
+    trainer.update(batch, step=0)
+    return seen
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_postrl_loss_and_gradient_equal_trl_formula_on_a_fixed_batch(model_dir, tmp_path, epochs):
+    model, tok = load_model_and_tokenizer(model_dir)
+    batch = _fixed_batch(tok)
+    old = None
+    if epochs > 1:  # stored old log-probs far enough from the policy that both clip bounds are hit
+        with torch.no_grad():
+            ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+            attn = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, -7:-1]
+            lp = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids[..., None]).squeeze(-1)
+        shift = torch.tensor([[0.5, -0.5, 0.05, -0.05, 0.4, -0.4]]).expand(4, -1)
+        old = (lp + shift) * batch.completion_mask
+        batch.old_logprobs = old.clone()
+    seen = _postrl_first_update(model_dir, tmp_path / f"run{epochs}", batch, epochs)
+
+    model.train()
+    ref = trl_grpo_loss(model, batch, old)
+    ref.backward()
+    assert math.isclose(seen["loss"], float(ref.detach()), rel_tol=1e-5, abs_tol=1e-6)
+    grads = dict(model.named_parameters())
+    total = sum(float(g.norm()) for g in seen["grads"].values())
+    assert total > 1e-3  # a real gradient, not a zero that would match anything
+    for name, g in seen["grads"].items():
+        torch.testing.assert_close(g, grads[name].grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
+def test_flop_and_bandwidth_models():
+    shape = {"hidden": 4, "layers": 2, "inter": 8, "vocab": 10, "layer_linear": 4 * 4 * 4 + 3 * 4 * 8,
+             "kv_dim": 4, "params": 1000}
+    S = 3 + 5
+    fwd = 2 * 6 * S * 2 * (64 + 96) + 2 * 6 * 5 * 10 * 4 + 4 * 6 * 2 * 4 * S * (S + 1) / 2
+    assert bench.update_flops(shape, rows=6, prompt_len=3, T=5, epochs=2) == pytest.approx(2 * 3 * fwd)
+    # weights dominate when the cache is tiny: bound -> rows * bandwidth / weight bytes
+    b = bench.generation_bound(dict(shape, params=10**9), rows=8, prompt_len=1, T=2, bandwidth=1e10)
+    assert b == pytest.approx(8 * 1e10 / 4e9, rel=1e-3)
+    peaks = bench.measure_peaks(quick=True)
+    assert peaks["matmul_flops"] > 1e8 and peaks["copy_bytes_per_s"] > 1e8
+
+
+def test_thread_policy_fixed_and_measured():
+    old = torch.get_num_threads()
+    try:
+        fixed = ThreadPolicy(1)
+        with fixed.use("generation") as n:
+            assert n == 1 and torch.get_num_threads() == 1
+        p = ThreadPolicy(None, hidden=32, inter=64, max_threads=2)
+        n = p.measure("update", rows=64, rounds=2)
+        assert n in (1, 2) and set(p.timings["update"]) == {1, 2}
+        torch.set_num_threads(2)
+        with p.use("update") as m:  # measured less than refresh_s ago: the cached choice
+            assert m == n == torch.get_num_threads()
+        assert torch.get_num_threads() == n  # the base phase's count stays for what runs between phases
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_bench_harness_minimal(model_dir, tmp_path):
+    """Both sides take one step each on a nano model (T=4), alternately, with equal completion lengths."""
+    pytest.importorskip("trl")
+    spec = bench.Spec(size="nano", max_new_tokens=4, prompts=1, group_size=2, steps=1, warmup=0,
+                      model_dir=str(model_dir))
+    res = bench.run_pair(spec, tmp_path, log=lambda s: None)
+    for side in ("postrl", "trl"):
+        (rec,) = res["steps"][side]
+        assert rec["len_min"] == rec["len_max"] == 4
+        assert rec["wall"] > 0 and rec["rss_mib"] > 0
+    peaks = {"copy_bytes_per_s": 1e10, "matmul_flops": 1e10, "matmul_n": 8, "matmul_threads": 1, "copy_threads": 1,
+             "copy_mib": 1}
+    s = bench.summarize(res, peaks, prompt_len=5)
+    assert s["sides"]["trl"]["speedup_of_postrl"] > 0
+    assert "speed-up of postrl" in bench.format_tables([s], peaks)
+    json.dumps(s)  # the result is plain data
