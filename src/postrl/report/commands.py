@@ -51,14 +51,9 @@ def cmd_probe_reward(args) -> int:
     from postrl.data import load_source
     from postrl.diagnostics.probe import render_probe, run_probe
 
-    path, overrides = None, []
-    for it in args.items:
-        if "=" in it:
-            overrides.append(it)
-        elif path is None:
-            path = it
-        else:
-            raise PostrlError(f"unexpected argument '{it}': give one config file and KEY=VALUE overrides")
+    from postrl.cli import _split_args
+
+    path, overrides = _split_args(args.items)
     if args.task:
         overrides.insert(0, f"task={{name: {args.task}}}")
     cfg = load_config(path, overrides)
