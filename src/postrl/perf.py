@@ -10,8 +10,8 @@ times slower than on one thread. When the operators are large and the cores free
 short probe shaped like the phase's matrix products (from the model's hidden and intermediate sizes and the
 phase's rows) on one thread and on the full count, alternately, keeps the faster, and measures again after
 ``refresh_s`` seconds, or sooner when a phase's time per unit of work moves by more than 1.5x (the load of a shared
-machine changes). More threads are chosen only when they are clearly (25%) faster. A fixed ``threads`` turns all
-this off.
+machine changes). More threads are chosen only when they are consistently and clearly (1.5x) faster: on a shared
+machine a wrong "more" costs far more than a wrong "fewer". A fixed ``threads`` turns all this off.
 
 The choice changes speed, not what is computed, but not always the last bits: a matrix product split over a
 different number of threads may round differently (rarely: the forward and backward passes of the built-in models
@@ -83,15 +83,19 @@ class ThreadPolicy:
         return unit, max(1, min(64, int(budget / (per_row * rows))))
 
     def measure(self, phase: str, rows: int, rounds: int = 5) -> int:
-        """Time the phase's probe on each candidate thread count, in interleaved rounds, and keep the fastest by
-        total time (so occasional stalls at a barrier count as they do in a real step). A candidate that takes
-        more than twice as long as one thread in a round is dropped at once (a busy machine makes that happen,
-        and finishing its probe would waste the time the measurement is meant to save). Returns the choice."""
+        """Time the phase's probe on each candidate thread count, in interleaved rounds. A count above one is kept
+        only when it is faster than one thread in every round and by at least 1.5x in total: a stall at a barrier
+        in any round means the cores are shared right now, and a busy spell during the phase would then make it
+        many times slower, against a gain of at most the thread count on a free machine. A candidate that takes
+        more than twice as long as one thread in a round is dropped at once (finishing its probe would waste the
+        time the measurement is meant to save). Returns the choice."""
         cands = self.candidates()
         old = torch.get_num_threads()
         unit, reps = self._probe(phase, rows)
         total = {c: 0.0 for c in cands}
         alive = list(cands)
+        slower_once: set[int] = set()
+        one = math.inf
         try:
             with torch.inference_mode():
                 for c in cands:  # warm-up: first-call allocations
@@ -109,18 +113,20 @@ class ThreadPolicy:
                         dt = time.perf_counter() - t
                         total[c] += dt
                         if c == 1:
-                            limit = 2.0 * dt
+                            limit, one = 2.0 * dt, dt
                         elif dt > limit:
                             alive.remove(c)
+                        elif dt >= one:
+                            slower_once.add(c)
                     if len(alive) == 1:
                         break
         finally:
             torch.set_num_threads(old)
-        # More threads only when clearly faster (by 25%): near a tie, fewer threads leave the cores to everyone
-        # else on the machine, and the choice does not flip between runs (see the module docstring).
+        # More threads only when clearly and consistently faster; near a tie, fewer threads leave the cores to
+        # everyone else on the machine, and the choice does not flip between runs (see the module docstring).
         choice = alive[0]
         for c in alive[1:]:
-            if total[c] * 1.25 < total[choice]:
+            if c not in slower_once and total[c] * 1.5 <= total[choice]:
                 choice = c
         self.choices[phase] = (choice, time.monotonic())
         self.timings[phase] = dict(total)
