@@ -125,6 +125,13 @@ class Trainer:
         # stages
         self.reward_specs = cfg.rewards
         self.reward_fns = [build_stage("reward", r.name, r.params)[:2] for r in cfg.rewards]  # classes keep state
+        if any(getattr(fn, "__module__", "") == "postrl.rewards.code" or
+               type(fn).__module__ == "postrl.rewards.code" for fn, _ in self.reward_fns):
+            from postrl.sandbox import capabilities
+
+            caps = capabilities()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
+            if caps.get("warning") and reporter is not None and self.main:
+                reporter.log(f"warning: {caps['warning']}")
         self.reward_weights = torch.tensor(cfg.reward.weights if cfg.reward.weights is not None
                                            else [r.weight for r in cfg.rewards], dtype=torch.float32)
         self.shaping = [build_stage("shaping", s.name, s.params) for s in cfg.shaping]  # classes keep state
