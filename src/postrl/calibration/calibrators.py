@@ -29,6 +29,8 @@ returns probabilities, is saved as JSON (``save`` / :func:`load_calibrator`) and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import math
 from pathlib import Path
@@ -73,7 +75,7 @@ def _check_fit(scores, outcomes, conditions=None):
     return s, y, c
 
 
-class Calibrator:
+class Calibrator(ABC):
     """Base: ``fit(scores, outcomes, conditions=None)``, ``apply(scores, conditions=None) -> probabilities``."""
 
     method = ""
@@ -83,16 +85,20 @@ class Calibrator:
             raise ConfigError(f"calibration: input '{input}': valid: prob, logit")
         self.input = input
 
+    @abstractmethod
     def fit(self, scores, outcomes, conditions=None) -> "Calibrator":
-        raise NotImplementedError
+        """Fit on (score, outcome[, condition]) rows; returns self."""
 
+    @abstractmethod
     def apply(self, scores, conditions=None) -> np.ndarray:
-        raise NotImplementedError
+        """Calibrated probabilities for ``scores``."""
 
-    __call__ = apply
+    def __call__(self, scores, conditions=None) -> np.ndarray:
+        return self.apply(scores, conditions)  # the subclass's apply (a class-level alias would bind the base's)
 
+    @abstractmethod
     def params(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """JSON-serialisable fitted parameters."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "input": self.input, "params": self.params(), "format": 1}

@@ -10,6 +10,8 @@ TensorBoard event files go to run_dir/tensorboard.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 import re
 from pathlib import Path
@@ -41,13 +43,14 @@ def _require(module: str, sink: str):
                           f"(pip install 'postrl[{_EXTRA[sink]}]')") from None
 
 
-class Sink:
+class Sink(ABC):
     """A destination for per-step metrics and alarms."""
 
     name = ""
 
+    @abstractmethod
     def log(self, metrics: dict, step: int) -> None:
-        raise NotImplementedError
+        """Write one step's metrics."""
 
     def log_alarms(self, alarms: list[dict], step: int) -> None:
         """Default: each alarm as a 0/1 scalar ``alarm/<name>`` (its text is in metrics.jsonl and the report)."""
