@@ -153,6 +153,37 @@ def test_thread_policy_fixed_and_measured():
         torch.set_num_threads(old)
 
 
+def test_small_models_pin_generation_and_measure_the_update():
+    from postrl.models.tiny import build_model, build_tokenizer
+
+    model = build_model(build_tokenizer(), size="nano")
+    p = ThreadPolicy.for_model(model, max_threads=2)
+    assert p.threads_for("generation", rows=8) == 1 and "generation" not in p.timings  # pinned: never measured
+    assert p.threads_for("update", rows=256) in (1, 2) and set(p.timings["update"]) == {1, 2}
+    assert ThreadPolicy.for_model(model, 2, max_threads=2).threads_for("generation") == 2  # train.threads wins
+
+
+def test_update_is_bitwise_identical_on_one_and_two_threads():
+    """What lets small models measure the update's thread count without losing bit-reproducibility
+    (postrl.perf): SFT steps (forward, backward, AdamW) give the same weights on 1 and 2 threads."""
+    from postrl.data import load_source
+    from postrl.models.tiny import build_model, build_tokenizer
+    from postrl.train.sft import run_sft
+
+    tok = build_tokenizer()
+    source = load_source({"name": "arithmetic"})
+    old = torch.get_num_threads()
+    weights = []
+    try:
+        for threads in (1, 2):
+            model = build_model(tok, size="nano", seed=0)
+            run_sft(model, tok, source, steps=8, batch_size=32, lr=3e-3, seed=0, threads=threads)
+            weights.append([p.detach().clone() for p in model.parameters()])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
 def test_bench_harness_minimal(model_dir, tmp_path):
     """Both sides take one step each on a nano model (T=4), alternately, with equal completion lengths."""
     pytest.importorskip("trl")

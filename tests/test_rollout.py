@@ -168,7 +168,8 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(tok, model):
         assert _row(topp, r) == _row(greedy, r // 2)
         # At temperature 1 the (unfiltered) log-probs are the greedy ones, not 0 from the filtered distribution.
         n = len(_row(greedy, r // 2))
-        torch.testing.assert_close(topk.logprobs[r, :n], greedy.logprobs[r // 2, :n], atol=1e-5, rtol=0)
+        # (float rounding differs between batch compositions: up to ~1.6e-5 on this deliberately sharp model)
+        torch.testing.assert_close(topk.logprobs[r, :n], greedy.logprobs[r // 2, :n], atol=3e-5, rtol=0)
         assert (topk.logprobs[r, :n] < 0).all()
 
 

@@ -218,7 +218,8 @@ def _policy_threads(policy) -> str:
     """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step)."""
     ch = policy.choices
     only = policy.max_threads if len(policy.candidates()) == 1 else "?"
-    return "/".join(str(ch[k][0] if k in ch else (policy.fixed or only)) for k in ("generation", "update"))
+    return "/".join(str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
+                    for k in ("generation", "update"))
 
 
 def _postrl_worker(spec: Spec, proto: _Proto) -> None:

@@ -8,10 +8,19 @@ grouped-query attention scaled by ``head_dim**-0.5``, SwiGLU MLP, tied or untied
 
 * fused projections: one matmul for q/k/v and one for gate/up (the weights are concatenated once per
   ``generate`` call, so they always are the current weights of the training module);
+* in float32, each RMSNorm weight folded into the projection that follows it (``W diag(w)``), so a norm is four
+  elementwise operations, and the queries' ``head_dim**-0.5`` folded into their rows;
+* rotary embedding as one in-place complex multiply: the rows of the q and k projections are permuted within each
+  head from HF's half-split layout ``[x_0..x_{D/2-1}, y_0..y_{D/2-1}]`` to pairs ``(x_i, y_i)``, which is the
+  same rotation ``(x cos - y sin, x sin + y cos)``; since queries and keys are permuted alike, ``q . k`` is
+  unchanged (the cache holds keys in the permuted layout, used by nothing else);
 * a KV cache allocated once for the whole generation (``[layers, 2, rows, kv_heads, prompt + max_new, head_dim]``)
   and written in place, so no step copies the cache;
-* rotary cos/sin read from a table computed once per call; an additive attention bias row per step;
+* the rotary table computed once per call; an additive attention bias row per step;
 * the LM head only on the last position.
+
+Together these halve the operations of a decode step; the results differ from the model's forward by float
+rounding only.
 
 It is used for models it can reproduce exactly (``StaticDecoder.supports``): ``model_type`` llama, mistral or qwen2,
 default RoPE, SiLU MLP without bias, no sliding window, no logit soft-capping. Any other model goes through the
@@ -88,59 +97,74 @@ class StaticDecoder:
         self.embed = base.embed_tokens.weight
         self.dtype = self.embed.dtype
         self.inv_freq = base.rotary_emb.inv_freq
-        self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+        # Norm weights folded into the next projection in float32 only: in lower precision the model rounds the
+        # normalised activations before the weight, which a folded weight would not reproduce as closely.
+        self.fold = self.dtype == torch.float32
         head = model.get_output_embeddings()
-        self.head_w, self.head_b = head.weight, head.bias
+        self.head_b = head.bias
+        D = self.head_dim
+        # Within a head: [x_0, y_0, x_1, y_1, ...] from HF's [x_0, x_1, ..., y_0, y_1, ...] (rotate_half pairs i, i+D/2).
+        pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], dim=1).reshape(-1)
+        q_perm = (torch.arange(self.n_heads)[:, None] * D + pair).reshape(-1)
+        k_perm = (torch.arange(self.n_kv)[:, None] * D + pair).reshape(-1)
         self.layers = []
         with torch.no_grad():
+            self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+            self.head_w = head.weight * self.norm_w if self.fold else head.weight
+            if self.fold:
+                self.norm_w = None
             for layer in base.layers:
                 a, m = layer.self_attn, layer.mlp
+                w_in, w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
                 # Queries pre-scaled by head_dim**-0.5 (the attention's scaling, applied to q instead of q.k).
-                wqkv = torch.cat([a.q_proj.weight * self.scaling, a.k_proj.weight, a.v_proj.weight])
+                wqkv = torch.cat([a.q_proj.weight[q_perm] * self.scaling, a.k_proj.weight[k_perm], a.v_proj.weight])
                 bqkv = None
                 if a.q_proj.bias is not None:
-                    bqkv = torch.cat([a.q_proj.bias * self.scaling, a.k_proj.bias, a.v_proj.bias])
+                    bqkv = torch.cat([a.q_proj.bias[q_perm] * self.scaling, a.k_proj.bias[k_perm], a.v_proj.bias])
                 wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-                self.layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, wqkv, bqkv,
-                                    a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                if self.fold:
+                    wqkv, wgu, w_in, w_post = wqkv * w_in, wgu * w_post, None, None
+                self.layers.append((w_in, layer.input_layernorm.variance_epsilon, wqkv, bqkv,
+                                    a.o_proj.weight, a.o_proj.bias, w_post,
                                     layer.post_attention_layernorm.variance_epsilon, wgu, m.down_proj.weight))
         self.inter = self.layers[0][8].shape[0] // 2
         self.cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        # As LlamaRMSNorm: in float32, then back to the activations' dtype, then the weight (one fused kernel when
-        # the activations are float32 already).
-        if x.dtype == torch.float32 and w.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
+    def _rms(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        # As LlamaRMSNorm: in float32, then back to the activations' dtype, then the weight (``None``: folded into
+        # the next projection, float32 only).
+        if w is None:
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
 
-    def _rope_table(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        # As LlamaRotaryEmbedding.forward: freqs = position * inv_freq in float32, emb = [freqs, freqs].
+    def _rope_table(self, n: int, device) -> torch.Tensor:
+        # As LlamaRotaryEmbedding.forward: freqs = position * inv_freq in float32; cos + i sin of them (HF's table
+        # repeats them for the second half of a head, which the paired layout does not need).
         pos = torch.arange(n, device=device, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()  # the model's rounding
+        return torch.complex(cos, sin)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
-
-    def _layer(self, x, li, cos, sin, bias, start: int, n_new: int) -> torch.Tensor:
-        """One decoder layer over ``n_new`` new positions written at cache columns [start, start + n_new)."""
+    def _layer(self, x, li, rot, bias, start: int, n_new: int) -> torch.Tensor:
+        """One decoder layer over ``n_new`` new positions written at cache columns [start, start + n_new);
+        ``rot``: the rotation of each new position, complex [B, n_new, 1, head_dim / 2]."""
         w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, wd = self.layers[li]
         B = x.shape[0]
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         h = self._rms(x, w_in, eps_in)
-        qkv = F.linear(h, wqkv, bqkv).view(B, n_new, H + 2 * K, D).transpose(1, 2)  # [B, H+2K, n, D]
-        qk = self._rotate(qkv[:, :H + K], cos, sin)  # RoPE on queries and keys at once
-        q = qk[:, :H]
+        qkv = F.linear(h, wqkv, bqkv).view(B, n_new, H + 2 * K, D)
+        if qkv.dtype == torch.float32:  # RoPE on queries and keys at once, in place (paired layout)
+            torch.view_as_complex(qkv.view(B, n_new, H + 2 * K, D // 2, 2))[:, :, :H + K].mul_(rot)
+        else:
+            qk = torch.view_as_complex(qkv[:, :, :H + K].float().reshape(B, n_new, H + K, D // 2, 2)) * rot
+            qkv[:, :, :H + K] = torch.view_as_real(qk).reshape(B, n_new, H + K, D).to(qkv.dtype)
+        qkv = qkv.transpose(1, 2)  # [B, H+2K, n, D]
+        q = qkv[:, :H]
         kv = self.cache[li]
-        kv[0, :, :, start:start + n_new] = qk[:, H:]
+        kv[0, :, :, start:start + n_new] = qkv[:, H:H + K]
         kv[1, :, :, start:start + n_new] = qkv[:, H + K:]
         keys, values = kv[0, :, :, :start + n_new], kv[1, :, :, :start + n_new]
         if n_new == 1:  # decode: two batched matrix products; query heads grouped by their KV head (GQA)
@@ -172,19 +196,19 @@ class StaticDecoder:
         self.width, self.total = W, W + max_new
         self.cache = torch.empty((len(self.layers), 2, B, self.n_kv, self.total, self.head_dim), dtype=self.dtype,
                                  device=dev)
-        self.cos, self.sin = self._rope_table(self.total, dev)
+        self.rot = self._rope_table(self.total, dev)
         # Additive key bias for every cache column: 0 for real tokens, -inf for padding (and for finished rows).
         self.key_bias = torch.zeros((B, self.total), dtype=self.dtype, device=dev)
         self.key_bias[:, :W].masked_fill_(mask == 0, float("-inf"))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
+        rot = self.rot[positions][:, :, None]  # [B, W, 1, D/2]
         causal = torch.ones((W, W), dtype=torch.bool, device=dev).tril()
         allowed = causal[None] & (mask[:, None, :] != 0)
         allowed |= torch.eye(W, dtype=torch.bool, device=dev)[None]  # padding queries see themselves (no NaN)
         bias = torch.zeros((B, 1, W, W), dtype=self.dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
         x = F.embedding(ids, self.embed)
         for li in range(len(self.layers)):
-            x = self._layer(x, li, cos, sin, bias, 0, W)
+            x = self._layer(x, li, rot, bias, 0, W)
         self.step_idx = 0
         return self._logits(x[:, -1])
 
@@ -196,10 +220,10 @@ class StaticDecoder:
         if not bool(live.all()):
             self.key_bias[:, col].masked_fill_(~live, float("-inf"))
         bias = self.key_bias[:, None, None, :col + 1]
-        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # [B, 1, 1, D]
+        rot = self.rot[positions][:, None, None]  # [B, 1, 1, D/2]
         x = F.embedding(tokens[:, None], self.embed)
         for li in range(len(self.layers)):
-            x = self._layer(x, li, cos, sin, bias, col, 1)
+            x = self._layer(x, li, rot, bias, col, 1)
         return self._logits(x[:, -1])
 
     def select(self, idx: torch.Tensor) -> None:
