@@ -57,21 +57,33 @@ def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        return_logits: bool = False):
-    """log pi(o_t | q, o_<t) for every completion token, from one forward over [prompt; completion].
+                        return_logits: bool = False, groups: torch.Tensor | None = None):
+    """log pi(o_t | q, o_<t) for every completion token.
 
     prompt_ids/prompt_mask [N, P] left-padded; completion_ids [N, T]. Logits are divided by ``temperature``
     (the sampler's convention; 0 means greedy and is treated as 1). Returns (logp [N, T], entropy [N, T] or None),
     plus the temperature-scaled logits [N, T, V] when ``return_logits``. The entropy is a no-grad diagnostic
     unless ``entropy_grad`` (a loss term that differentiates it).
-    Only the last T+1 positions go through the LM head (``logits_to_keep``).
+
+    Without ``groups``: one forward over [prompt; completion] per row; only the last T+1 positions go through the
+    LM head (``logits_to_keep``). With ``groups`` [N] (rows with the same id have the same prompt, as the
+    completions of one prompt in a GRPO group do) and a model that takes ``past_key_values``: each distinct
+    prompt goes through the model once, its keys and values are repeated for its rows, and the completions run
+    on top of them. A prompt's positions do not see its completions (causal attention), so the logits are the
+    same function of the weights up to float rounding, and autograd sums the rows' gradients into the shared
+    prompt; the prompt work is divided by the group size. Rows whose prompts differ despite a shared id, a model
+    with gradient checkpointing, or a model without a key/value cache take the one-forward path.
     """
     T = completion_ids.shape[1]
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
-    logits = out.logits[:, :-1, :].float()
+    shared = _shared_prompts(model, prompt_ids, T, groups)
+    if shared is not None:
+        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, *shared)
+    else:
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
+        logits = out.logits[:, :-1, :].float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
@@ -82,3 +94,67 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             p = torch.softmax(logits, dim=-1)
             ent = logz - (p * logits).sum(-1)
     return (logp, ent, logits) if return_logits else (logp, ent)
+
+
+# Share prompts only when that removes at least this fraction of the tokens of the one-forward path: the shared
+# path runs the model twice and indexes its cache, which costs more than a few tokens of a tiny model (measured
+# on CPU: a 1M-parameter model saving 20% of its tokens was 6% slower; 56% saved, 2.5x faster).
+SHARE_MIN_SAVING = 0.25
+
+
+def _shared_prompts(model, prompt_ids: torch.Tensor, T: int, groups: torch.Tensor | None):
+    """(first row of each distinct prompt [U], each row's prompt index [N]) when sharing the prompt pays and the
+    model supports it; else None."""
+    if groups is None or len(groups) < 2 or prompt_ids.shape[1] == 0:
+        return None
+    N, P = prompt_ids.shape
+    n_uniq = int(torch.unique(groups).numel())
+    if (N - n_uniq) * P < SHARE_MIN_SAVING * N * (P + T):
+        return None
+    inner = getattr(model, "module", model)  # DDP / accelerate wrappers
+    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5.x name
+    if checkpointing is None:
+        checkpointing = getattr(inner, "is_gradient_checkpointing", False)
+    if checkpointing or not _takes_cache(inner):
+        return None
+    uniq, inverse = torch.unique(groups.cpu(), return_inverse=True)
+    first = torch.full((len(uniq),), len(groups), dtype=torch.long).scatter_reduce_(
+        0, inverse, torch.arange(len(groups)), reduce="amin")
+    inverse, first = inverse.to(prompt_ids.device), first.to(prompt_ids.device)
+    if not torch.equal(prompt_ids[first][inverse], prompt_ids):
+        return None
+    return first, inverse
+
+
+def _takes_cache(model) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "past_key_values" in params and "logits_to_keep" in params
+
+
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, first, inverse) -> torch.Tensor:
+    """Float32 logits [N, T, V] predicting each completion token: distinct prompts once, completions on top of
+    their prompt's repeated keys and values (see ``completion_logprobs``)."""
+    from transformers import DynamicCache
+
+    T = completion_ids.shape[1]
+    p_mask = prompt_mask[first]
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    inner = getattr(model, "module", model)
+    cache = DynamicCache(config=getattr(inner, "config", None))
+    out = model(input_ids=prompt_ids[first], attention_mask=p_mask, position_ids=p_pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    first_logits = out.logits[:, -1:, :].float()[inverse]  # predicts each row's first completion token
+    if T == 1:
+        return first_logits
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)  # each row gets its prompt's keys/values (indexing: gradients sum back)
+    attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+    pos = prompt_mask.sum(-1, keepdim=True) + torch.arange(T, device=completion_ids.device)  # as the full path
+    out = model(input_ids=completion_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=T)
+    return torch.cat([first_logits, out.logits[:, :-1, :].float()], dim=1)

@@ -135,7 +135,7 @@ class StaticDecoder:
         # As LlamaRMSNorm: in float32, then back to the activations' dtype, then the weight (``None``: folded into
         # the next projection, float32 only).
         if w is None:
-            return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
+            return x * x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
@@ -181,7 +181,7 @@ class StaticDecoder:
         x = x + F.linear(o, wo, bo)
         h = self._rms(x, w_post, eps_post)
         g, u = F.linear(h, wgu).split(self.inter, dim=-1)
-        return x + F.linear(F.silu(g) * u, wd)
+        return x + F.linear(F.silu(g).mul_(u), wd)
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms(x_last, self.norm_w, self.norm_eps), self.head_w, self.head_b).float()

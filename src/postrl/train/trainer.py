@@ -446,9 +446,11 @@ class Trainer:
                   entropy_grad: bool = False, with_logits: bool = False):
         """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
         dev = self.acc.device
+        groups = batch.group_ids[idx] if self.cfg.train.share_prompt else None
         out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits)
+                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
+                                  groups=groups)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()

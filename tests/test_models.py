@@ -1,0 +1,83 @@
+"""completion_logprobs: the shared-prompt path computes what the one-forward path computes."""
+
+import pytest
+import torch
+
+from postrl.models import SHARE_MIN_SAVING, _shared_prompts, completion_logprobs
+from postrl.models.tiny import build_model, build_tokenizer
+from test_rollout import _reinit, _tiny_qwen2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _llama(tok):
+    return _reinit(build_model(tok, size="nano", seed=0))
+
+
+def _gpt2(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return _reinit(GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)))
+
+
+def _batch(U=3, G=4, P=10, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pid = torch.randint(5, 60, (U, P), generator=g)
+    pm = torch.ones_like(pid)
+    pm[0, :3] = 0  # left padding of different widths
+    pm[-1, :1] = 0
+    pid[pm == 0] = 0
+    cid = torch.randint(5, 60, (U * G, T), generator=g)
+    return pid.repeat_interleave(G, 0), pm.repeat_interleave(G, 0), cid, torch.arange(U).repeat_interleave(G)
+
+
+def _run(model, pid, pm, cid, groups):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
+                                            groups=groups)
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    (weights * logp).sum().backward()
+    return logp.detach(), ent, logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _gpt2], ids=["llama", "qwen2-gqa-bias", "gpt2"])
+def test_shared_prompt_equals_one_forward(tok, make):
+    model = make(tok)
+    pid, pm, cid, groups = _batch()
+    assert _shared_prompts(model, pid, cid.shape[1], groups) is not None  # the shared path is taken
+    full = _run(model, pid, pm, cid, None)
+    shared = _run(model, pid, pm, cid, groups)
+    for a, b in zip(full[:3], shared[:3]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for ga, gb in zip(full[3], shared[3]):  # gradients: the rows' contributions summed into the shared prompt
+        torch.testing.assert_close(gb, ga, atol=1e-4 * float(ga.abs().max()) + 1e-7, rtol=1e-4)
+
+
+def test_single_token_completions(tok):
+    model = _llama(tok)
+    pid, pm, cid, groups = _batch(T=1)
+    full, shared = _run(model, pid, pm, cid, None), _run(model, pid, pm, cid, groups)
+    torch.testing.assert_close(shared[0], full[0], atol=1e-5, rtol=1e-5)
+
+
+def test_when_prompts_are_shared(tok):
+    model = _llama(tok)
+    pid, pm, cid, groups = _batch(U=2, G=4, P=10, T=6)
+    first, inverse = _shared_prompts(model, pid, 6, groups)
+    assert first.tolist() == [0, 4] and inverse.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    # Too little to save: 6 of 8 prompts' 10 tokens vs 25% of 8 x (10 + 200) tokens.
+    assert (8 - 2) * 10 < SHARE_MIN_SAVING * 8 * 210 and _shared_prompts(model, pid, 200, groups) is None
+    assert _shared_prompts(model, pid, 6, None) is None
+    assert _shared_prompts(model, pid, 6, torch.arange(8)) is None  # every prompt distinct
+    other = pid.clone()
+    other[1, -1] += 1  # a row whose prompt differs despite its group id: the one-forward path
+    assert _shared_prompts(model, other, 6, groups) is None
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert _shared_prompts(model, pid, 6, groups) is None
