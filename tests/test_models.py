@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from postrl.models import SHARE_MIN_SAVING, _shared_prompts, completion_logprobs
+from postrl.models import SHARE_MIN_SAVING, _min_saving, _shared_prompts, completion_logprobs
 from postrl.models.tiny import build_model, build_tokenizer
 from test_rollout import _reinit, _tiny_qwen2
 
@@ -81,3 +81,10 @@ def test_when_prompts_are_shared(tok):
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
     assert _shared_prompts(model, pid, 6, groups) is None
+
+
+def test_larger_models_share_for_smaller_savings():
+    big = torch.nn.Linear(1, 1)
+    big.extra = torch.nn.Parameter(torch.empty(20_000_000))  # 20M parameters (never touched)
+    assert _min_saving(big) == pytest.approx(SHARE_MIN_SAVING / 10, rel=1e-3)
+    assert _min_saving(torch.nn.Linear(4, 4)) == SHARE_MIN_SAVING

@@ -162,7 +162,7 @@ class TrainConfig(_Strict):
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
     share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
-                               "(same log-probs up to float rounding; used when it removes >= 25% of the tokens)")
+                               "(same log-probs up to float rounding; used when it saves enough work, postrl.models)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")

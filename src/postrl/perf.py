@@ -10,7 +10,7 @@ times slower than on one thread. When the operators are large and the cores free
 short probe shaped like the phase's matrix products (from the model's hidden and intermediate sizes and the
 phase's rows) on one thread and on the full count, alternately, keeps the faster, and measures again after
 ``refresh_s`` seconds, or sooner when a phase's time per unit of work grows by more than 1.5x (the load of a shared
-machine rises). For generation, more threads are chosen only when they are consistently and clearly (1.5x)
+machine rises). For generation, more threads are chosen only when they are consistently and clearly (1.3x)
 faster: on a shared machine a wrong "more" costs far more than a wrong "fewer" there; for the update, whose
 operators are large, when they are 1.2x faster (see ``measure``). A fixed ``threads`` turns all this off.
 
@@ -49,6 +49,7 @@ class ThreadPolicy:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.fixed = threads
         self.pinned = dict(pinned or {})  # phase -> fixed count for that phase only (when ``threads`` is None)
+
         self.max_threads = max_threads or torch.get_num_threads()
         self.hidden, self.inter = int(hidden), int(inter)
         self.refresh_s = refresh_s
@@ -77,9 +78,10 @@ class ThreadPolicy:
         among threads differently from the forward's)."""
         # Operators of the phase's own size, since the cost of a barrier stall depends on how long an operator
         # runs: decode-step products of at most 32 rows (~1e8 floating-point operations per round), and update
-        # products of up to a micro-batch's tokens (~4e8 per round: a few ms on one core).
+        # products of up to a micro-batch's tokens (~1e9 per round, 10-20 ms on one core: a smaller budget would
+        # cut a large model's probe to a few dozen rows, which gain less from threads than its real products).
         update = phase != "generation"
-        budget = 4e8 if update else 1e8
+        budget = 1e9 if update else 1e8
         per_row = (6.0 if update else 4.0) * self.hidden * self.inter
         rows = max(1, min(int(rows), 8192 if update else 32, int(budget / per_row)))
         g = torch.Generator().manual_seed(0)
@@ -98,7 +100,7 @@ class ThreadPolicy:
 
     def measure(self, phase: str, rows: int, rounds: int | None = None) -> int:
         """Time the phase's probe on each candidate thread count, in interleaved rounds. For generation, a count
-        above one is kept only when it is faster than one thread in every round and by at least 1.5x in total: a
+        above one is kept only when it is faster than one thread in every round and by at least 1.3x in total: a
         stall at a barrier in any round means the cores are shared right now, and a decode step is hundreds of
         tiny operators, so a busy spell would make generation many times slower (measured: 7x for a 20M model)
         against a gain of at most the thread count on a free machine. The update's operators are large, so a
@@ -144,7 +146,7 @@ class ThreadPolicy:
         # everyone else on the machine, and the choice does not flip between runs (see the module docstring).
         choice = alive[0]
         for c in alive[1:]:
-            if phase == "generation" and (c in slower_once or total[c] * 1.5 > total[choice]):
+            if phase == "generation" and (c in slower_once or total[c] * 1.3 > total[choice]):
                 continue
             if total[c] * 1.2 <= total[choice]:
                 choice = c
