@@ -1,5 +1,6 @@
 # `make demo`: create the virtual environment if needed, install postrl, run the main job (postrl train).
 # `make test`: same set-up plus the test extras, then the whole test suite.
+# `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean builtin
 
 install: $(DEV)
 
@@ -27,6 +28,9 @@ demo: $(CORE)
 
 test: $(DEV)
 	$(PY) -m pytest -q
+
+builtin: $(CORE)
+	$(PY) -m postrl.models.builtin
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

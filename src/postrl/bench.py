@@ -312,6 +312,11 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step % E:
                 return
+            if not clock.get("ready"):
+                # Ready only here, once train() has set itself up: had it said so before train(), its set-up
+                # would run during the other side's first step (and skew the thread probe postrl runs there).
+                clock["ready"] = True
+                proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
             self._report()
             if proto.recv() != "step":
                 control.should_training_stop = True
@@ -365,7 +370,6 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed(
         "ref", trainer._get_per_token_logps_and_entropies, when=lambda: not torch.is_grad_enabled())
-    proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
     try:
         trainer.train()
     except SystemExit:

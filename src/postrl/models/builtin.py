@@ -1,10 +1,13 @@
-"""The built-in model of the main job: a tiny Llama built from a config, warm-started by SFT, cached.
+"""The built-in model of the main job: a tiny Llama built from a config, warm-started by SFT, shipped or cached.
 
-The first ``postrl train`` with ``model.path: builtin`` builds a character-level tokenizer and a tiny
-``LlamaForCausalLM`` (``model.builtin_size``), runs ``postrl sft`` on the configured task's demonstrations
-(``sft.*``), and saves the result with ``save_pretrained`` under ``$POSTRL_CACHE`` (default
-``~/.cache/postrl``) in a folder named by a hash of everything that determines it. Later runs load it from
-there, like any local model. The same command reproduces it bit for bit on the same machine.
+``model.path: builtin`` names a character-level tokenizer and a tiny ``LlamaForCausalLM``
+(``model.builtin_size``) trained by ``postrl sft`` on the configured task's demonstrations (``sft.*``), saved with
+``save_pretrained`` in a folder named by a hash of everything that determines it. The one for the default config
+ships with the package (``postrl/models/shipped/``), so ``postrl train`` starts RL at once; ``make builtin``
+(``python -m postrl.models.builtin``) rebuilds it with the same code, bit for bit on this project's development
+machine (``tests/test_builtin.py`` rebuilds it and compares). Any other config builds its model on first use and
+caches it under ``$POSTRL_CACHE`` (default ``~/.cache/postrl``); later runs load it from there, like any local
+model.
 """
 
 from __future__ import annotations
@@ -29,9 +32,20 @@ def builtin_key(cfg) -> str:
     return f"{stable_hash(json.dumps(spec, sort_keys=True, default=str)):016x}"
 
 
-def ensure_builtin(cfg, log: Callable[[str], None] = print) -> Path:
-    """Path of the built-in warm-started model for ``cfg``; builds and caches it when missing."""
-    target = cache_root() / f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-{builtin_key(cfg)}"
+SHIPPED = Path(__file__).parent / "shipped"
+
+
+def builtin_name(cfg) -> str:
+    return f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-{builtin_key(cfg)}"
+
+
+def ensure_builtin(cfg, log: Callable[[str], None] = print, use_shipped: bool = True) -> Path:
+    """Path of the built-in warm-started model for ``cfg``: the shipped one when ``cfg`` is the config it was built
+    from, else the cached one, built and cached when missing."""
+    shipped = SHIPPED / builtin_name(cfg)
+    if use_shipped and (shipped / "config.json").is_file():
+        return shipped
+    target = cache_root() / builtin_name(cfg)
     if (target / "config.json").is_file():
         return target
     from postrl.models.tiny import build_model, build_tokenizer
@@ -57,3 +71,34 @@ def ensure_builtin(cfg, log: Callable[[str], None] = print) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"built-in model ready in {time.time() - t0:.0f}s (SFT loss {losses[0]:.3f} -> {losses[-1]:.3f})")
     return target
+
+
+def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print) -> Path:
+    """Build the default config's built-in model from scratch (in a temporary cache) and put it in ``dest``,
+    replacing the models shipped there before. ``make builtin`` runs this."""
+    import tempfile
+
+    from postrl.config import Config
+
+    cfg = Config()
+    old_cache = os.environ.get("POSTRL_CACHE")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["POSTRL_CACHE"] = tmp
+        try:
+            built = ensure_builtin(cfg, log=log, use_shipped=False)
+        finally:
+            if old_cache is None:
+                os.environ.pop("POSTRL_CACHE", None)
+            else:
+                os.environ["POSTRL_CACHE"] = old_cache
+        dest.mkdir(parents=True, exist_ok=True)
+        for stale in dest.glob("builtin-*"):
+            shutil.rmtree(stale)
+        final = dest / built.name
+        shutil.copytree(built, final)
+    log(f"shipped {final}")
+    return final
+
+
+if __name__ == "__main__":
+    ship()
