@@ -15,9 +15,10 @@ faster: on a shared machine a wrong "more" costs far more than a wrong "fewer" t
 operators are large, when they are 1.2x faster (see ``measure``). A fixed ``threads`` turns all this off.
 
 The choice changes speed, not what is computed, but not always the last bits: a matrix product split over a
-different number of threads may round differently. Measured here (torch 2.13, x86): 200 SFT steps of the built-in
-models (forward, backward, AdamW) give bitwise identical weights on 1, 2, 3, 4 and 8 threads, while a decode step
-occasionally differs in the 7th digit. So small models (hidden size up to ``SMALL_HIDDEN``) pin generation to one
+different number of threads may round differently. Measured here (torch 2.13, x86): SFT steps of the built-in
+models (forward, backward, AdamW) give bitwise identical weights on 1, 2 and 4 threads after 200 steps, and on 3
+and 8 after 10 (``tests/test_bench.py`` checks 1 against 2), while a decode step occasionally differs in the 7th
+digit. So small models (hidden size up to ``SMALL_HIDDEN``) pin generation to one
 thread, which also is the faster count for their tiny decode operators, and measure only the update: their runs
 stay bitwise reproducible whatever the load. Larger models measure both phases; their metrics are bitwise
 reproducible with a fixed ``train.threads``, and with the default whenever runs choose the same counts.
@@ -49,7 +50,6 @@ class ThreadPolicy:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.fixed = threads
         self.pinned = dict(pinned or {})  # phase -> fixed count for that phase only (when ``threads`` is None)
-
         self.max_threads = max_threads or torch.get_num_threads()
         self.hidden, self.inter = int(hidden), int(inter)
         self.refresh_s = refresh_s
