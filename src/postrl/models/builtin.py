@@ -64,7 +64,8 @@ def ensure_builtin(cfg, log: Callable[[str], None] = print, use_shipped: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "postrl_sft.json").write_text(json.dumps({"final_loss": losses[-1], "steps": len(losses)}))
+    (tmp / "postrl_sft.json").write_text(json.dumps({"first_loss": losses[0], "final_loss": losses[-1],
+                                                           "steps": len(losses)}))
     try:
         os.rename(tmp, target)
     except OSError:  # another process built it first
