@@ -296,11 +296,11 @@ def test_rejects_bad_input(tok, model):
 
 
 # ---------------------------------------------------------------------------------------------- static decoder
-def _tiny_qwen2(tok):
+def _tiny_qwen2(tok, hidden: int = 64):
     """Qwen2 (q/k/v biases) with grouped-query attention: 4 query heads share 2 KV heads."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       tie_word_embeddings=False)
@@ -327,11 +327,29 @@ def test_static_decoder_supports_llama_family_only(tok, model):
     assert out.completion_ids.shape == (4, 5)
 
 
-@pytest.mark.parametrize("which", ["eos_model", "qwen2"])
+@pytest.mark.parametrize("which", ["eos_model", "qwen2", "qwen2_onednn"])
 def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which):
     """Same tokens, EOS ends, stop strings and log-probs from the static decoder and from the model's forward;
-    sampled with top-k/top-p, rows finishing at different steps (cache compaction), chunked batches."""
-    m = eos_model if which == "eos_model" else _tiny_qwen2(tok)
+    sampled with top-k/top-p, rows finishing at different steps (cache compaction), chunked batches.
+    qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder to use it too."""
+    if which == "eos_model":
+        m = eos_model
+    elif which == "qwen2":
+        m = _tiny_qwen2(tok)
+    else:
+        from postrl.models import matmul
+        from postrl.rollout import decoder
+
+        if not matmul.onednn_available():
+            pytest.skip("this torch build has no oneDNN")
+        m = _tiny_qwen2(tok, hidden=decoder._ONEDNN_MIN_HIDDEN + 64)
+        plain = copy.deepcopy(m)
+        assert matmul.use_onednn(m) > 0
+        assert decoder.StaticDecoder(m).linear is decoder._onednn_linear
+        assert decoder.StaticDecoder(plain).linear is not decoder._onednn_linear
+    # oneDNN sums the products in another order than MKL; with these large random weights (logits of tens) the
+    # log-probs then differ by up to ~2e-4
+    tol = 5e-4 if which == "qwen2_onednn" else 1e-4
     prompts = _ids(tok, PROMPTS)
     for params in (SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.95, stop=["e"]),
                    SamplingParams(max_new_tokens=12, temperature=0.0)):
@@ -342,14 +360,14 @@ def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model,
             assert torch.equal(a.completion_ids, o.completion_ids)
             assert torch.equal(a.completion_mask, o.completion_mask)
             assert torch.equal(a.truncated, o.truncated) and a.texts == o.texts
-            torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
+            torch.testing.assert_close(a.logprobs, o.logprobs, atol=tol, rtol=0)
     if which == "eos_model":
         assert len(set(a.completion_mask.sum(1).tolist())) > 2  # rows ended at different steps
     # and the log-probs are the model's own full-forward ones
     for r in range(len(prompts) * 3):
         completion = _row(a, r)
-        lp = _recompute_logprobs(m, prompts[r // 3], completion, 1.0)
-        torch.testing.assert_close(a.logprobs[r, : len(completion)], lp, atol=1e-4, rtol=0)
+        lp = _recompute_logprobs(m if which != "qwen2_onednn" else plain, prompts[r // 3], completion, 1.0)
+        torch.testing.assert_close(a.logprobs[r, : len(completion)], lp, atol=tol, rtol=0)
 
 
 def test_generation_thread_policy(tok, model):

@@ -208,3 +208,26 @@ def test_sft_then_eval_cli(model_dir, tmp_path):
     assert res["n"] == 5 and 0.0 <= res["accuracy"] <= 1.0 and "pass@2" in res
     r = cli("eval", str(tmp_path / "nothing"), "--task", "arithmetic")
     assert r.returncode == 2 and "neither a model folder" in r.stderr
+
+
+def test_onednn_layers_train_the_same_function(model_dir, tmp_path):
+    """train.matmul=onednn (postrl.models.matmul) vs torch's products: the same first step up to float rounding,
+    checkpoints that load as plain HF models."""
+    from postrl.models import matmul
+
+    if not matmul.onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = load_config(None, small(model_dir, a, "train.matmul=onednn", "train.steps=2", "train.threads=1"))
+    t = Trainer(cfg, cfg.output_dir)
+    assert t.matmul == "onednn" and any(type(m) is matmul.OneDNNLinear for m in t.policy.modules())
+    t.train()
+    run_inprocess(small(model_dir, b, "train.matmul=torch", "train.steps=2", "train.threads=1"))
+    ma, mb = metrics(a), metrics(b)
+    for key in ("reward/mean", "pg_loss", "entropy", "grad_norm", "length/mean"):
+        assert ma[0][key] == pytest.approx(mb[0][key], rel=1e-4, abs=1e-6), key
+    from transformers import AutoModelForCausalLM
+
+    ckpt = sorted((a / "checkpoints").iterdir())[-1]
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert not any(type(m) is matmul.OneDNNLinear for m in loaded.modules())

@@ -32,7 +32,7 @@ from postrl.data.base import stable_hash
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import evaluate
 from postrl.losses import KLController, check_aggregation, kl_reward_penalty, make_stage, stage_fields, tis_weights
-from postrl.models import completion_logprobs, encode_prompt, load_model_and_tokenizer
+from postrl.models import completion_logprobs, encode_prompt, load_model_and_tokenizer, matmul
 from postrl.pipeline import call_stage
 from postrl.perf import ThreadPolicy
 from postrl.rewards import RewardContext, score_batch
@@ -117,11 +117,15 @@ class Trainer:
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
         self.threads = ThreadPolicy.for_model(model, cfg.train.threads)  # torch threads per phase (postrl.perf)
+        # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
+        self.matmul = matmul.choose(cfg.train.matmul, model)
+        matmul.use_onednn(model, self.matmul == "onednn")
         self.ref_model = None
         self._setup_losses()
         if "ref_logp" in self.loss_fields:
             self.ref_model, _ = load_model_and_tokenizer(path, cfg.model.dtype)
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
+            matmul.use_onednn(self.ref_model, self.matmul == "onednn")
         # stages
         self.reward_specs = cfg.rewards
         self.reward_fns = [build_stage("reward", r.name, r.params)[:2] for r in cfg.rewards]  # classes keep state
