@@ -134,6 +134,9 @@ def test_flop_and_bandwidth_models():
     assert b == pytest.approx(8 * 1e10 / 4e9, rel=1e-3)
     peaks = bench.measure_peaks(quick=True)
     assert peaks["matmul_flops"] > 1e8 and peaks["copy_bytes_per_s"] > 1e8
+    # the peak is the faster library's
+    assert peaks["matmul_flops"] == max(peaks["matmul_by_lib"].values())
+    assert peaks["matmul_by_lib"][peaks["matmul_lib"]] == peaks["matmul_flops"]
 
 
 def test_thread_policy_fixed_and_measured():

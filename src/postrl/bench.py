@@ -102,9 +102,13 @@ def measure_peaks(quick: bool = False) -> dict:
     """fp32 matmul FLOP/s (square ``n x n`` matmul) and memory bandwidth (copy of a large tensor: read + write).
 
     Each is the best of several repetitions on 1 thread and on torch's default thread count (a peak: on a machine
-    shared with other jobs the full count can be the slower one); the count that reached it is reported.
+    shared with other jobs the full count can be the slower one); the count that reached it is reported. The
+    matmul runs through torch's default library (MKL) and through oneDNN (``postrl.models.matmul``), and the peak is
+    the faster of the two (``matmul_lib``): on AMD CPUs MKL reaches about half of oneDNN's rate.
     """
     import torch
+
+    from postrl.models import matmul as mm_lib
 
     old = torch.get_num_threads()
     n = 1024 if quick else 2048
@@ -114,29 +118,38 @@ def measure_peaks(quick: bool = False) -> dict:
     c = torch.empty(n, n)
     x = torch.ones(numel)
     y = torch.empty_like(x)
-    flops: dict[int, float] = {}
+    bt = b.t().contiguous()  # oneDNN's linear takes the second factor as [N, K]
+    libs = {"torch": lambda: torch.matmul(a, b, out=c)}
+    if mm_lib.onednn_available():
+        libs["onednn"] = lambda: mm_lib._mm(a, bt)
+    flops: dict[tuple[int, str], float] = {}
     bw: dict[int, float] = {}
     try:
         for threads in sorted({1, old}):
             torch.set_num_threads(threads)
-            torch.matmul(a, b, out=c)
             y.copy_(x)
-            best_mm = best_cp = math.inf
+            best_cp = math.inf
+            for lib, fn in libs.items():
+                fn()
+                best_mm = math.inf
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    fn()
+                    best_mm = min(best_mm, time.perf_counter() - t)
+                flops[threads, lib] = 2.0 * n**3 / best_mm
             for _ in range(reps):
-                t = time.perf_counter()
-                torch.matmul(a, b, out=c)
-                best_mm = min(best_mm, time.perf_counter() - t)
                 t = time.perf_counter()
                 y.copy_(x)
                 best_cp = min(best_cp, time.perf_counter() - t)
-            flops[threads] = 2.0 * n**3 / best_mm
             bw[threads] = 2.0 * numel * 4 / best_cp
     finally:
         torch.set_num_threads(old)
-    tf, tb = max(flops, key=flops.get), max(bw, key=bw.get)
-    return {"matmul_flops": flops[tf], "matmul_n": n, "matmul_threads": tf, "copy_bytes_per_s": bw[tb],
-            "copy_threads": tb, "copy_mib": numel * 4 / 2**20, "threads": tf,
-            "by_threads": {str(k): {"matmul_flops": flops[k], "copy_bytes_per_s": bw[k]} for k in flops}}
+    (tf, lib), tb = max(flops, key=flops.get), max(bw, key=bw.get)
+    return {"matmul_flops": flops[tf, lib], "matmul_n": n, "matmul_threads": tf, "matmul_lib": lib,
+            "matmul_by_lib": {k: max(v for (_, l2), v in flops.items() if l2 == k) for k in libs},
+            "copy_bytes_per_s": bw[tb], "copy_threads": tb, "copy_mib": numel * 4 / 2**20, "threads": tf,
+            "by_threads": {str(k): {"matmul_flops": max(v for (t2, _), v in flops.items() if t2 == k),
+                                    "copy_bytes_per_s": bw[k]} for k in bw}}
 
 
 def model_shape(model_dir: str | Path) -> dict:
@@ -258,7 +271,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         threads = spec.threads or _policy_threads(trainer.threads)
         proto.send({"wall": wall, "generation": m["time/generation"], "reward": m["time/reward"],
                     "ref": m["time/ref"], "len_min": m["length/min"], "len_max": m["length/max"],
-                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu})
+                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.matmul})
 
 
 def _trl_worker(spec: Spec, proto: _Proto) -> None:
@@ -306,7 +319,7 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
                 return
             proto.send({"wall": time.perf_counter() - clock["t0"], **acc, "len_min": min(lengths),
                         "len_max": max(lengths), "threads": torch.get_num_threads(),
-                        "cpu_s": proto.cpu_s() - clock["cpu0"]})
+                        "cpu_s": proto.cpu_s() - clock["cpu0"], "matmul": "torch"})
             clock["t0"] = None
 
         def on_step_begin(self, args, state, control, **kw):
@@ -492,6 +505,7 @@ def summarize(result: dict, peaks: dict, prompt_len: int) -> dict:
             "wall": wall, "walls": [r["wall"] for r in meas], "tok_s": tokens / wall,
             "phases": ph, "phase_tok_s": {k: (tokens / v if v > 0 else None) for k, v in ph.items()},
             "rss_mib": max(r["rss_mib"] for r in recs), "threads": meas[-1]["threads"] if meas else None,
+            "matmul": meas[-1].get("matmul", "torch") if meas else None,
             "cpu_busy": _median([r["cpu_s"] / r["wall"] for r in meas]),
             "update_flops": fl, "update_flops_per_s": fl / ph["update"] if ph["update"] > 0 else None,
             "gen_bound_tok_s": generation_bound(shape, rows, prompt_len, T, peaks["copy_bytes_per_s"]),
@@ -514,9 +528,9 @@ def _fmt_s(x: float) -> str:
 
 def format_tables(summaries: list[dict], peaks: dict) -> str:
     lines = []
-    lines.append("| model | T | side | threads (gen/update) | s/step | tok/s | gen tok/s | reward tok/s | ref tok/s "
-                 "| update tok/s | CPU busy | peak RSS MiB | speed-up of postrl |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| model | T | side | threads (gen/update) | matmul | s/step | tok/s | gen tok/s | reward tok/s "
+                 "| ref tok/s | update tok/s | CPU busy | peak RSS MiB | speed-up of postrl |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summaries:
         for name, d in s["sides"].items():
             pt = d["phase_tok_s"]
@@ -525,13 +539,15 @@ def format_tables(summaries: list[dict], peaks: dict) -> str:
                 return "-" if v is None else f"{v:,.0f}"
             sp = d.get("speedup_of_postrl")
             lines.append(f"| {s['size']} ({s['params'] / 1e6:.2f}M) | {s['T']} | {name} | {d['threads']} "
-                         f"| {_fmt_s(d['wall'])} | {d['tok_s']:,.0f} | {f(pt['generation'])} | {f(pt['reward'])} "
+                         f"| {d.get('matmul') or '-'} | {_fmt_s(d['wall'])} | {d['tok_s']:,.0f} | {f(pt['generation'])} | {f(pt['reward'])} "
                          f"| {f(pt['ref']) if s['epochs'] > 1 else '-'} | {f(pt['update'])} | {d['cpu_busy']:.2f} "
                          f"| {d['rss_mib']:.0f} "
                          f"| {'' if sp is None else f'{sp:.2f}x'} |")
     lines.append("")
+    by_lib = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.get("matmul_by_lib", {}).items())
     lines.append(f"Limits measured in this run: fp32 matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s "
-                 f"({peaks['matmul_n']}^2, {peaks['matmul_threads']} thread(s)), memory bandwidth "
+                 f"({peaks['matmul_n']}^2, {peaks.get('matmul_lib', 'torch')}, {peaks['matmul_threads']} thread(s); "
+                 f"by library: {by_lib}), memory bandwidth "
                  f"{peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s (copy of {peaks['copy_mib']:.0f} MiB, read + write, "
                  f"{peaks['copy_threads']} thread(s)); best of repeated runs on 1 thread and on all threads.")
     lines.append("")
@@ -668,7 +684,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     sizes = sizes or (["1m"] if quick else ["1m", "20m"])
     lengths = lengths or ([32] if quick else [32, 256])
     base = Spec(prompts=prompts or (2 if quick else 4), group_size=group_size or (4 if quick else 8),
-                steps=steps or (2 if quick else 3), warmup=1, epochs=epochs, lr=lr)
+                steps=steps or (8 if quick else 3), warmup=2, epochs=epochs, lr=lr)
     scaling = (not quick) if scaling is None else scaling
     root = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="postrl-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -703,7 +719,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     mm = max(start, end, key=lambda p: p["matmul_flops"])
     cp = max(start, end, key=lambda p: p["copy_bytes_per_s"])
     peaks = {**start, "matmul_flops": mm["matmul_flops"], "matmul_threads": mm["matmul_threads"],
-             "copy_bytes_per_s": cp["copy_bytes_per_s"], "copy_threads": cp["copy_threads"], "start": start,
+             "matmul_lib": mm.get("matmul_lib", "torch"), "copy_bytes_per_s": cp["copy_bytes_per_s"], "copy_threads": cp["copy_threads"], "start": start,
              "end": end}
     for s in summaries:
         for d in s["sides"].values():
@@ -747,12 +763,12 @@ def add_parser(sub) -> None:
                        "settings, one step each in turn; print per-phase tokens/s, peak RSS, the speed-up, FLOP/s "
                        "against a matmul peak and generation against the memory-bandwidth bound. Needs "
                        "'postrl[bench]' (trl).")
-    b.add_argument("--quick", action="store_true", help="one small configuration, 2 measured steps (< 1 minute)")
+    b.add_argument("--quick", action="store_true", help="one small configuration, 8 measured steps (< 1 minute)")
     b.add_argument("--sizes", nargs="+", metavar="SIZE", help="model sizes (postrl.models.tiny.SIZES; default 1m 20m)")
     b.add_argument("--lengths", nargs="+", type=int, metavar="T", help="completion lengths (default 32 256)")
     b.add_argument("--prompts", type=int, help="prompts per step (default 4; quick 2)")
     b.add_argument("--group-size", type=int, help="completions per prompt (default 8; quick 4)")
-    b.add_argument("--steps", type=int, help="measured steps per side after one warm-up (default 3; quick 2)")
+    b.add_argument("--steps", type=int, help="measured steps per side after two warm-up steps (default 3; quick 8)")
     b.add_argument("--epochs", type=int, default=1, help="optimisation epochs per batch (TRL num_iterations)")
     b.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     b.add_argument("--also", nargs="+", metavar="SIDE@THREADS",

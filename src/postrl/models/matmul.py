@@ -58,8 +58,8 @@ class _OneDNNLinear(torch.autograd.Function):
         else:
             if need_x:
                 gx = _mm(g, weight.t()).view(ctx.x_shape)
-            if need_w:
-                gw = _mm(g.t(), x2.t())
+            if need_w:  # oneDNN copies a transposed first operand: transpose the smaller of g and x
+                gw = _mm(g.t(), x2.t()) if g.shape[1] <= x2.shape[1] else _mm(x2.t(), g.t()).t()
         if need_b and ctx.has_bias:
             gb = g.sum(0)
         return gx, gw, gb

@@ -15,7 +15,9 @@ grouped-query attention scaled by ``head_dim**-0.5``, SwiGLU MLP, tied or untied
   same rotation ``(x cos - y sin, x sin + y cos)``; since queries and keys are permuted alike, ``q . k`` is
   unchanged (the cache holds keys in the permuted layout, used by nothing else);
 * a KV cache allocated once for the whole generation (``[layers, 2, rows, kv_heads, prompt + max_new, head_dim]``)
-  and written in place, so no step copies the cache;
+  and written in place, keys and values of a layer in one copy, so no step copies the cache;
+* a decode step on 2-D activations ``[rows, hidden]``, RMSNorm as one fused ``F.rms_norm``, and the residual
+  additions fused into the output and down projections (``addmm``, or oneDNN's linear with an ``add`` post-op);
 * the rotary table computed once per call; an additive attention bias row per step;
 * the LM head only on the last position.
 
@@ -142,6 +144,7 @@ class StaticDecoder:
                                     a.o_proj.weight, a.o_proj.bias, w_post,
                                     layer.post_attention_layernorm.variance_epsilon, wgu, m.down_proj.weight))
         self.inter = self.layers[0][8].shape[0] // 2
+        self._hidden = (cfg.hidden_size,)
         self.cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -163,8 +166,8 @@ class StaticDecoder:
         return torch.complex(cos, sin)
 
     def _layer(self, x, li, rot, bias, start: int, n_new: int) -> torch.Tensor:
-        """One decoder layer over ``n_new`` new positions written at cache columns [start, start + n_new);
-        ``rot``: the rotation of each new position, complex [B, n_new, 1, head_dim / 2]."""
+        """One decoder layer over ``n_new`` new positions (the prompts) written at cache columns
+        [start, start + n_new); ``rot``: the rotation of each new position, complex [B, n_new, 1, head_dim / 2]."""
         w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, wd = self.layers[li]
         B = x.shape[0]
         H, K, D = self.n_heads, self.n_kv, self.head_dim
@@ -177,25 +180,50 @@ class StaticDecoder:
             qkv[:, :, :H + K] = torch.view_as_real(qk).reshape(B, n_new, H + K, D).to(qkv.dtype)
         qkv = qkv.transpose(1, 2)  # [B, H+2K, n, D]
         q = qkv[:, :H]
-        kv = self.cache[li]
-        kv[0, :, :, start:start + n_new] = qkv[:, H:H + K]
-        kv[1, :, :, start:start + n_new] = qkv[:, H + K:]
-        keys, values = kv[0, :, :, :start + n_new], kv[1, :, :, :start + n_new]
-        if n_new == 1:  # decode: two batched matrix products; query heads grouped by their KV head (GQA)
-            # (the queries are pre-scaled by head_dim**-0.5: their rows of wqkv are multiplied once per call)
-            scores = torch.matmul(q.reshape(B, K, H // K, D), keys.transpose(-1, -2))  # [B, K, G, S]
-            if scores.dtype == torch.float32:
-                probs = torch.softmax(scores.add_(bias), dim=-1)
-            else:
-                probs = torch.softmax(scores.float() + bias.float(), dim=-1).to(q.dtype)
-            o = torch.matmul(probs, values).reshape(B, 1, H * D)
-        else:  # prefill (pre-scaled queries: scale 1)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0,
-                                               enable_gqa=H != K).transpose(1, 2).reshape(B, n_new, H * D)
+        self.cache[li][:, :, :, start:start + n_new] = qkv[:, H:].unflatten(1, (2, K)).transpose(0, 1)  # one copy
+        keys, values = self.keys[li][:, :, :start + n_new], self.values[li][:, :, :start + n_new]
+        # (pre-scaled queries: scale 1)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0,
+                                           enable_gqa=H != K).transpose(1, 2).reshape(B, n_new, H * D)
         x = x + self.linear(o, wo, bo)
         h = self._rms(x, w_post, eps_post)
         g, u = self.linear(h, wgu).split(self.inter, dim=-1)
         return x + self.linear(F.silu(g).mul_(u), wd)
+
+    def _decode_layer(self, x: torch.Tensor, li: int, rot: torch.Tensor, bias: torch.Tensor, col: int) -> torch.Tensor:
+        """One decoder layer for one new token per row, on 2-D activations ``x`` [B, hidden] (about half the
+        operations of the general path: one copy writes the keys and values, residual additions fused into the
+        products); ``rot`` complex [B, 1, head_dim / 2], ``bias`` [B, 1, 1, col + 1]."""
+        w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, wd = self.layers[li]
+        B = x.shape[0]
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        h = F.rms_norm(x, self._hidden, None, eps_in) if w_in is None else self._rms(x, w_in, eps_in)
+        qkv = self.linear(h, wqkv, bqkv).view(B, H + 2 * K, D)
+        if qkv.dtype == torch.float32:
+            torch.view_as_complex(qkv.view(B, H + 2 * K, D // 2, 2))[:, :H + K].mul_(rot)
+        else:
+            qk = torch.view_as_complex(qkv[:, :H + K].float().reshape(B, H + K, D // 2, 2)) * rot
+            qkv[:, :H + K] = torch.view_as_real(qk).reshape(B, H + K, D).to(qkv.dtype)
+        self.cache[li].select(3, col).copy_(qkv[:, H:].view(B, 2, K, D).transpose(0, 1))
+        # two batched products; query heads grouped by their KV head (GQA); queries pre-scaled by head_dim**-0.5
+        scores = torch.matmul(qkv[:, :H].view(B, K, H // K, D), self.keys[li][:, :, :col + 1].transpose(-1, -2))
+        if scores.dtype == torch.float32:
+            probs = torch.softmax(scores.add_(bias), dim=-1)
+        else:
+            probs = torch.softmax(scores.float() + bias.float(), dim=-1).to(qkv.dtype)
+        o = torch.matmul(probs, self.values[li][:, :, :col + 1]).view(B, H * D)
+        x = self._linear_add(x, o, wo, bo)
+        h = F.rms_norm(x, self._hidden, None, eps_post) if w_post is None else self._rms(x, w_post, eps_post)
+        g, u = self.linear(h, wgu).split(self.inter, dim=-1)
+        return self._linear_add(x, F.silu(g).mul_(u), wd, None)
+
+    def _linear_add(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x + a w^T (+ b) for 2-D x and a, in one product where the library fuses the addition."""
+        if b is not None:
+            return x + self.linear(a, w, b)
+        if self.linear is F.linear:
+            return torch.addmm(x, a, w.t())
+        return torch.ops.mkldnn._linear_pointwise.binary(a, x, w, None, "add")
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
         return self.linear(self._rms(x_last, self.norm_w, self.norm_eps), self.head_w, self.head_b).float()
@@ -208,8 +236,8 @@ class StaticDecoder:
         B, W = ids.shape
         dev = ids.device
         self.width, self.total = W, W + max_new
-        self.cache = torch.empty((len(self.layers), 2, B, self.n_kv, self.total, self.head_dim), dtype=self.dtype,
-                                 device=dev)
+        self._set_cache(torch.empty((len(self.layers), 2, B, self.n_kv, self.total, self.head_dim),
+                                    dtype=self.dtype, device=dev))
         self.rot = self._rope_table(self.total, dev)
         # Additive key bias for every cache column: 0 for real tokens, -inf for padding (and for finished rows).
         self.key_bias = torch.zeros((B, self.total), dtype=self.dtype, device=dev)
@@ -234,17 +262,25 @@ class StaticDecoder:
         if not bool(live.all()):
             self.key_bias[:, col].masked_fill_(~live, float("-inf"))
         bias = self.key_bias[:, None, None, :col + 1]
-        rot = self.rot[positions][:, None, None]  # [B, 1, 1, D/2]
-        x = F.embedding(tokens[:, None], self.embed)
+        rot = self.rot[positions][:, None]  # [B, 1, D/2]
+        x = F.embedding(tokens, self.embed)  # [B, hidden]
         for li in range(len(self.layers)):
-            x = self._layer(x, li, rot, bias, col, 1)
-        return self._logits(x[:, -1])
+            x = self._decode_layer(x, li, rot, bias, col)
+        return self._logits(x)
 
     def select(self, idx: torch.Tensor) -> None:
         """Keep only rows ``idx`` of the running batch (copies the filled part of the cache)."""
         used = self.width + self.step_idx
-        cache = torch.empty((len(self.layers), 2, len(idx), self.n_kv, self.total, self.head_dim), dtype=self.dtype,
-                            device=self.cache.device)
+        cache = torch.empty((len(self.layers), 2, len(idx), self.n_kv, self.total, self.head_dim),
+                            dtype=self.dtype, device=self.cache.device)
         cache[..., :used, :] = self.cache[:, :, idx, :, :used, :]
-        self.cache = cache
+        self._set_cache(cache)
         self.key_bias = self.key_bias[idx]
+
+    def _set_cache(self, cache: torch.Tensor) -> None:
+        """The KV cache [layers, 2, rows, kv_heads, columns, head_dim] (keys, values) and per-layer views of its
+        keys and values ([rows, kv_heads, columns, head_dim], each (rows, kv_heads) block contiguous, so the
+        attention's batched products read them in place), taken once instead of at every step."""
+        self.cache = cache
+        self.keys = [c[0] for c in cache]
+        self.values = [c[1] for c in cache]
