@@ -203,3 +203,36 @@ def test_bench_harness_minimal(model_dir, tmp_path):
     assert s["sides"]["trl"]["speedup_of_postrl"] > 0
     assert "speed-up of postrl" in bench.format_tables([s], peaks)
     json.dumps(s)  # the result is plain data
+
+
+def test_thread_policy_measures_again_early_in_a_run(monkeypatch):
+    """A choice is measured at the first use, again after 2 and after 4 more uses, then only after refresh_s."""
+    p = ThreadPolicy(None, hidden=32, inter=64, max_threads=2, refresh_s=1e9)
+    calls = []
+
+    def measure(phase, rows, rounds=None):
+        calls.append(phase)
+        p.choices[phase] = (1, 0.0)
+        return 1
+
+    monkeypatch.setattr(p, "measure", measure)
+    uses = []
+    for i in range(1, 21):
+        before = len(calls)
+        p.threads_for("update", rows=64)
+        if len(calls) > before:
+            uses.append(i)
+    assert uses == [1, 4, 9]
+
+
+def test_thread_policy_probes_the_products_the_phase_runs():
+    from postrl.models import matmul
+    from postrl.models.tiny import build_model, build_tokenizer
+
+    model = build_model(build_tokenizer(), size="nano")
+    assert ThreadPolicy.for_model(model).onednn == {}
+    if matmul.onednn_available():
+        matmul.use_onednn(model)
+        p = ThreadPolicy.for_model(model, max_threads=2)
+        assert p.onednn == {"update": True, "generation": False}  # nano decodes with torch's products
+        assert p.threads_for("update", rows=64) in (1, 2)

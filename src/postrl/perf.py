@@ -45,7 +45,7 @@ class ThreadPolicy:
 
     def __init__(self, threads: int | None = None, *, hidden: int = 256, inter: int = 1024,
                  max_threads: int | None = None, refresh_s: float = 60.0, base_phase: str = "update",
-                 pinned: dict[str, int] | None = None):
+                 pinned: dict[str, int] | None = None, onednn: dict[str, bool] | None = None):
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.fixed = threads
@@ -57,6 +57,15 @@ class ThreadPolicy:
         self.choices: dict[str, tuple[int, float]] = {}  # phase -> (threads, when measured)
         self.timings: dict[str, dict[int, float]] = {}  # phase -> threads -> probe seconds (last measurement)
         self.pace: dict[str, tuple[int, float]] = {}  # phase -> (threads, seconds per unit of work) of the last use
+        # phase -> whether its products run on oneDNN (postrl.models.matmul): the probe then times oneDNN's, whose
+        # gain from a second thread differs from MKL's
+        self.onednn = dict(onednn or {})
+        # Early re-measurements: a choice is measured again after this many further uses of the phase, then after
+        # refresh_s only. The first measurements of a run are the least reliable (other processes starting or
+        # finishing their set-up, a neighbour's OpenMP threads spinning after its last parallel region); measuring
+        # again after 2 and 4 more uses keeps one bad start from fixing a slow choice for a minute.
+        self.early = (2, 4)
+        self._uses: dict[str, list[int]] = {}  # phase -> [uses since the last measurement, re-measurements done]
 
     @classmethod
     def for_model(cls, model, threads: int | None = None, **kw) -> ThreadPolicy:
@@ -65,6 +74,11 @@ class ThreadPolicy:
         inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
         if threads is None and hidden <= SMALL_HIDDEN:
             kw.setdefault("pinned", {"generation": 1})  # tiny decode operators; bit-reproducible sampling
+        from postrl.models.matmul import OneDNNLinear
+        from postrl.rollout.decoder import _ONEDNN_MIN_HIDDEN
+
+        if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
+            kw.setdefault("onednn", {"update": True, "generation": hidden > _ONEDNN_MIN_HIDDEN})
         return cls(threads, hidden=hidden, inter=inter, **kw)
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -89,12 +103,22 @@ class ThreadPolicy:
         w1 = torch.randn(self.inter, self.hidden, generator=g) * self.hidden ** -0.5
         w2 = torch.randn(self.hidden, self.inter, generator=g) * self.inter ** -0.5
         F = torch.nn.functional
+        if self.onednn.get(phase):
+            from postrl.models.matmul import _mm as linear
+
+            def grad_w(h, x):  # [inter, hidden], as the oneDNN layer's backward computes it
+                return linear(x.t(), h.t()).t()
+        else:
+            linear = F.linear
+
+            def grad_w(h, x):
+                return torch.mm(h.t(), x)
 
         def unit() -> None:
-            h = F.silu(F.linear(x, w1))
-            F.linear(h, w2)
+            h = F.silu(linear(x, w1))
+            linear(h, w2)
             if update:
-                torch.mm(h.t(), x)  # [inter, hidden]: the shape of a weight gradient
+                grad_w(h, x)  # the shape of a weight gradient
 
         return unit, max(1, min(64, int(budget / (per_row * rows))))
 
@@ -162,8 +186,14 @@ class ThreadPolicy:
         if len(self.candidates()) == 1:
             return self.max_threads
         chosen = self.choices.get(phase)
-        if chosen is None or time.monotonic() - chosen[1] > self.refresh_s:
+        uses = self._uses.setdefault(phase, [0, 0])
+        again = uses[1] < len(self.early) and uses[0] >= self.early[uses[1]]
+        if chosen is None or again or time.monotonic() - chosen[1] > self.refresh_s:
+            if chosen is not None and again:
+                uses[1] += 1
+            uses[0] = 0
             return self.measure(phase, rows)
+        uses[0] += 1
         return chosen[0]
 
     @contextmanager

@@ -108,7 +108,7 @@ class EchoTrapConfig(_Section):
 
 class EdgeOfStabilityConfig(_Section):
     every: int = Field(10, ge=0, description="estimate the sharpness at every N-th step (0: off)")
-    iters: int = Field(20, ge=1, description="power-iteration steps (Hessian-vector products)")
+    iters: int = Field(10, ge=1, description="Lanczos steps (Hessian-vector products)")
     batch_size: int = Field(32, ge=1, description="rows of the fixed batch (the sharpness of a much smaller batch "
                             "than the training batch overstates the training loss's)")
     max_ratio: float = Field(4.0, gt=0.0, description="alarm when sharpness / stability threshold reaches this "

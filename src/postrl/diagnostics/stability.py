@@ -7,9 +7,10 @@ P = diag(sqrt(v_hat) + eps) from Adam's second-moment estimate, and the threshol
 (2 + 2 beta1) / ((1 - beta1) lr), i.e. 38/lr at beta1 = 0.9 ("Adaptive Gradient Methods at the Edge of
 Stability", Cohen et al. 2022, arXiv:2207.14484; see also "A Rod Flow Model for Adam at the Edge of Stability").
 
-P^-1 H is not symmetric, but it has the eigenvalues of the symmetric P^-1/2 H P^-1/2, which is what the power
-iteration runs on. Power iteration finds the eigenvalue of largest magnitude; when that one is negative (the RL
-surrogate is not convex) a second run on H - lambda_1 I finds the largest positive one.
+P^-1 H is not symmetric, but it has the eigenvalues of the symmetric P^-1/2 H P^-1/2, which is what the Lanczos
+iteration runs on. Lanczos gives the largest algebraic eigenvalue, also when the one of largest magnitude is
+negative (the RL surrogate is not convex), with far fewer Hessian-vector products than a power iteration (10
+where the power iteration took 20, or 40 with the shifted second run it needed for a negative dominant eigenvalue).
 """
 
 from __future__ import annotations
@@ -35,27 +36,48 @@ def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b)))
 
 
-def _power(op: Callable, shapes: list[torch.Tensor], iters: int, seed: int) -> float:
+def _lanczos(op: Callable, shapes: list[torch.Tensor], iters: int, seed: int) -> float:
+    """Largest eigenvalue of the symmetric operator ``op`` by ``iters`` Lanczos steps (one product each).
+
+    Lanczos builds the Krylov space of ``op`` from a random start and returns the largest eigenvalue of ``op``
+    restricted to it (the top Ritz value): for the same number of products it converges much faster than the power
+    iteration's Rayleigh quotient (error ~ exp(-4k sqrt(gap)) against exp(-2k gap) for k steps and relative gap),
+    and it gives the largest *algebraic* eigenvalue directly, also when the dominant one is negative. Only the
+    last two basis vectors are kept (no reorthogonalization: a lost orthogonality repeats a converged Ritz value,
+    which leaves the largest one as it is), so the memory is three copies of the parameters whatever ``iters``."""
     g = torch.Generator().manual_seed(seed)
     v = [torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.device, p.dtype) for p in shapes]
     n = _dot(v, v) ** 0.5
     v = [x / n for x in v]
-    lam = 0.0
+    prev: list[torch.Tensor] | None = None
+    alphas: list[float] = []
+    betas: list[float] = []
+    beta = 0.0
     for _ in range(iters):
         w = op(v)
-        lam = _dot(v, w)  # Rayleigh quotient (v has unit norm)
-        n = _dot(w, w) ** 0.5
-        if n == 0.0:
-            return 0.0
-        v = [x / n for x in w]
-    return lam
+        alpha = _dot(w, v)
+        alphas.append(alpha)
+        w = [a - alpha * b for a, b in zip(w, v)]
+        if prev is not None:
+            w = [a - beta * b for a, b in zip(w, prev)]
+        beta = _dot(w, w) ** 0.5
+        if beta <= 1e-10 * max(1.0, abs(alpha)):  # an invariant subspace: its Ritz values are exact
+            break
+        betas.append(beta)
+        prev, v = v, [x / beta for x in w]
+    k = len(alphas)
+    t = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if k > 1:
+        off = torch.tensor(betas[:k - 1], dtype=torch.float64)
+        t += torch.diag(off, 1) + torch.diag(off, -1)
+    return float(torch.linalg.eigvalsh(t).max())
 
 
-def top_eigenvalue(loss: torch.Tensor, params: list[torch.Tensor], *, iters: int = 20, seed: int = 0,
+def top_eigenvalue(loss: torch.Tensor, params: list[torch.Tensor], *, iters: int = 10, seed: int = 0,
                    precond: list[torch.Tensor] | None = None) -> float:
     """Largest (positive) eigenvalue of H, or of P^-1 H when ``precond`` gives the diagonal of P per parameter.
 
-    ``iters`` Hessian-vector products per power iteration (twice that when the dominant eigenvalue is negative).
+    ``iters`` Hessian-vector products (Lanczos steps, :func:`_lanczos`).
     """
     hvp = hvp_fn(loss, params)
     if precond is not None:
@@ -66,11 +88,7 @@ def top_eigenvalue(loss: torch.Tensor, params: list[torch.Tensor], *, iters: int
             return [x * s for x, s in zip(hv, inv_sqrt)]
     else:
         op = hvp
-    lam = _power(op, params, iters, seed)
-    if lam < 0:  # dominant eigenvalue negative: shift so the largest positive one dominates
-        shift = lam
-        lam = _power(lambda v: [a - shift * b for a, b in zip(op(v), v)], params, iters, seed + 1) + shift
-    return lam
+    return _lanczos(op, params, iters, seed)
 
 
 def adam_preconditioner(optimizer, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], float, float] | None:
