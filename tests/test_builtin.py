@@ -45,7 +45,10 @@ def test_the_shipped_model_is_what_make_builtin_builds(tmp_path, monkeypatch):
     built = ensure_builtin(cfg, log=lambda m: None, use_shipped=False)
     shipped = SHIPPED / built.name
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert json.loads((built / name).read_text()) == json.loads((shipped / name).read_text()), name
+        # transformers_version records the library that wrote the file (a newer release writes its own), not the model
+        a, b = (json.loads((d / name).read_text()) for d in (built, shipped))
+        a.pop("transformers_version", None), b.pop("transformers_version", None)
+        assert a == b, name
     a, b = load_file(shipped / "model.safetensors"), load_file(built / "model.safetensors")
     assert a.keys() == b.keys()
     if all(torch.equal(a[k], b[k]) for k in a):

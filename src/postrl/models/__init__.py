@@ -67,7 +67,7 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
 
     Without ``groups``: one forward over [prompt; completion] per row; only the last T+1 positions go through the
     LM head (``logits_to_keep``). With ``groups`` [N] (rows with the same id have the same prompt, as the
-    completions of one prompt in a GRPO group do) and a model that takes ``past_key_values``: each distinct
+    completions of one prompt in a GRPO group do) and a model that takes a key/value cache: each distinct
     prompt goes through the model once, its keys and values are repeated for its rows, and the completions run
     on top of them. A prompt's positions do not see its completions (causal attention), so the logits are the
     same function of the weights up to float rounding, and autograd sums the rows' gradients into the shared
@@ -135,6 +135,24 @@ def _shared_prompts(model, prompt_ids: torch.Tensor, T: int, groups: torch.Tenso
     return first, inverse
 
 
+def cache_keyword(model) -> str | None:
+    """The name under which ``model.forward`` takes a key/value cache: ``cache`` (transformers >= 5.24, which
+    deprecates the old name) or ``past_key_values`` (earlier versions); None when it takes neither."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def output_cache(out):
+    """The key/value cache a forward returned, under either version's field name."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
 def _takes_cache(model) -> bool:
     import inspect
 
@@ -142,7 +160,7 @@ def _takes_cache(model) -> bool:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return "past_key_values" in params and "logits_to_keep" in params
+    return cache_keyword(model) is not None and "logits_to_keep" in params
 
 
 def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, first, inverse) -> torch.Tensor:
@@ -155,15 +173,16 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, first,
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=getattr(inner, "config", None))
-    out = model(input_ids=prompt_ids[first], attention_mask=p_mask, position_ids=p_pos, past_key_values=cache,
+    key = cache_keyword(inner)
+    out = model(input_ids=prompt_ids[first], attention_mask=p_mask, position_ids=p_pos, **{key: cache},
                 use_cache=True, logits_to_keep=1)
     first_logits = out.logits[:, -1:, :].float()[inverse]  # predicts each row's first completion token
     if T == 1:
         return first_logits
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.batch_select_indices(inverse)  # each row gets its prompt's keys/values (indexing: gradients sum back)
     attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     pos = prompt_mask.sum(-1, keepdim=True) + torch.arange(T, device=completion_ids.device)  # as the full path
-    out = model(input_ids=completion_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+    out = model(input_ids=completion_ids, attention_mask=attn, position_ids=pos, **{key: cache},
                 use_cache=True, logits_to_keep=T)
     return torch.cat([first_logits, out.logits[:, :-1, :].float()], dim=1)

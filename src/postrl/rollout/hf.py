@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from postrl.models import cache_keyword, output_cache
 from postrl.perf import ThreadPolicy
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
 from postrl.rollout.decoder import StaticDecoder
@@ -121,7 +122,8 @@ class _StaticStepper:
 
 
 class HFGenerator(GenerationBackend):
-    """Generate with a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids, past_key_values)``).
+    """Generate with a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids, cache)``, the
+    cache named ``past_key_values`` before transformers 5.24).
 
     ``batch_size`` caps the rows (prompts x n) run through the model at once; ``None`` runs all rows together.
     Results depend on ``seed`` but not on ``batch_size`` (up to float noise in batched matmuls).
@@ -150,6 +152,7 @@ class HFGenerator(GenerationBackend):
         except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
             params = {}
         self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._cache_kw = cache_keyword(model) or "past_key_values"
         supported = StaticDecoder.supports(model)
         if static_cache and not supported:
             raise ValueError(f"static_cache=True: no static decoder for model type "
@@ -270,11 +273,11 @@ class HFGenerator(GenerationBackend):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_kw: cache},
             **self._logits_kw,
         )
-        return out.logits[:, -1, :].float(), out.past_key_values
+        return out.logits[:, -1, :].float(), output_cache(out)
 
     def _new_cache(self):
         from transformers import DynamicCache
