@@ -88,7 +88,9 @@ def test_choose_respects_the_setting(monkeypatch):
     model = build_model(build_tokenizer(), size="nano", seed=0)
     assert matmul.choose("torch", model) == "torch"
     assert matmul.choose("onednn", model) == "onednn"
-    for vendor, want in (("AuthenticAMD", "onednn"), ("GenuineIntel", "torch"), ("", "torch")):
+    for vendor, avx512, want in (("AuthenticAMD", True, "onednn"), ("AuthenticAMD", False, "torch"),
+                                 ("GenuineIntel", True, "torch"), ("", False, "torch")):
         monkeypatch.setattr(matmul, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(matmul, "cpu_has_avx512", lambda a=avx512: a)
         assert matmul.choose("auto", model) == want  # a rule: every run and process chooses alike
     assert matmul.choose("onednn", model.to(torch.bfloat16)) == "torch"  # float32 layers only

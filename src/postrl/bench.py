@@ -104,7 +104,7 @@ def measure_peaks(quick: bool = False) -> dict:
     Each is the best of several repetitions on 1 thread and on torch's default thread count (a peak: on a machine
     shared with other jobs the full count can be the slower one); the count that reached it is reported. The
     matmul runs through torch's default library (MKL) and through oneDNN (``postrl.models.matmul``), and the peak is
-    the faster of the two (``matmul_lib``): on AMD CPUs MKL reaches about half of oneDNN's rate.
+    the faster of the two (``matmul_lib``): on AMD CPUs with AVX-512 MKL reaches about half of oneDNN's rate.
     """
     import torch
 

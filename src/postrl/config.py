@@ -173,8 +173,8 @@ class TrainConfig(_Strict):
                                 "short measurement, postrl.perf; fix it for bitwise-reproducible runs)")
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="library for the policy's linear layers on CPU (float32): torch's default (MKL), "
-        "oneDNN, or auto = oneDNN on AMD CPUs, where it is up to ~2x faster than MKL (postrl.models.matmul); same "
-        "function, float rounding differs")
+        "oneDNN, or auto = oneDNN on AMD CPUs with AVX-512, where it is up to ~2x faster than MKL "
+        "(postrl.models.matmul); same function, float rounding differs")
 
 
 class SFTConfig(_Strict):

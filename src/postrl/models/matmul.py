@@ -1,9 +1,12 @@
 """Which library multiplies the matrices of a CPU training step: torch's default (MKL) or oneDNN.
 
-A float32 ``F.linear`` on a CPU runs through MKL's sgemm. On AMD CPUs (measured: an AMD EPYC Zen 5 VM with
-AVX-512, torch 2.13.0+cpu) MKL takes a generic code path and reaches about half of what the core can do: 110
-GFLOP/s on one thread for the products of a training step (296 x 128 times 128 x 480), where oneDNN, which
-torch also ships, reaches 240 for the same product, in float32, with results equal to MKL's up to float rounding.
+A float32 ``F.linear`` on a CPU runs through MKL's sgemm. On AMD CPUs with AVX-512 (measured: an AMD EPYC Zen 5
+VM, torch 2.13.0+cpu) MKL takes a generic code path and reaches about half of what the core can do: 110 GFLOP/s
+on one thread for the products of a training step (296 x 128 times 128 x 480), where oneDNN, which torch also
+ships, reaches 240 for the same product, in float32, with results equal to MKL's up to float rounding. On AMD
+CPUs without AVX-512 (an AMD EPYC Zen 3 VM, AVX2) MKL's AVX2 path is as fast as oneDNN's on these products
+alone and faster inside a training step (update phase of the 1M benchmark model, 2 threads: 55 ms with MKL,
+68 ms with oneDNN), and much faster on a decode step's few rows (8 x 128 times 128 x 960: 43 vs 79 us).
 :func:`use_onednn` makes a model's ``nn.Linear`` layers compute their forward and both products of their
 backward (input gradient and weight gradient) with oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel
 torch's own compiler emits for CPU linear layers):
@@ -16,7 +19,7 @@ A backward that builds a graph (double backward, as the sharpness diagnostic doe
 products instead.
 
 ``train.matmul`` picks it: ``torch`` never, ``onednn`` always (where oneDNN exists), ``auto`` (default) on AMD
-CPUs (:func:`choose`). Only float32 CPU layers are switched; any other layer keeps ``F.linear``.
+CPUs with AVX-512 (:func:`choose`). Only float32 CPU layers are switched; any other layer keeps ``F.linear``.
 """
 
 from __future__ import annotations
@@ -93,16 +96,26 @@ def use_onednn(model: torch.nn.Module, enable: bool = True) -> int:
     return n
 
 
-def cpu_vendor() -> str:
-    """The CPU vendor string of this machine ('AuthenticAMD', 'GenuineIntel', ...; '' when unknown)."""
+def _cpuinfo(field: str) -> str:
+    """The first value of ``field`` in /proc/cpuinfo ('' when unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU vendor string of this machine ('AuthenticAMD', 'GenuineIntel', ...; '' when unknown)."""
+    return _cpuinfo("vendor_id")
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (the ``avx512f`` flag)."""
+    return "avx512f" in _cpuinfo("flags").split()
 
 
 def choose(setting: str, model: torch.nn.Module) -> str:
@@ -119,4 +132,4 @@ def choose(setting: str, model: torch.nn.Module) -> str:
         return "torch"
     if setting == "onednn":
         return "onednn"
-    return "onednn" if cpu_vendor() == "AuthenticAMD" else "torch"
+    return "onednn" if cpu_vendor() == "AuthenticAMD" and cpu_has_avx512() else "torch"

@@ -40,7 +40,7 @@ from postrl.models.matmul import OneDNNLinear
 _TYPES = ("llama", "mistral", "qwen2")
 _LINEAR = (torch.nn.Linear, OneDNNLinear)
 # Decode-step products of models above this hidden size go through oneDNN when the model's layers do
-# (postrl.models.matmul): 1.4-2.3x faster for 8-32 rows x 512 x 1536 on an AMD CPU; at hidden size 128 a product
+# (postrl.models.matmul): 1.4-2.3x faster for 8-32 rows x 512 x 1536 on an AMD CPU with AVX-512; at hidden size 128 a product
 # takes microseconds and the gain is lost to the call's overhead.
 _ONEDNN_MIN_HIDDEN = 256
 
