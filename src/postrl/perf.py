@@ -92,12 +92,16 @@ class ThreadPolicy:
         among threads differently from the forward's)."""
         # Operators of the phase's own size, since the cost of a barrier stall depends on how long an operator
         # runs: decode-step products of at most 32 rows (~1e8 floating-point operations per round), and update
-        # products of up to a micro-batch's tokens (~1e9 per round, 10-20 ms on one core: a smaller budget would
-        # cut a large model's probe to a few dozen rows, which gain less from threads than its real products).
+        # products of up to a micro-batch's tokens (up to ~1e9 per unit: a smaller cap would cut a large model's
+        # probe to a few dozen rows, which gain less from threads than its real products). An update round repeats
+        # the unit up to ~1.2e8 operations only (one unit, ~4 ms on one core, for a 1M model's 300 tokens): with
+        # 1e9 per round the probe of a tiny model took 60 ms, twice its update, at each of a short run's
+        # measurements.
         update = phase != "generation"
         budget = 1e9 if update else 1e8
         per_row = (6.0 if update else 4.0) * self.hidden * self.inter
         rows = max(1, min(int(rows), 8192 if update else 32, int(budget / per_row)))
+        budget = 1.2e8 if update else budget
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, self.hidden, generator=g)
         w1 = torch.randn(self.inter, self.hidden, generator=g) * self.hidden ** -0.5
