@@ -16,7 +16,7 @@ grouped-query attention scaled by ``head_dim**-0.5``, SwiGLU MLP, tied or untied
   unchanged (the cache holds keys in the permuted layout, used by nothing else);
 * a KV cache allocated once for the whole generation (``[layers, 2, rows, kv_heads, prompt + max_new, head_dim]``)
   and written in place, keys and values of a layer in one copy, so no step copies the cache;
-* a decode step on 2-D activations ``[rows, hidden]``, RMSNorm as one fused ``F.rms_norm``, and the residual
+* a decode step on 2-D activations ``[rows, hidden]``, RMSNorm as four operators, and the residual
   additions fused into the output and down projections (``addmm``, or oneDNN's linear with an ``add`` post-op);
 * the rotary table computed once per call; an additive attention bias row per step;
 * the LM head only on the last position.
@@ -158,15 +158,15 @@ class StaticDecoder:
                                     layer.post_attention_layernorm.variance_epsilon, lay(wgu),
                                     lay(m.down_proj.weight)))
         self.inter = m.gate_proj.weight.shape[0]
-        self._hidden = (cfg.hidden_size,)
         self.cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
         # As LlamaRMSNorm: in float32, then back to the activations' dtype, then the weight (``None``: folded into
-        # the next projection, float32 only).
+        # the next projection, float32 only: x * rsqrt(mean(x^2) + eps) in four operators, where F.rms_norm runs
+        # seventeen aten calls on a CPU: 10.4 vs 13.7 us for 8 x 128 on one core, 2-4% of a 1M model's decode step).
         if w is None:
-            return x * x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+            return x * torch.linalg.vecdot(x, x).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_().unsqueeze_(-1)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return w * h.to(x.dtype)
@@ -211,7 +211,7 @@ class StaticDecoder:
         w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, wd = self.layers[li]
         B = x.shape[0]
         H, K, D = self.n_heads, self.n_kv, self.head_dim
-        h = F.rms_norm(x, self._hidden, None, eps_in) if w_in is None else self._rms(x, w_in, eps_in)
+        h = self._rms(x, w_in, eps_in)
         qkv = self.linear(h, wqkv, bqkv).view(B, H + 2 * K, D)
         if qkv.dtype == torch.float32:
             torch.view_as_complex(qkv.view(B, H + 2 * K, D // 2, 2))[:, :H + K].mul_(rot)
@@ -227,7 +227,7 @@ class StaticDecoder:
             probs = torch.softmax(scores.float() + bias.float(), dim=-1).to(qkv.dtype)
         o = torch.matmul(probs, self.values[li][:, :, :col + 1]).view(B, H * D)
         x = self._linear_add(x, o, wo, bo)
-        h = F.rms_norm(x, self._hidden, None, eps_post) if w_post is None else self._rms(x, w_post, eps_post)
+        h = self._rms(x, w_post, eps_post)
         g, u = self.linear(h, wgu).split(self.inter, dim=-1)
         return self._linear_add(x, F.silu(g).mul_(u), wd, None)
 
