@@ -175,7 +175,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ set-up
     @property
     def policy(self):
-        return self.acc.unwrap_model(self.model)
+        # Unwrapped once per wrapped module: accelerate's unwrap_model walks every submodule and looks up optional
+        # packages at each call (about 0.3 ms, several times a step).
+        if getattr(self, "_unwrapped", (None, None))[0] is not self.model:
+            self._unwrapped = (self.model, self.acc.unwrap_model(self.model))
+        return self._unwrapped[1]
 
     def _make_backend(self):
         if self.cfg.rollout.backend == "vllm":
