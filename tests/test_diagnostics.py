@@ -378,6 +378,7 @@ def test_healthy_run_logs_every_metric_and_raises_no_alarm(runs):
     assert last["throughput/generation"] > 0 and last["memory/rss_peak_gb"] > 0.05
     assert last["mismatch/logp_abs_mean"] < 1e-4  # the HF sampler and the trainer are the same program
     assert any("stability/sharpness" in m for m in ms) and all(m.get("stability/ratio", 0) < 1 for m in ms)
+    assert all((m.get("time/sharpness", 0) > 0) == ("stability/sharpness" in m) for m in ms)  # its cost, logged
     # every logged key is documented in docs/metrics.md
     doc = (ROOT / "docs" / "metrics.md").read_text()
     documented = set(DOCUMENTED.findall(doc))

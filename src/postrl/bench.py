@@ -250,7 +250,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", "train.mini_batches=1", f"train.steps={spec.total_steps}",
-        "train.save_every=0", "train.samples_every=1000000",
+        "train.save_every=0", "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0",
         "advantage.name=grpo", "advantage.scale=group", "advantage.eps=1e-4",
         "loss.name=ppo_clip", "loss.eps_low=0.2", "loss.eps_high=0.2", "loss.agg=token_mean", "kl.coef=0.0",
         f"optim.lr={spec.lr}", "optim.weight_decay=0.0", "optim.warmup_steps=0", "optim.schedule=constant",
@@ -605,7 +605,8 @@ def run_steps_main(argv: list[str]) -> int:
         f"rollout.group_size={spec.group_size}", f"rollout.max_new_tokens={spec.max_new_tokens}",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", f"train.steps={spec.total_steps}", "train.save_every=0",
-        "train.samples_every=1000000", "advantage.eps=1e-4", "kl.coef=0.0", f"optim.lr={spec.lr}",
+        "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0", "advantage.eps=1e-4", "kl.coef=0.0",
+        f"optim.lr={spec.lr}",
     ]
     if spec.threads:
         overrides.append(f"train.threads={spec.threads}")

@@ -107,7 +107,9 @@ class EchoTrapConfig(_Section):
 
 
 class EdgeOfStabilityConfig(_Section):
-    every: int = Field(10, ge=0, description="estimate the sharpness at every N-th step (0: off)")
+    every: int = Field(25, ge=0, description="estimate the sharpness at every N-th step (0: off); an estimate "
+                       "is iters double-backward passes on up to batch_size rows (in the demo ~2 s, about 3 of its "
+                       "steps), logged as time/sharpness")
     iters: int = Field(10, ge=1, description="Lanczos steps (Hessian-vector products)")
     batch_size: int = Field(32, ge=1, description="rows of the fixed batch (the sharpness of a much smaller batch "
                             "than the training batch overstates the training loss's)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -143,7 +144,9 @@ class Diagnostics:
         """Main process only: sharpness, alarms (``metrics['alarms']``), sinks."""
         eos = self.cfg.edge_of_stability
         if self.cfg.enabled and eos.enabled and eos.every and (step + 1) % eos.every == 0 and len(batch):
+            t0 = time.perf_counter()
             metrics.update(self.sharpness(batch))
+            metrics["time/sharpness"] = time.perf_counter() - t0  # not in time/step: the probe's own cost
         if self._saved:
             metrics["nan_guard/saved"] = self._saved
         alarms = self.watch.step(metrics)
