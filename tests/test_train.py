@@ -57,6 +57,26 @@ def run_inprocess(args: list[str], resume: bool = False) -> dict:
     return Trainer(cfg, cfg.output_dir, resume=resume).train()
 
 
+def crash_in_step_5(monkeypatch, args: list[str]) -> None:
+    """Run ``args`` in process and let it die of an exception in its 5th step (``Trainer.train_step`` patched)."""
+    real = Trainer.train_step
+
+    def crashing(self, step):
+        if step == 4:
+            raise RuntimeError("simulated crash")
+        return real(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_inprocess(args)
+    monkeypatch.setattr(Trainer, "train_step", real)
+
+
+def resume(run: Path) -> dict:
+    cfg = load_config(None, [], base=__import__("yaml").safe_load((run / "config.yaml").read_text()))
+    return Trainer(cfg, run, resume=True).train()
+
+
 def test_reward_rises_end_to_end(model_dir, tmp_path):
     """A from-scratch model learns, by RL alone, to write more 7s: the reward climbs several-fold."""
     out = tmp_path / "learn"
@@ -84,23 +104,26 @@ def test_same_seed_same_metrics_and_resume_after_crash(model_dir, tmp_path, monk
     assert len(metrics(a)) == 6
 
     # crash in the 5th step (after the checkpoint of step 3), then resume: identical to the uninterrupted run
-    real = Trainer.train_step
-
-    def crashing(self, step):
-        if step == 4:
-            raise RuntimeError("simulated crash")
-        return real(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crashing)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_inprocess(small(model_dir, c))
-    monkeypatch.setattr(Trainer, "train_step", real)
+    crash_in_step_5(monkeypatch, small(model_dir, c))
     assert len(metrics(c)) == 4  # steps 1-4 were logged before the crash
-    cfg = load_config(None, [], base=__import__("yaml").safe_load((c / "config.yaml").read_text()))
-    Trainer(cfg, c, resume=True).train()
+    resume(c)
     assert metrics(c) == metrics(a)
     after = [json.loads(x) for x in (c / "eval.jsonl").read_text().splitlines()]
     assert [e["tag"] for e in after] == ["before", "after"]
+
+
+def test_resume_keeps_the_sharpness_batch(model_dir, tmp_path, monkeypatch):
+    """The sharpness diagnostic measures on a batch fixed at its first estimate (step 2 here); a run resumed from
+    the checkpoint of step 3 must go on measuring on that batch, not on the first batch after the resume."""
+    a, c = tmp_path / "a", tmp_path / "c"
+    extra = ("rewards=[{name: sevens}]", "diagnostics.edge_of_stability.every=2",
+             "diagnostics.edge_of_stability.iters=3")
+    run_inprocess(small(model_dir, a, *extra))
+    crash_in_step_5(monkeypatch, small(model_dir, c, *extra))
+    resume(c)
+    sharp = [m["stability/sharpness"] for m in metrics(a) if "stability/sharpness" in m]
+    assert len(sharp) == 3 and len(set(sharp)) == 3  # steps 2, 4, 6: measured, and the policy moved between
+    assert metrics(c) == metrics(a)
 
 
 def test_resume_after_sigkill_mid_run(model_dir, tmp_path):

@@ -145,8 +145,10 @@ class Diagnostics:
         eos = self.cfg.edge_of_stability
         if self.cfg.enabled and eos.enabled and eos.every and (step + 1) % eos.every == 0 and len(batch):
             t0 = time.perf_counter()
-            metrics.update(self.sharpness(batch))
-            metrics["time/sharpness"] = time.perf_counter() - t0  # not in time/step: the probe's own cost
+            measured = self.sharpness(batch)
+            if measured:  # (none before Adam has seen a non-zero gradient)
+                metrics.update(measured)
+                metrics["time/sharpness"] = time.perf_counter() - t0  # not in time/step: the probe's own cost
         if self._saved:
             metrics["nan_guard/saved"] = self._saved
         alarms = self.watch.step(metrics)
@@ -179,6 +181,25 @@ class Diagnostics:
         self.sinks = []
         return self.alarm_log
 
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """JSON state for a checkpoint: the sharpness probe's fixed batch, once chosen (a resumed run measures on
+        the same rows as the uninterrupted one). The monitors need none: a resumed run replays its logs."""
+        if self._fixed is None:
+            return {}
+        fx = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in self._fixed.items()}
+        fx["dtypes"] = {k: str(v.dtype).removeprefix("torch.") for k, v in self._fixed.items()
+                        if isinstance(v, torch.Tensor)}
+        return {"sharpness_batch": fx}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        fx = dict((state or {}).get("sharpness_batch") or {})
+        if not fx:
+            return
+        dtypes = fx.pop("dtypes")
+        self._fixed = {k: torch.tensor(v, dtype=getattr(torch, dtypes[k])) if k in dtypes else v
+                       for k, v in fx.items()}
+
     # ------------------------------------------------------------------------------------------ sharpness
     def sharpness(self, batch) -> dict:
         """Top eigenvalue of the (Adam-preconditioned) Hessian of the training loss on a small fixed batch.
@@ -201,12 +222,11 @@ class Diagnostics:
             adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages.mean(-1)
             score = adv.abs() * batch.valid.float()
             order = torch.argsort(score, descending=True, stable=True)[:p.batch_size]
-            fx = {k: getattr(batch, k)[order].to(dev) for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                                  "advantages")}
-            fx["mask"] = (batch.completion_mask[order] * batch.valid[order].unsqueeze(-1).float()).to(dev)
+            fx = {k: getattr(batch, k)[order] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages")}
+            fx["mask"] = batch.completion_mask[order] * batch.valid[order].unsqueeze(-1).float()
             fx["nll"] = bool(float(fx["advantages"].abs().max()) < 1e-8)
             self._fixed = fx
-        fx = self._fixed
+        fx = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in self._fixed.items()}
         params = [q for q in model.parameters() if q.requires_grad]
         opt = getattr(t.optimizer, "optimizer", t.optimizer)
         pre = adam_preconditioner(opt, params)

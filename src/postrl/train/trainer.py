@@ -171,6 +171,8 @@ class Trainer:
         from postrl.diagnostics.hooks import Diagnostics
 
         self.diag = Diagnostics(self)
+        if resume:
+            self.diag.load_state_dict(self._resumed_state.get("diagnostics"))
 
     # ------------------------------------------------------------------------------------------------ set-up
     @property
@@ -197,6 +199,7 @@ class Trainer:
             raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in {self.run_dir / 'checkpoints'}")
         state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
         self.start_step = int(state["step"])
+        self._resumed_state = state
         self.eval_before = state.get("eval_before")
         load_stages_state(self._reward_stages(), state.get("rewards"))
         load_stages_state(self.shaping, state.get("shaping"))
@@ -680,7 +683,7 @@ class Trainer:
                                   "shaping": stages_state(self.shaping),
                                   "filters": stages_state(self.filters),
                                   "advantage": stages_state([(self.advantage_fn, {}, self.cfg.advantage.name)]),
-                                  "losses": self._loss_state()},
+                                  "losses": self._loss_state(), "diagnostics": self.diag.state_dict()},
                                  keep_last=self.cfg.train.keep_last)
         self.acc.wait_for_everyone()
 
