@@ -84,6 +84,7 @@ class Spec:
     warmup: int = 1  # steps per side not counted
     seed: int = 0
     threads: int | None = None  # torch intra-op threads for this side (None: the side's own default)
+    device: str = "cpu"  # "cpu": both sides on the CPU (CUDA hidden from the workers); "cuda": both on the GPU
     model_dir: str = ""
     work_dir: str = ""
     side: str = "postrl"
@@ -150,6 +151,41 @@ def measure_peaks(quick: bool = False) -> dict:
             "copy_bytes_per_s": bw[tb], "copy_threads": tb, "copy_mib": numel * 4 / 2**20, "threads": tf,
             "by_threads": {str(k): {"matmul_flops": max(v for (t2, _), v in flops.items() if t2 == k),
                                     "copy_bytes_per_s": bw[k]} for k in bw}}
+
+
+def measure_peaks_cuda(quick: bool = False) -> dict:
+    """As :func:`measure_peaks`, on the GPU: fp32 matmul (TF32 off, as both sides train) and a device copy."""
+    import torch
+
+    n = 4096 if quick else 8192
+    numel = 256 * 2**20  # 1 GiB of fp32
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    x = torch.ones(numel, device="cuda")
+    y = torch.empty_like(x)
+
+    def best(fn, reps=5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        out = math.inf
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        flops = 2.0 * n**3 / best(lambda: torch.mm(a, b))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    bw = 2.0 * numel * 4 / best(lambda: y.copy_(x))
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(), "matmul_flops": flops, "matmul_n": n,
+            "matmul_threads": 0, "matmul_lib": "cuda", "matmul_by_lib": {"cuda": flops}, "copy_bytes_per_s": bw,
+            "copy_threads": 0, "copy_mib": numel * 4 / 2**20, "threads": 0, "by_threads": {}}
 
 
 def model_shape(model_dir: str | Path) -> dict:
@@ -227,6 +263,14 @@ def _bench_rows(spec: Spec, steps: int) -> list[dict]:
     return [r for s in range(steps) for r in src.train_rows(s, spec.prompts, spec.seed)]
 
 
+def _sync(spec: Spec) -> None:
+    """On the GPU, wait for queued kernels, so that a phase's time is its own (postrl's phases end in host copies)."""
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def _policy_threads(policy) -> str:
     """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step)."""
     ch = policy.choices
@@ -266,6 +310,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     while proto.recv() == "step":
         t, c = time.perf_counter(), proto.cpu_s()
         m = trainer.train_step(step)
+        _sync(spec)
         wall, cpu = time.perf_counter() - t, proto.cpu_s() - c
         step += 1
         threads = spec.threads or _policy_threads(trainer.threads)
@@ -294,7 +339,8 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
     model.generation_config.eos_token_id = None  # equal work: EOS does not end a completion
     E = spec.epochs
     args = GRPOConfig(
-        output_dir=spec.work_dir, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
+        output_dir=spec.work_dir, report_to="none", save_strategy="no", disable_tqdm=True,
+        use_cpu=spec.device == "cpu",
         seed=spec.seed, max_steps=spec.total_steps * E, logging_steps=1,
         per_device_train_batch_size=spec.rows, gradient_accumulation_steps=1, num_generations=spec.group_size,
         shuffle_dataset=False,
@@ -317,6 +363,7 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
         def _report(self):
             if clock["t0"] is None:
                 return
+            _sync(spec)
             proto.send({"wall": time.perf_counter() - clock["t0"], **acc, "len_min": min(lengths),
                         "len_max": max(lengths), "threads": torch.get_num_threads(),
                         "cpu_s": proto.cpu_s() - clock["cpu0"], "matmul": "torch"})
@@ -336,6 +383,7 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
                 raise SystemExit(0)
             for k in acc:
                 acc[k] = 0.0
+            _sync(spec)
             clock["t0"], clock["cpu0"] = time.perf_counter(), proto.cpu_s()
 
         def on_train_end(self, args, state, control, **kw):
@@ -365,10 +413,12 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
         def wrapper(*a, **k):
             if when is not None and not when():
                 return fn(*a, **k)
+            _sync(spec)
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                _sync(spec)
                 acc[name] += time.perf_counter() - t
         return wrapper
 
@@ -411,9 +461,11 @@ class Worker:
     def __init__(self, spec: Spec, log_path: Path, env: dict | None = None):
         self.spec = spec
         self.log = open(log_path, "w")
+        # CPU runs hide any GPU from both sides: postrl's Trainer would otherwise take it and TRL would not
+        hide = {"CUDA_VISIBLE_DEVICES": ""} if spec.device == "cpu" else {}
         self.proc = subprocess.Popen([sys.executable, "-m", "postrl.bench", "worker", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **hide, **(env or {})})
         self.ready: dict | None = None
 
     def _read(self) -> dict:
@@ -545,11 +597,17 @@ def format_tables(summaries: list[dict], peaks: dict) -> str:
                          f"| {'' if sp is None else f'{sp:.2f}x'} |")
     lines.append("")
     by_lib = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.get("matmul_by_lib", {}).items())
-    lines.append(f"Limits measured in this run: fp32 matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s "
-                 f"({peaks['matmul_n']}^2, {peaks.get('matmul_lib', 'torch')}, {peaks['matmul_threads']} thread(s); "
-                 f"by library: {by_lib}), memory bandwidth "
-                 f"{peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s (copy of {peaks['copy_mib']:.0f} MiB, read + write, "
-                 f"{peaks['copy_threads']} thread(s)); best of repeated runs on 1 thread and on all threads.")
+    if peaks.get("device") == "cuda":
+        lines.append(f"Limits measured in this run on the GPU ({peaks['gpu']}): fp32 matmul (TF32 off) "
+                     f"{peaks['matmul_flops'] / 1e12:.1f} TFLOP/s ({peaks['matmul_n']}^2), memory bandwidth "
+                     f"{peaks['copy_bytes_per_s'] / 1e9:,.0f} GB/s (copy of {peaks['copy_mib']:.0f} MiB, read + write); "
+                     "best of repeated runs. (*CPU busy*: host CPU seconds per wall second.)")
+    else:
+        lines.append(f"Limits measured in this run: fp32 matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s "
+                     f"({peaks['matmul_n']}^2, {peaks.get('matmul_lib', 'torch')}, {peaks['matmul_threads']} "
+                     f"thread(s); by library: {by_lib}), memory bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+                     f"(copy of {peaks['copy_mib']:.0f} MiB, read + write, {peaks['copy_threads']} thread(s)); best "
+                     "of repeated runs on 1 thread and on all threads.")
     lines.append("")
     lines.append("| model | T | side | update GFLOP/s | % of matmul peak | gen tok/s | bandwidth bound tok/s | % of bound |")
     lines.append("|---|---|---|---|---|---|---|---|")
@@ -581,8 +639,8 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
                "127.0.0.1", "--master_port", str(port), "-m", "postrl.bench", "run-steps", json.dumps(asdict(s)),
                str(out)]
-    with open(root / "log.txt", "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    with open(root / "log.txt", "w") as f:  # on the CPU, as the tables it extends
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     if r.returncode != 0:
         raise PostrlError(f"bench: scaling run failed (status {r.returncode}); see {root / 'log.txt'}")
     recs = json.loads(out.read_text())
@@ -659,7 +717,7 @@ def format_scaling(rows: list[dict], base: Spec) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def machine_info() -> dict:
+def machine_info(device: str = "cpu") -> dict:
     model = platform.processor() or ""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -674,25 +732,34 @@ def machine_info() -> dict:
         load = (float("nan"),) * 3
     import torch
 
-    return {"cpu": model, "cpus": cpus, "loadavg": load, "torch": torch.__version__,
+    info = {"cpu": model, "cpus": cpus, "loadavg": load, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "python": platform.python_version()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] | None = None,
         prompts: int | None = None, group_size: int | None = None, steps: int | None = None, epochs: int = 1,
         lr: float = 1e-5, scaling: bool | None = None, also: list[str] | None = None,
-        out_dir: str | Path | None = None, log: Any = print) -> dict:
+        out_dir: str | Path | None = None, device: str = "cpu", log: Any = print) -> dict:
     sizes = sizes or (["1m"] if quick else ["1m", "20m"])
     lengths = lengths or ([32] if quick else [32, 256])
     base = Spec(prompts=prompts or (2 if quick else 4), group_size=group_size or (4 if quick else 8),
-                steps=steps or (8 if quick else 3), warmup=2, epochs=epochs, lr=lr)
-    scaling = (not quick) if scaling is None else scaling
+                steps=steps or (8 if quick else 3), warmup=2, epochs=epochs, lr=lr, device=device)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PostrlError("bench --device cuda: torch sees no CUDA device")
+    scaling = (not quick and device == "cpu") if scaling is None else scaling
     root = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="postrl-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
-    log(f"postrl bench ({'quick' if quick else 'full'}): {info['cpu']}, {info['cpus']} CPUs, load "
-        f"{info['loadavg'][0]:.1f}; work dir {root}")
-    peaks = measure_peaks(quick)
+    info = machine_info(device)
+    log(f"postrl bench ({'quick' if quick else 'full'}, {device}): {info['cpu']}, {info['cpus']} CPUs"
+        f"{', ' + info['gpu'] if device == 'cuda' else ''}, load {info['loadavg'][0]:.1f}; work dir {root}")
+    measure = measure_peaks_cuda if device == "cuda" else measure_peaks
+    peaks = measure(quick)
     log(f"matmul peak {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     variants = {"postrl": {"side": "postrl"}, "trl": {"side": "trl"}}
     for name in also or []:  # e.g. trl@1: TRL with 1 torch thread
@@ -715,7 +782,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
             summaries.append(summarize(res, peaks, plen))
             sp = summaries[-1]["sides"]["trl"]["speedup_of_postrl"]
             log(f"  -> speed-up of postrl over TRL: {sp:.2f}x")
-    end = peaks if quick else measure_peaks(quick)  # the load may have changed: keep the better of the two
+    end = peaks if quick else measure(quick)  # the load may have changed: keep the better of the two
     start = peaks
     mm = max(start, end, key=lambda p: p["matmul_flops"])
     cp = max(start, end, key=lambda p: p["copy_bytes_per_s"])
@@ -725,7 +792,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     for s in summaries:
         for d in s["sides"].values():
             d["gen_bound_tok_s"] *= peaks["copy_bytes_per_s"] / peaks["start"]["copy_bytes_per_s"]
-    result = {"machine": info, "peaks": peaks, "quick": quick, "summaries": summaries,
+    result = {"machine": info, "peaks": peaks, "quick": quick, "device": device, "summaries": summaries,
               "tables": format_tables(summaries, peaks)}
     if scaling:
         base_s = replace(base, size=sizes[0], max_new_tokens=64 if not quick else 32)
@@ -742,10 +809,11 @@ def cmd_bench(args) -> int:
         raise PostrlError("postrl bench compares with TRL's GRPOTrainer: pip install 'postrl[bench]'") from None
     res = run(quick=args.quick, sizes=args.sizes, lengths=args.lengths, prompts=args.prompts,
               group_size=args.group_size, steps=args.steps, epochs=args.epochs, lr=args.lr,
-              scaling=False if args.no_scaling else None, also=args.also, out_dir=args.out)
+              scaling=False if args.no_scaling else None, also=args.also, out_dir=args.out, device=args.device)
     m = res["machine"]
-    text = [f"# postrl bench ({'quick' if res['quick'] else 'full'})", "",
-            f"{m['date']}; {m['cpu']}, {m['cpus']} CPUs; load average at start {m['loadavg'][0]:.1f}; "
+    gpu = f"; GPU {m['gpu']}" if "gpu" in m else ""
+    text = [f"# postrl bench ({'quick' if res['quick'] else 'full'}, {res['device']})", "",
+            f"{m['date']}; {m['cpu']}, {m['cpus']} CPUs{gpu}; load average at start {m['loadavg'][0]:.1f}; "
             f"torch {m['torch']}.", "", res["tables"]]
     if "scaling_table" in res:
         text += ["", "## Scaling (postrl)", "", res["scaling_table"]]
@@ -774,6 +842,9 @@ def add_parser(sub) -> None:
     b.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     b.add_argument("--also", nargs="+", metavar="SIDE@THREADS",
                    help="extra variants run in the same rotation, e.g. trl@1 (TRL with 1 torch thread)")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both sides run (default cpu, with any GPU hidden from them; cuda: the GPU path, "
+                   "no scaling table)")
     b.add_argument("--no-scaling", action="store_true", help="skip the scaling table (full mode)")
     b.add_argument("--out", help="work directory (default: a new temporary one)")
     b.add_argument("--markdown", help="also write the tables to this file")

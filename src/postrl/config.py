@@ -162,15 +162,15 @@ class TrainConfig(_Strict):
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
     share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
-                               "(same log-probs up to float rounding; used when it saves enough work, postrl.models)")
+                               "(same log-probs up to float rounding; used on a CPU when it saves enough work, postrl.models)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps (0: only before and after)")
     eval_size: int = Field(200, ge=1, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: chosen per phase by a "
-                                "short measurement, postrl.perf; fix it for bitwise-reproducible runs)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: on a CPU chosen per phase by a "
+                                "short measurement, postrl.perf, on a GPU torch's default; fix it for bitwise-reproducible runs)")
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="library for the policy's linear layers on CPU (float32): torch's default (MKL), "
         "oneDNN, or auto = oneDNN on AMD CPUs with AVX-512, where it is up to ~2x faster than MKL "

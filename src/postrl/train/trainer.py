@@ -116,9 +116,13 @@ class Trainer:
         self.model_path = path
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
-        self.threads = ThreadPolicy.for_model(model, cfg.train.threads)  # torch threads per phase (postrl.perf)
-        # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
-        self.matmul = matmul.choose(cfg.train.matmul, model)
+        if self.acc.device.type == "cpu":
+            self.threads = ThreadPolicy.for_model(model, cfg.train.threads)  # torch threads per phase (postrl.perf)
+            # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
+            self.matmul = matmul.choose(cfg.train.matmul, model)
+        else:  # on an accelerator the host's thread count is not measured (the CPU probe would time the wrong thing)
+            self.threads = ThreadPolicy(cfg.train.threads or torch.get_num_threads())
+            self.matmul = "torch"
         matmul.use_onednn(model, self.matmul == "onednn")
         self.ref_model = None
         self._setup_losses()
