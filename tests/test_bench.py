@@ -13,6 +13,7 @@ import torch
 from postrl import bench
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
+from postrl.errors import PostrlError
 from postrl.models import load_model_and_tokenizer
 from postrl.models.tiny import build_local
 from postrl.perf import ThreadPolicy
@@ -203,6 +204,26 @@ def test_bench_harness_minimal(model_dir, tmp_path):
     assert s["sides"]["trl"]["speedup_of_postrl"] > 0
     assert "speed-up of postrl" in bench.format_tables([s], peaks)
     json.dumps(s)  # the result is plain data
+
+
+def test_bench_device_cpu_hides_gpus_and_cuda_needs_one(tmp_path, monkeypatch):
+    """A CPU benchmark runs both workers with CUDA hidden (else postrl's Trainer would take a GPU and TRL not);
+    --device cuda on a machine without one is a one-line error, before any work."""
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kw):
+            seen[json.loads(cmd[-1])["device"]] = env.get("CUDA_VISIBLE_DEVICES")
+
+    monkeypatch.setattr(bench.subprocess, "Popen", FakePopen)
+    for device in ("cpu", "cuda"):
+        bench.Worker(bench.Spec(device=device), tmp_path / f"{device}.log").log.close()
+    assert seen["cpu"] == ""
+    assert seen["cuda"] == __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
+    if not torch.cuda.is_available():
+        with pytest.raises(PostrlError, match="--device cuda: torch sees no CUDA device"):
+            bench.run(quick=True, device="cuda", out_dir=tmp_path / "never", log=lambda s: None)
+        assert not (tmp_path / "never").exists()
 
 
 def test_thread_policy_measures_again_early_in_a_run(monkeypatch):
