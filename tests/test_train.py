@@ -151,7 +151,9 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
     metrics equal a 1-process run on the same prompts (the rollouts do not depend on the process count)."""
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("loss.agg=seq_mean_token_mean", "train.steps=3", "train.save_every=0", "train.threads=1")
-    run_inprocess(small(model_dir, one, *extra))
+    # the reference on the CPU as well, also where a GPU is present (--cpu hides it from the two workers)
+    r = cli("train", "--quiet", *small(model_dir, one, *extra), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
@@ -172,6 +174,20 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
     w2 = load_file(str(next((two / "checkpoints").glob("step-*")) / "model.safetensors"))
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=1e-5), k
+
+
+def test_accelerate_cpu_launch_hides_gpus(monkeypatch):
+    """`accelerate launch --cpu` on a machine with a GPU: postrl hides the GPU from itself and its workers (seen on
+    an H100: otherwise the gloo barrier of rank 1 asked for cuda:1, "invalid device ordinal"); without --cpu the
+    environment is left alone."""
+    from postrl.launch import relaunch_if_needed
+
+    for var in ("MASTER_ADDR", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert relaunch_if_needed(["train"]) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert relaunch_if_needed(["train"]) is None and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -40,7 +40,12 @@ def relaunch_if_needed(argv: list[str]) -> int | None:
     """If this process is a lone worker of ``accelerate launch --cpu --num_processes N`` (N > 1), run the command
     in N workers and return their exit status; else None (carry on in this process)."""
     env = os.environ
-    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1") or "MASTER_ADDR" not in env:
+    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1"):
+        return None
+    # --cpu on a machine with GPUs: hide them from this process and its workers (before CUDA is initialised), or
+    # the gloo process group's barrier takes device cuda:<rank> ("invalid device ordinal" on a 1-GPU machine).
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    if "MASTER_ADDR" not in env:
         return None
     if any(v in env for v in _RANK_VARS) or env.get("POSTRL_NO_RELAUNCH"):
         return None
