@@ -1,4 +1,6 @@
-"""``postrl bench``: postrl's Trainer against TRL's GRPOTrainer, side by side, at equal work, on CPU.
+"""``postrl bench``: postrl's Trainer against TRL's GRPOTrainer, side by side, at equal work, on CPU (default; any
+GPU is hidden from both workers) or both on the GPU (``--device cuda``; each phase's time then ends in a
+``torch.cuda.synchronize``).
 
 What is compared (both sides, every setting equal):
   * the same tiny Llama built locally from a config and written with ``save_pretrained`` (fp32), loaded by each

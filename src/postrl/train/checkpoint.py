@@ -12,11 +12,12 @@ Layout of one run::
 The folder is a normal Hugging Face model folder: ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load it directly.
 
-Atomicity: everything is written into a hidden sibling ``.step-XXXXXXXX.tmp-<pid>``, every file and folder is
-fsynced, and only then is the folder renamed to ``step-XXXXXXXX`` (one ``rename``). A crash at any point leaves
-either the previous checkpoints untouched or the new one complete; a ``step-*`` folder is never half written.
+Atomicity: everything is written into a hidden sibling ``.step-NNNNNNNN.tmp-<pid>``, every file and folder is
+fsynced, and only then is the folder renamed to ``step-NNNNNNNN`` (the step in 8 digits; one ``rename``). A crash
+at any point leaves either the previous checkpoints untouched or the new one complete; a ``step-*`` folder is
+never half written.
 Re-saving an existing step swaps the two folders atomically (``renameat2(RENAME_EXCHANGE)`` on Linux); where
-that is unavailable the old folder is renamed aside to ``.step-XXXXXXXX.old-<pid>`` first, and a crash in that
+that is unavailable the old folder is renamed aside to ``.step-NNNNNNNN.old-<pid>`` first, and a crash in that
 short window is repaired by the next :func:`latest_checkpoint` / :func:`save_checkpoint` (the aside folder is
 renamed back).
 
