@@ -257,3 +257,28 @@ def test_thread_policy_probes_the_products_the_phase_runs():
         p = ThreadPolicy.for_model(model, max_threads=2)
         assert p.onednn == {"update": True, "generation": False}  # nano decodes with torch's products
         assert p.threads_for("update", rows=64) in (1, 2)
+
+
+def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch):
+    """With numpy decode steps the generation probe times numpy's products with numpy's BLAS limited to each
+    candidate count, and leaves numpy's BLAS thread count as it found it."""
+    from postrl.models.tiny import build_model, build_tokenizer
+    from postrl.rollout import decoder
+
+    model = build_model(build_tokenizer(), size="medium")  # hidden 512: generation is measured, not pinned
+    assert ThreadPolicy.for_model(model).numpy == ()
+    p = ThreadPolicy.for_model(model, decode="numpy", max_threads=2)
+    assert p.numpy == ("generation",)
+    ctl = decoder.blas_controller()
+    calls = []
+
+    class Spy:  # the controller, recording the limits set
+        def limit(self, limits):
+            calls.append(limits)
+            return ctl.limit(limits=limits)
+
+    monkeypatch.setattr(decoder, "blas_controller", Spy)
+    with ctl.limit(limits=2):
+        assert p.measure("generation", rows=8, rounds=1) in (1, 2)
+        assert [lib["num_threads"] for lib in ctl.info()] == [2] * len(ctl.info())
+    assert set(calls) == {1, 2}  # each candidate count was set for numpy's BLAS

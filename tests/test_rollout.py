@@ -327,11 +327,13 @@ def test_static_decoder_supports_llama_family_only(tok, model):
     assert out.completion_ids.shape == (4, 5)
 
 
-@pytest.mark.parametrize("which", ["eos_model", "qwen2", "qwen2_onednn"])
-def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which):
-    """Same tokens, EOS ends, stop strings and log-probs from the static decoder and from the model's forward;
-    sampled with top-k/top-p, rows finishing at different steps (cache compaction), chunked batches.
-    qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder to use it too."""
+@pytest.mark.parametrize("which,library", [("eos_model", "numpy"), ("eos_model", "torch"), ("qwen2", "numpy"),
+                                           ("qwen2", "torch"), ("qwen2_onednn", "torch")])
+def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which, library):
+    """Same tokens, EOS ends, stop strings and log-probs from the static decoder (decode steps in numpy or in torch)
+    and from the model's forward; sampled with top-k/top-p, rows finishing at different steps (cache compaction),
+    chunked batches. qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder's torch
+    steps to use it too."""
     if which == "eos_model":
         m = eos_model
     elif which == "qwen2":
@@ -345,17 +347,18 @@ def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model,
         m = _tiny_qwen2(tok, hidden=decoder._ONEDNN_MIN_HIDDEN + 64)
         plain = copy.deepcopy(m)
         assert matmul.use_onednn(m) > 0
-        assert decoder.StaticDecoder(m).linear is decoder._onednn_linear
-        assert decoder.StaticDecoder(plain).linear is not decoder._onednn_linear
+        assert decoder.StaticDecoder(m, "torch").linear is decoder._onednn_linear
+        assert decoder.StaticDecoder(plain, "torch").linear is not decoder._onednn_linear
+        assert decoder.StaticDecoder(m).library == "numpy"  # auto on a CPU in float32
     # oneDNN sums the products in another order than MKL; with these large random weights (logits of tens) the
     # log-probs then differ by up to ~2e-4
     tol = 5e-4 if which == "qwen2_onednn" else 1e-4
     prompts = _ids(tok, PROMPTS)
     for params in (SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.95, stop=["e"]),
                    SamplingParams(max_new_tokens=12, temperature=0.0)):
-        a = HFGenerator(m, tok, static_cache=True).generate(prompts, 3, params, seed=5)
+        a = HFGenerator(m, tok, static_cache=True, decode=library).generate(prompts, 3, params, seed=5)
         b = HFGenerator(m, tok, static_cache=False).generate(prompts, 3, params, seed=5)
-        c = HFGenerator(m, tok, batch_size=5, static_cache=True).generate(prompts, 3, params, seed=5)
+        c = HFGenerator(m, tok, batch_size=5, static_cache=True, decode=library).generate(prompts, 3, params, seed=5)
         for o in (b, c):
             assert torch.equal(a.completion_ids, o.completion_ids)
             assert torch.equal(a.completion_mask, o.completion_mask)
@@ -381,3 +384,67 @@ def test_generation_thread_policy(tok, model):
     assert torch.equal(ref.completion_ids, out.completion_ids)
     with pytest.raises(ValueError):
         ThreadPolicy(0)
+
+
+def test_decode_library_choice_and_errors(tok, model):
+    from postrl.rollout import decoder
+
+    assert decoder.numpy_blas() is not None  # numpy from PyPI ships OpenBLAS
+    assert decoder.decode_library(model) == "numpy" and decoder.decode_library(model, "torch") == "torch"
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert decoder.decode_library(bf16) == "torch"  # numpy has no bfloat16: auto falls back
+    with pytest.raises(ValueError, match="bfloat16, numpy decodes float32 only"):
+        HFGenerator(bf16, tok, decode="numpy")
+    with pytest.raises(ValueError, match="auto, numpy, torch"):
+        HFGenerator(model, tok, decode="jax")
+    # bfloat16 still generates through the static decoder's torch steps
+    out = HFGenerator(bf16, tok).generate(_ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=4), seed=0)
+    assert out.completion_ids.shape == (4, 4)
+
+
+def test_numpy_and_torch_decode_steps_agree_and_silu_overflow_is_silent(tok, model):
+    """The same logits from both libraries' decode steps, step after step, on a model whose MLP pre-activations
+    reach hundreds (exp(-g) overflows in the numpy SiLU: g / inf = -0, no warning, no NaN)."""
+    import warnings
+
+    from postrl.rollout import decoder
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.gate_proj.weight.mul_(400.0)
+    ids, mask = left_pad(_ids(tok, PROMPTS), tok.pad_token_id)
+    decs = {lib: decoder.StaticDecoder(m, lib) for lib in ("numpy", "torch")}
+    assert {lib: d.library for lib, d in decs.items()} == {"numpy": "numpy", "torch": "torch"}
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logits = {lib: d.prefill(ids, mask, 8) for lib, d in decs.items()}
+        pos = mask.sum(-1)
+        live = torch.tensor([True, False, True, True])  # a finished row is masked out of later attention
+        for t in range(6):
+            torch.testing.assert_close(logits["numpy"], logits["torch"], atol=2e-4, rtol=1e-5)
+            tokens = logits["torch"].argmax(-1)
+            logits = {lib: d.decode(tokens, pos + t, live) for lib, d in decs.items()}
+    assert torch.isfinite(logits["numpy"]).all()
+    g = m.model.layers[0].mlp.gate_proj.weight @ m.model.embed_tokens.weight[ids[0, -1]]
+    assert g.min() < -88  # where float32 exp(-g) overflows
+
+
+def test_numpy_blas_runs_with_the_generation_thread_count(tok, model, monkeypatch):
+    from postrl.perf import ThreadPolicy
+    from postrl.rollout import hf
+
+    seen = []
+    real = hf.blas_threads
+    monkeypatch.setattr(hf, "blas_threads", lambda n: seen.append(n) or real(n))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        HFGenerator(model, tok, threads=ThreadPolicy(1)).generate(_ids(tok, PROMPTS[:1]), 2,
+                                                                 SamplingParams(max_new_tokens=3), seed=0)
+        HFGenerator(model, tok).generate(_ids(tok, PROMPTS[:1]), 2, SamplingParams(max_new_tokens=3), seed=0)
+        HFGenerator(model, tok, decode="torch").generate(_ids(tok, PROMPTS[:1]), 2,
+                                                        SamplingParams(max_new_tokens=3), seed=0)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]  # the policy's count; else torch's; torch decode steps leave numpy's BLAS alone

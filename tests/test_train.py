@@ -270,3 +270,10 @@ def test_onednn_layers_train_the_same_function(model_dir, tmp_path):
     ckpt = sorted((a / "checkpoints").iterdir())[-1]
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     assert not any(type(m) is matmul.OneDNNLinear for m in loaded.modules())
+
+
+def test_numpy_decode_of_a_bfloat16_model_is_one_line_error(model_dir, tmp_path):
+    r = cli("train", "--quiet", *small(model_dir, tmp_path / "run"), "model.dtype=bfloat16", "rollout.decode=numpy")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("postrl: error: rollout.decode: decode library 'numpy': the model is in bfloat16, "
+                                "numpy decodes float32 only")

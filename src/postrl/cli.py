@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from postrl.errors import PostrlError
+from postrl.errors import ConfigError, PostrlError
 
 EPILOG = """examples:
   postrl train                                  the embedded default: tiny model, arithmetic, CPU
@@ -131,7 +131,11 @@ def cmd_eval(args) -> int:
     source = load_source(cfg.task.model_dump())
     model, tokenizer = load_model_and_tokenizer(model_path, cfg.model.dtype)
     rows = source.eval_rows(args.n, cfg.seed)
-    res = evaluate(HFGenerator(model, tokenizer), tokenizer, source, rows,
+    try:
+        gen = HFGenerator(model, tokenizer, decode=cfg.rollout.decode)
+    except ValueError as e:
+        raise ConfigError(f"rollout.decode: {e}") from None
+    res = evaluate(gen, tokenizer, source, rows,
                    max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
                    stop=cfg.rollout.stop)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import torch
 
 
@@ -45,7 +46,8 @@ class ThreadPolicy:
 
     def __init__(self, threads: int | None = None, *, hidden: int = 256, inter: int = 1024,
                  max_threads: int | None = None, refresh_s: float = 60.0, base_phase: str = "update",
-                 pinned: dict[str, int] | None = None, onednn: dict[str, bool] | None = None):
+                 pinned: dict[str, int] | None = None, onednn: dict[str, bool] | None = None,
+                 numpy: tuple[str, ...] = ()):
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.fixed = threads
@@ -60,6 +62,9 @@ class ThreadPolicy:
         # phase -> whether its products run on oneDNN (postrl.models.matmul): the probe then times oneDNN's, whose
         # gain from a second thread differs from MKL's
         self.onednn = dict(onednn or {})
+        # phases whose products run in numpy (the static decoder's numpy decode steps): probed with numpy's products,
+        # its BLAS limited to the candidate count (postrl.rollout.decoder.blas_threads)
+        self.numpy = tuple(numpy)
         # Early re-measurements: a choice is measured again after this many further uses of the phase, then after
         # refresh_s only. The first measurements of a run are the least reliable (other processes starting or
         # finishing their set-up, a neighbour's OpenMP threads spinning after its last parallel region); measuring
@@ -68,7 +73,9 @@ class ThreadPolicy:
         self._uses: dict[str, list[int]] = {}  # phase -> [uses since the last measurement, re-measurements done]
 
     @classmethod
-    def for_model(cls, model, threads: int | None = None, **kw) -> ThreadPolicy:
+    def for_model(cls, model, threads: int | None = None, decode: str = "torch", **kw) -> ThreadPolicy:
+        """The policy for ``model``'s phases; ``decode``: the library of its decode steps ("numpy" or "torch", as
+        :func:`postrl.rollout.decoder.decode_library` resolves ``rollout.decode``)."""
         cfg = getattr(model, "config", None)
         hidden = getattr(cfg, "hidden_size", None) or 256
         inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
@@ -78,7 +85,9 @@ class ThreadPolicy:
         from postrl.rollout.decoder import _ONEDNN_MIN_HIDDEN
 
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
-            kw.setdefault("onednn", {"update": True, "generation": hidden > _ONEDNN_MIN_HIDDEN})
+            kw.setdefault("onednn", {"update": True, "generation": hidden > _ONEDNN_MIN_HIDDEN and decode != "numpy"})
+        if decode == "numpy":
+            kw.setdefault("numpy", ("generation",))
         return cls(threads, hidden=hidden, inter=inter, **kw)
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -107,6 +116,16 @@ class ThreadPolicy:
         w1 = torch.randn(self.inter, self.hidden, generator=g) * self.hidden ** -0.5
         w2 = torch.randn(self.hidden, self.inter, generator=g) * self.inter ** -0.5
         F = torch.nn.functional
+        reps = max(1, min(64, int(budget / (per_row * rows))))
+        if phase in self.numpy:  # as the numpy decode step: weights [in, out], SiLU as g / (1 + exp(-g))
+            xn, w1n, w2n = x.numpy(), w1.t().contiguous().numpy(), w2.t().contiguous().numpy()
+
+            def unit_np() -> None:
+                h = xn @ w1n
+                h /= np.exp(-h) + 1.0
+                h @ w2n
+
+            return unit_np, reps
         if self.onednn.get(phase):
             from postrl.models.matmul import _mm as linear
 
@@ -124,7 +143,7 @@ class ThreadPolicy:
             if update:
                 grad_w(h, x)  # the shape of a weight gradient
 
-        return unit, max(1, min(64, int(budget / (per_row * rows))))
+        return unit, reps
 
     def measure(self, phase: str, rows: int, rounds: int | None = None) -> int:
         """Time the phase's probe on each candidate thread count, in interleaved rounds. For generation, a count
@@ -144,15 +163,24 @@ class ThreadPolicy:
         alive = list(cands)
         slower_once: set[int] = set()
         one = math.inf
+
+        def set_threads(c: int) -> None:
+            torch.set_num_threads(c)
+            if phase in self.numpy:
+                blas.limit(limits=c)  # undone when ``blas`` exits
+
+        from postrl.rollout.decoder import blas_controller
+
+        blas = blas_controller() if phase in self.numpy else None
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), blas.limit(limits=old) if blas is not None else nullcontext():
                 for c in cands:  # warm-up: first-call allocations
-                    torch.set_num_threads(c)
+                    set_threads(c)
                     unit()
                 for _ in range(rounds):
                     limit = math.inf
                     for c in list(alive):
-                        torch.set_num_threads(c)
+                        set_threads(c)
                         t = time.perf_counter()
                         for _ in range(reps):
                             unit()

@@ -24,7 +24,7 @@ import torch
 from postrl.models import cache_keyword, output_cache
 from postrl.perf import ThreadPolicy
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
-from postrl.rollout.decoder import StaticDecoder
+from postrl.rollout.decoder import StaticDecoder, blas_threads, decode_library
 
 __all__ = ["HFGenerator", "left_pad"]
 
@@ -131,12 +131,15 @@ class HFGenerator(GenerationBackend):
     ``static_cache``: decode Llama-family models with :class:`~postrl.rollout.decoder.StaticDecoder` (fused
     projections, a KV cache allocated once); ``None`` (default) uses it whenever it supports the model, ``False``
     always uses the model's forward with a ``DynamicCache``. Both compute the same tokens and log-probs.
+    ``decode``: the library of the static decoder's decode steps (``auto``: numpy for a float32 model on a CPU,
+    torch otherwise; see :func:`~postrl.rollout.decoder.decode_library`). numpy's BLAS then runs with torch's
+    thread count.
     ``threads``: torch intra-op threads while generating: an int, a :class:`~postrl.perf.ThreadPolicy` (phase
     ``generation``), or ``None`` to leave the current setting.
     """
 
     def __init__(self, model, tokenizer, batch_size: int | None = None, *, static_cache: bool | None = None,
-                 threads: ThreadPolicy | int | None = None):
+                 threads: ThreadPolicy | int | None = None, decode: str = "auto"):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         self.model = model
@@ -158,6 +161,8 @@ class HFGenerator(GenerationBackend):
             raise ValueError(f"static_cache=True: no static decoder for model type "
                              f"'{getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)}'")
         self.static_cache = supported if static_cache is None else bool(static_cache)
+        self.decode = decode
+        decode_library(model, decode)  # a bad or impossible choice fails here, not at the first generate
         self.threads = ThreadPolicy(threads) if isinstance(threads, int) else threads
 
     @staticmethod
@@ -203,11 +208,13 @@ class HFGenerator(GenerationBackend):
         device = self._device()
         chunk = self.batch_size or max(num_rows, 1)
         was_training = model.training
-        model.eval()
         threads = self.threads.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
             if self.threads is not None else nullcontext()
         try:
-            with torch.inference_mode(), threads:
+            decoder = StaticDecoder(model, self.decode) if self.static_cache and max_new > 0 else None
+            if decoder is None:  # the model's forward runs: eval mode (no dropout); the static decoder has none
+                model.eval()
+            with torch.inference_mode(), threads as n_threads, self._blas_threads(decoder, n_threads):
                 # One uniform draw per (row, step), taken up front: a row's samples depend on the seed and its own
                 # logits only, not on batch_size or on which rows have already finished.
                 noise = None
@@ -221,7 +228,6 @@ class HFGenerator(GenerationBackend):
                         gen.manual_seed(s)
                         blocks.append(torch.rand((num_rows // len(seeds), max_new), generator=gen, device=device))
                     noise = torch.cat(blocks)
-                decoder = StaticDecoder(model) if self.static_cache and max_new > 0 else None
                 for start in range(0, num_rows, chunk):
                     end = min(start + chunk, num_rows)
                     c_ids, c_lp, c_len, c_end = self._generate_chunk(
@@ -232,7 +238,8 @@ class HFGenerator(GenerationBackend):
                     lengths[start:end] = c_len
                     ended[start:end] = c_end
         finally:
-            model.train(was_training)
+            if model.training != was_training:
+                model.train(was_training)
 
         width = max(int(lengths.max()) if num_rows else 0, 1)
         comp_ids = comp_ids[:, :width].clone()
@@ -250,6 +257,13 @@ class HFGenerator(GenerationBackend):
         )
 
     # ------------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _blas_threads(decoder: StaticDecoder | None, n: int | None):
+        """numpy decode steps: numpy's BLAS on as many threads as torch (the phase's count)."""
+        if decoder is None or decoder.library != "numpy":
+            return nullcontext()
+        return blas_threads(n or torch.get_num_threads())
+
     def _device(self) -> torch.device:
         dev = getattr(self.model, "device", None)
         if isinstance(dev, torch.device):

@@ -39,6 +39,7 @@ from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
 from postrl.rewards.steps import split_steps, step_token_ends
 from postrl.rollout.base import SamplingParams
+from postrl.rollout.decoder import decode_library
 from postrl.shaping import build_stage, load_stages_state, stages_state
 from postrl.train import checkpoint as ckpt
 from postrl.data.rollout_options import ExpandContext
@@ -117,13 +118,18 @@ class Trainer:
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
         if self.acc.device.type == "cpu":
-            self.threads = ThreadPolicy.for_model(model, cfg.train.threads)  # torch threads per phase (postrl.perf)
             # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
             self.matmul = matmul.choose(cfg.train.matmul, model)
+            matmul.use_onednn(model, self.matmul == "onednn")
+            try:  # the library of the decode steps (postrl.rollout.decoder)
+                decode = decode_library(model, cfg.rollout.decode)
+            except ValueError as e:  # rollout.decode=numpy for a model numpy cannot decode
+                raise ConfigError(f"rollout.decode: {e}") from None
+            # torch threads per phase (postrl.perf), probed with the products each phase runs
+            self.threads = ThreadPolicy.for_model(model, cfg.train.threads, decode=decode)
         else:  # on an accelerator the host's thread count is not measured (the CPU probe would time the wrong thing)
             self.threads = ThreadPolicy(cfg.train.threads or torch.get_num_threads())
             self.matmul = "torch"
-        matmul.use_onednn(model, self.matmul == "onednn")
         self.ref_model = None
         self._setup_losses()
         if "ref_logp" in self.loss_fields:
@@ -192,7 +198,11 @@ class Trainer:
             raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
         from postrl.rollout.hf import HFGenerator
 
-        return HFGenerator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size, threads=self.threads)
+        try:
+            return HFGenerator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size,
+                               threads=self.threads, decode=self.cfg.rollout.decode)
+        except ValueError as e:  # rollout.decode=numpy where numpy cannot decode (not on a CPU, not float32)
+            raise ConfigError(f"rollout.decode: {e}") from None
 
     def _reward_stages(self) -> list[tuple[Any, dict, str]]:
         return [(fn, params, r.name) for (fn, params), r in zip(self.reward_fns, self.reward_specs)]
