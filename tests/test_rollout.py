@@ -430,6 +430,25 @@ def test_numpy_and_torch_decode_steps_agree_and_silu_overflow_is_silent(tok, mod
     assert g.min() < -88  # where float32 exp(-g) overflows
 
 
+def test_prefill_runs_each_distinct_prompt_once(tok, model, monkeypatch):
+    from postrl.rollout import decoder
+
+    widths = []
+    real = decoder.StaticDecoder.prefill
+    monkeypatch.setattr(decoder.StaticDecoder, "prefill",
+                        lambda self, ids, mask, n: widths.append(len(ids)) or real(self, ids, mask, n))
+    prompts = _ids(tok, PROMPTS[:3])
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    shared = HFGenerator(model, tok).generate(prompts, 4, params, seed=3)
+    assert widths == [3]  # 12 rows, 3 prompts
+    # the same samples as one row at a time (no prompt repeated within a batch)
+    alone = HFGenerator(model, tok, batch_size=1).generate(prompts, 4, params, seed=3)
+    assert widths[1:] == [1] * 12
+    assert torch.equal(shared.completion_ids, alone.completion_ids)
+    torch.testing.assert_close(shared.logprobs, alone.logprobs, atol=1e-4, rtol=0)
+    assert len({tuple(r) for r in shared.completion_ids.tolist()}) > 6  # the rows of a prompt differ
+
+
 def test_numpy_blas_runs_with_the_generation_thread_count(tok, model, monkeypatch):
     from postrl.perf import ThreadPolicy
     from postrl.rollout import hf
@@ -448,3 +467,26 @@ def test_numpy_blas_runs_with_the_generation_thread_count(tok, model, monkeypatc
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2]  # the policy's count; else torch's; torch decode steps leave numpy's BLAS alone
+
+
+def test_plain_cpu_sampling_matches_the_general_sampler():
+    """The numpy fast path (no top-k / top-p, CPU) draws the same tokens with the same log-probs as the general
+    torch sampler it stands in for, and never a zero-probability token."""
+    from postrl.rollout import hf
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4000, 88, generator=g) * 3
+    logits[:, ::3] = float("-inf")  # zero-probability tokens
+    u = torch.rand(4000, generator=g)
+    u[:4] = torch.tensor([0.0, 1.0 - 2**-24, 0.5, 1e-9])
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(temperature=temperature)
+        fast = hf._sample(logits, params, u)
+        ref = hf._sample(logits, SamplingParams(temperature=temperature, top_p=1.0 - 1e-12), u)  # the torch path
+        assert fast[0].dtype == ref[0].dtype == torch.long and fast[1].dtype == torch.float32
+        assert (fast[0] != ref[0]).sum() <= 2  # boundary cases of float rounding at most
+        same = fast[0] == ref[0]
+        torch.testing.assert_close(fast[1][same], ref[1][same], atol=1e-5, rtol=1e-6)
+        assert (fast[0] % 3 != 0).all()
+        want = torch.log_softmax(logits / temperature, -1).gather(1, fast[0][:, None]).squeeze(1)
+        torch.testing.assert_close(fast[1], want, atol=1e-5, rtol=1e-6)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from postrl.models import cache_keyword, output_cache
@@ -56,6 +57,8 @@ def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
         tokens = logits.argmax(dim=-1)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
+    if logits.device.type == "cpu" and params.top_k == 0 and params.top_p >= 1.0:
+        return _sample_plain(logits, params.temperature, u)
     scaled = logits if params.temperature == 1.0 else logits / params.temperature
     logp = torch.log_softmax(scaled, dim=-1)
     filtered = scaled
@@ -76,6 +79,23 @@ def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
     target = u.double()[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _sample_plain(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sample` with neither top-k nor top-p, for CPU logits, in numpy: the same draw (the first token whose
+    cumulative probability, summed in float64, exceeds ``u`` times the total) and the same log-prob
+    (``log_softmax(logits / temperature)`` at the token), at a fraction of the cost of a dozen torch operators
+    (8 x 88 logits: 15 vs 35-95 us a step)."""
+    x = logits.numpy()
+    if temperature != 1.0:
+        x = x / np.float32(temperature)
+    z = x - x.max(-1, keepdims=True)
+    e = np.exp(z)
+    cdf = np.cumsum(e, axis=-1, dtype=np.float64)  # unnormalised: the target is scaled by the total instead
+    target = u.numpy().astype(np.float64) * cdf[:, -1]
+    tokens = np.minimum((cdf <= target[:, None]).sum(-1), x.shape[-1] - 1)  # searchsorted(right=True)
+    logp = z[np.arange(len(z)), tokens] - np.log(e.sum(-1))
+    return torch.from_numpy(tokens), torch.from_numpy(logp)
 
 
 class _HFStepper:
@@ -110,9 +130,27 @@ class _StaticStepper:
 
     compact_below = 0.75  # a compaction copies the filled cache: do it once a quarter of the rows has finished
 
-    def __init__(self, decoder: StaticDecoder, ids: torch.Tensor, mask: torch.Tensor, max_new: int):
+    def __init__(self, decoder: StaticDecoder, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
+                 max_new: int):
         self.cache = decoder
-        self.first_logits = decoder.prefill(ids, mask, max_new)
+        # Prefill sharing: rows with the same prompt (the n samples of a prompt) run through the model once; the
+        # keys and values are then copied to each of its rows (the same numbers up to the float rounding of a
+        # smaller batch). 8 rows of 2 prompts, 1M model: 2.3 instead of 4.7 ms.
+        index: dict[tuple[int, ...], int] = {}
+        first: list[int] = []
+        inverse: list[int] = []
+        for i, r in enumerate(rows):
+            key = tuple(r)
+            if key not in index:
+                index[key] = len(first)
+                first.append(i)
+            inverse.append(index[key])
+        if len(first) == len(rows):
+            self.first_logits = decoder.prefill(ids, mask, max_new)
+            return
+        first_t, inverse_t = torch.tensor(first, device=ids.device), torch.tensor(inverse, device=ids.device)
+        self.first_logits = decoder.prefill(ids[first_t], mask[first_t], max_new)[inverse_t]
+        decoder.select(inverse_t)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         return self.cache.decode(tokens, positions, live)
@@ -324,7 +362,7 @@ class HFGenerator(GenerationBackend):
 
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        stepper = _StaticStepper(decoder, ids, mask, max_new) if decoder is not None \
+        stepper = _StaticStepper(decoder, rows, ids, mask, max_new) if decoder is not None \
             else _HFStepper(self, ids, mask, max_new)
         logits = stepper.first_logits
         compact = self._can_compact(stepper.cache)
