@@ -328,12 +328,13 @@ def test_static_decoder_supports_llama_family_only(tok, model):
 
 
 @pytest.mark.parametrize("which,library", [("eos_model", "numpy"), ("eos_model", "torch"), ("qwen2", "numpy"),
-                                           ("qwen2", "torch"), ("qwen2_onednn", "torch")])
+                                           ("qwen2", "torch"), ("qwen2_onednn", "torch"),
+                                           ("qwen2_onednn", "numpy")])
 def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which, library):
     """Same tokens, EOS ends, stop strings and log-probs from the static decoder (decode steps in numpy or in torch)
     and from the model's forward; sampled with top-k/top-p, rows finishing at different steps (cache compaction),
-    chunked batches. qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder's torch
-    steps to use it too."""
+    chunked batches. qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder's steps
+    (torch or numpy) to run their products on it too."""
     if which == "eos_model":
         m = eos_model
     elif which == "qwen2":
@@ -349,7 +350,10 @@ def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model,
         assert matmul.use_onednn(m) > 0
         assert decoder.StaticDecoder(m, "torch").linear is decoder._onednn_linear
         assert decoder.StaticDecoder(plain, "torch").linear is not decoder._onednn_linear
-        assert decoder.StaticDecoder(m).library == "numpy"  # auto on a CPU in float32
+        numpy_steps = decoder.StaticDecoder(m)
+        assert numpy_steps.library == "numpy"  # auto on a CPU in float32
+        assert numpy_steps.onednn and isinstance(numpy_steps.np_layers[0][1], torch.Tensor)  # products on oneDNN
+        assert not decoder.StaticDecoder(plain).onednn
     # oneDNN sums the products in another order than MKL; with these large random weights (logits of tens) the
     # log-probs then differ by up to ~2e-4
     tol = 5e-4 if which == "qwen2_onednn" else 1e-4

@@ -84,9 +84,11 @@ class ThreadPolicy:
         from postrl.models.matmul import OneDNNLinear
         from postrl.rollout.decoder import _ONEDNN_MIN_HIDDEN
 
+        onednn_gen = False
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
-            kw.setdefault("onednn", {"update": True, "generation": hidden > _ONEDNN_MIN_HIDDEN and decode != "numpy"})
-        if decode == "numpy":
+            onednn_gen = hidden > _ONEDNN_MIN_HIDDEN  # the decode steps' products, numpy steps included
+            kw.setdefault("onednn", {"update": True, "generation": onednn_gen})
+        if decode == "numpy" and not onednn_gen:
             kw.setdefault("numpy", ("generation",))
         return cls(threads, hidden=hidden, inter=inter, **kw)
 

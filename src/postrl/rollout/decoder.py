@@ -29,9 +29,12 @@ On a CPU in float32 the decode steps run in numpy (``library='numpy'``, the defa
 formulas, each operation costing about a microsecond where a torch operator costs several (argument parsing,
 dispatch, output allocation). A decode step of a tiny model is a few hundred such operations around a few small
 products, so this is most of its time. numpy's products run on the BLAS numpy ships (OpenBLAS in the PyPI
-wheels), with as many threads as torch has at the time (``blas_threads``). Measured on an AMD EPYC Zen 3 (AVX2),
-8 rows: 1M model 0.88 vs 1.5 ms a step on one thread, 20M model 8.5 vs 15 ms on two (torch on MKL). The prompt's
-prefill stays in torch (one call of large operators).
+wheels), with as many threads as torch has at the time (``blas_threads``), except where the torch steps would use
+oneDNN (below): there the numpy steps call oneDNN's product on the same memory, since OpenBLAS runs AVX2 kernels
+where oneDNN has AVX-512 ones. Measured on an AMD EPYC Zen 3 (AVX2), 8 rows: 1M model 0.88 vs 1.5 ms a step on one
+thread, 20M model 8.5 vs 15 ms on two (torch on MKL); on a Zen 5 (AVX-512), 1M: 0.40 vs 0.53 ms, 20M with 32 rows:
+the same time either way (bound by oneDNN's products). The prompt's prefill stays in torch (one call of large
+operators).
 
 It is used for models it can reproduce exactly (``StaticDecoder.supports``): ``model_type`` llama, mistral or qwen2,
 default RoPE, SiLU MLP without bias, no sliding window, no logit soft-capping. Any other model goes through the
@@ -159,6 +162,14 @@ def _weight(parts: list[torch.Tensor], perms: list[torch.Tensor | None], fold: t
     return torch.empty((w.shape[1], w.shape[0]), dtype=w.dtype, device=w.device).copy_(w.t()) if transpose else w
 
 
+def _np_mm(x: np.ndarray, w: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A numpy decode step's product ``x @ w``: numpy's for a numpy weight [in, out], oneDNN's for a torch weight
+    [out, in] (the same memory on both sides: no copy)."""
+    if isinstance(w, np.ndarray):
+        return x @ w
+    return _onednn_linear(torch.from_numpy(x), w).numpy()
+
+
 def _np_rms(x: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) in float32 over the last axis of a 2-D array (the weight is folded)."""
     r = (x * x).sum(-1, keepdims=True)  # 8 x 128: 8 us, einsum 14 us (its Python dispatcher)
@@ -228,10 +239,11 @@ class StaticDecoder:
         self.fold = self.dtype == torch.float32
         head = model.get_output_embeddings()
         self.head_b = head.bias
-        onednn = type(head) is OneDNNLinear and cfg.hidden_size > _ONEDNN_MIN_HIDDEN and self.dtype == torch.float32 \
-            and self.library == "torch"
+        onednn = type(head) is OneDNNLinear and cfg.hidden_size > _ONEDNN_MIN_HIDDEN and self.dtype == torch.float32
         # oneDNN's linear takes the weight as the layers hold it, [out, in]; MKL's and numpy's products get it
-        # transposed.
+        # transposed. numpy decode steps run their products on oneDNN too where the torch steps would (on an AVX-512
+        # AMD CPU, 20M model, 32 rows: 8 x 512 x 3072 in 224 us against OpenBLAS's 417).
+        self.onednn = onednn
         self.linear = _onednn_linear if onednn else _linear_t
         t = not onednn
         D = self.head_dim
@@ -267,9 +279,11 @@ class StaticDecoder:
             def arr(t):
                 return None if t is None else t.detach().numpy()
 
-            self.np_layers = [(eps_in, arr(wqkv), arr(bqkv), arr(wo), arr(bo), eps_post, arr(wgu), arr(wd))
+            # a product's weight: a numpy array [in, out] (numpy's product) or, on oneDNN, the torch tensor [out, in]
+            mat = (lambda t: t) if onednn else arr
+            self.np_layers = [(eps_in, mat(wqkv), arr(bqkv), mat(wo), arr(bo), eps_post, mat(wgu), mat(wd))
                               for (_, eps_in, wqkv, bqkv, wo, bo, _, eps_post, wgu, wd) in self.layers]
-            self.np_embed, self.np_head_w, self.np_head_b = arr(self.embed), arr(self.head_w), arr(self.head_b)
+            self.np_embed, self.np_head_w, self.np_head_b = arr(self.embed), mat(self.head_w), arr(self.head_b)
 
     # ------------------------------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -407,7 +421,7 @@ class StaticDecoder:
         x = self.np_embed[tokens]  # [B, hidden], a copy
         with np.errstate(over="ignore"):  # exp(-g) of the SiLU overflows to inf for g < -88: g / inf = -0, exact
             for li, (eps_in, wqkv, bqkv, wo, bo, eps_post, wgu, wd) in enumerate(self.np_layers):
-                qkv = _np_rms(x, eps_in) @ wqkv
+                qkv = _np_mm(_np_rms(x, eps_in), wqkv)
                 if bqkv is not None:
                     qkv += bqkv
                 qkv.view(np.complex64).reshape(B, H + 2 * K, D // 2)[:, :H + K] *= rot  # RoPE on q and k
@@ -420,17 +434,17 @@ class StaticDecoder:
                 np.exp(s, out=s)
                 s /= s.sum(-1, keepdims=True)
                 o = np.matmul(s, values).reshape(B, H * D)
-                x += o @ wo
+                x += _np_mm(o, wo)
                 if bo is not None:
                     x += bo
-                gu = _np_rms(x, eps_post) @ wgu
+                gu = _np_mm(_np_rms(x, eps_post), wgu)
                 g, u = gu[:, :self.inter], gu[:, self.inter:]
                 e = np.exp(-g)
                 e += 1.0
                 act = g / e  # SiLU: g * sigmoid(g)
                 act *= u
-                x += act @ wd
-        logits = _np_rms(x, self.norm_eps) @ self.np_head_w
+                x += _np_mm(act, wd)
+        logits = _np_mm(_np_rms(x, self.norm_eps), self.np_head_w)
         if self.np_head_b is not None:
             logits += self.np_head_b
         return logits
