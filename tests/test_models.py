@@ -88,3 +88,91 @@ def test_larger_models_share_for_smaller_savings():
     big.extra = torch.nn.Parameter(torch.empty(20_000_000))  # 20M parameters (never touched)
     assert _min_saving(big) == pytest.approx(SHARE_MIN_SAVING / 10, rel=1e-3)
     assert _min_saving(torch.nn.Linear(4, 4)) == SHARE_MIN_SAVING
+
+
+# ------------------------------------------------------------------------------------------ fused training forward
+def _fused_ran(t: torch.Tensor) -> bool:
+    """Whether the fused function's node is in ``t``'s autograd graph."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "_FusedBackward":
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def _llama_gqa_bias(tok):
+    """Llama with grouped-query attention (4 query heads, 2 KV heads), attention biases (q, k, v and o) and an
+    untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False,
+                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    return _reinit(LlamaForCausalLM(cfg), std=0.2)
+
+
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
+@pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _llama_gqa_bias], ids=["llama-tied", "qwen2-gqa-bias",
+                                                                                "llama-gqa-bias-untied"])
+def test_fused_forward_and_backward_equal_the_model(tok, make, onednn):
+    """The hand-written forward and backward (postrl.models.fused) against autograd through the Hugging Face
+    model: log-probs, entropies, logits and every parameter's gradient, with left-padded prompts."""
+    from postrl.models import fused, matmul
+
+    model = make(tok)
+    if onednn:
+        if not matmul.onednn_available():
+            pytest.skip("this torch build has no oneDNN")
+        matmul.use_onednn(model)
+    pid, pm, cid, _ = _batch()
+    assert fused.supports(model.train())
+    ref = _run(model, pid, pm, cid, None)
+    model.zero_grad(set_to_none=True)
+    logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
+                                            fused=True)
+    assert _fused_ran(logp)
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    (weights * logp).sum().backward()
+    for a, b in zip(ref[:3], (logp.detach(), ent, logits.detach())):  # (logits of tens: float rounding ~1e-5)
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+    for (name, p), g in zip(model.named_parameters(), ref[3]):
+        torch.testing.assert_close(p.grad, g, atol=2e-5 * float(g.abs().max()) + 1e-8, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from postrl.models import fused
+
+    gpt2, llama = _gpt2(tok), _llama(tok)
+    assert not fused.supports(gpt2) and fused.supports(llama)
+    # unsupported: gpt2 silently takes the model's forward; the outputs are the same as without fused
+    pid, pm, cid, _ = _batch(U=1)
+    torch.testing.assert_close(completion_logprobs(gpt2, pid, pm, cid, fused=True)[0],
+                               completion_logprobs(gpt2, pid, pm, cid)[0])
+    llama.activation_checkpointing_enable()
+    assert not fused.supports(llama)  # it would keep the activations checkpointing is there to drop
+    llama.activation_checkpointing_disable()
+    assert fused.supports(llama)
+    assert not fused.supports(_llama(tok).to(torch.bfloat16))
+    drop = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, attention_dropout=0.1))
+    assert not fused.supports(drop.train()) and fused.supports(drop.eval())
+    # a shared-prompt batch keeps the shared path (fewer tokens)
+    pid, pm, cid, groups = _batch()
+    assert _shared_prompts(llama, pid, cid.shape[1], groups) is not None
+    logp, _ = completion_logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
+    assert not _fused_ran(logp)
+    # no double backward: a clear error, not a wrong second derivative
+    pid, pm, cid, _ = _batch(U=1)
+    logp, _ = completion_logprobs(llama, pid, pm, cid, fused=True)
+    assert _fused_ran(logp)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(logp.sum(), [llama.model.norm.weight], create_graph=True)

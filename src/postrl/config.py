@@ -166,6 +166,9 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
     share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
                                "(same log-probs up to float rounding; used on a CPU when it saves enough work, postrl.models)")
+    fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
+                        "function for Llama-family float32 models on a CPU in one process (same log-probs and "
+                        "gradients up to float rounding, fewer operators; postrl.models.fused)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")

@@ -57,7 +57,7 @@ def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        return_logits: bool = False, groups: torch.Tensor | None = None):
+                        return_logits: bool = False, groups: torch.Tensor | None = None, fused: bool = False):
     """log pi(o_t | q, o_<t) for every completion token.
 
     prompt_ids/prompt_mask [N, P] left-padded; completion_ids [N, T]. Logits are divided by ``temperature``
@@ -75,10 +75,24 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     second model call (``SHARE_MIN_SAVING``), on a CPU only (see ``_shared_prompts``). Rows whose prompts differ
     despite a shared id, a model with gradient checkpointing, or a model without a key/value cache take the
     one-forward path.
+
+    ``fused``: run the one-forward path through :func:`postrl.models.fused.fused_logits` (the same function with a
+    hand-written backward; fewer, larger operators) when it supports the model.
     """
     T = completion_ids.shape[1]
     shared = _shared_prompts(model, prompt_ids, T, groups)
-    if shared is not None:
+    if fused and shared is None:
+        from postrl.models.fused import supports
+
+        fused = supports(model)
+    if fused and shared is None:
+        from postrl.models.fused import fused_logits
+
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = fused_logits(model, ids, attn, pos, T + 1)[:, :-1, :]
+    elif shared is not None:
         logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, *shared)
     else:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)

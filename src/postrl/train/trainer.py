@@ -475,7 +475,7 @@ class Trainer:
         out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
                                   with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=groups)
+                                  groups=groups, fused=self.cfg.train.fused)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
