@@ -169,6 +169,9 @@ class TrainConfig(_Strict):
     fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
                         "function for Llama-family float32 models on a CPU in one process (same log-probs and "
                         "gradients up to float rounding, fewer operators; postrl.models.fused)")
+    keep_freed_memory: bool = Field(True, description="on a CPU, make glibc's malloc reuse freed memory instead of "
+                                    "returning it to the OS (no page faults on each step's new buffers; the process "
+                                    "keeps its peak heap; postrl.perf.keep_freed_memory)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")

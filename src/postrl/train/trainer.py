@@ -34,7 +34,7 @@ from postrl.evaluate import evaluate
 from postrl.losses import KLController, check_aggregation, kl_reward_penalty, make_stage, stage_fields, tis_weights
 from postrl.models import completion_logprobs, encode_prompt, load_model_and_tokenizer, matmul
 from postrl.pipeline import call_stage
-from postrl.perf import ThreadPolicy
+from postrl.perf import ThreadPolicy, keep_freed_memory
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
 from postrl.rewards.steps import split_steps, step_token_ends
@@ -118,6 +118,8 @@ class Trainer:
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
         if self.acc.device.type == "cpu":
+            if cfg.train.keep_freed_memory:
+                keep_freed_memory()  # glibc: reuse freed buffers instead of page-faulting new ones (postrl.perf)
             # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
             self.matmul = matmul.choose(cfg.train.matmul, model)
             matmul.use_onednn(model, self.matmul == "onednn")
