@@ -401,3 +401,25 @@ def test_unknown_reward_lists_valid_and_weight_length_mismatch():
     assert cfg.reward.strict and cfg.rewards[0].params == {"tags": ["think", "answer"]}
     with pytest.raises(ConfigError, match="unknown parameter 'tag'.*tags"):
         load_config(None, ["rewards=[{name: format, tag: [think]}]"])
+
+
+def test_reward_threads_are_reused_and_a_hung_call_does_not_block_later_ones():
+    from postrl.rewards.core import run_parallel
+
+    def reward_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("postrl-reward-")]
+
+    for _ in range(20):
+        assert run_parallel([lambda: 1, lambda: 2, lambda: 3], workers=3, timeout=5.0) == [("ok", 1), ("ok", 2),
+                                                                                             ("ok", 3)]
+    before = len(reward_threads())
+    assert before <= 3 + 2  # reused across calls (earlier tests may have left a hung one or two), not 60
+    release = threading.Event()
+    t0 = time.monotonic()
+    out = run_parallel([lambda: release.wait(30), lambda: "fast"], workers=2, timeout=0.2)
+    assert out == [("timeout", None), ("ok", "fast")] and time.monotonic() - t0 < 5
+    # the hung thread is not handed new work: the next calls run on other threads, promptly
+    t0 = time.monotonic()
+    assert run_parallel([lambda: "a", lambda: "b"], workers=2, timeout=5.0) == [("ok", "a"), ("ok", "b")]
+    assert time.monotonic() - t0 < 2
+    release.set()

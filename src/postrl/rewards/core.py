@@ -33,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,7 +78,22 @@ def _is_verl(fn: Callable) -> bool:
     return _VERL_PARAMS <= params
 
 
+_ACCEPTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> _signature_names(fn), while fn lives
+
+
 def _accepts(fn: Callable) -> tuple[set[str], bool]:
+    """(names of the parameters ``fn`` takes by keyword, whether it takes ``**kwargs``); cached per function
+    (``inspect.signature`` costs tens of microseconds, several times a step)."""
+    try:
+        hit = _ACCEPTS.get(fn)
+    except TypeError:  # not weakly referenceable or not hashable
+        return _signature_names(fn)
+    if hit is None:
+        hit = _ACCEPTS[fn] = _signature_names(fn)
+    return hit
+
+
+def _signature_names(fn: Callable) -> tuple[set[str], bool]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -140,6 +157,38 @@ def call_reward(fn: Callable, prompts: list[str], completions: list[str], column
 # ------------------------------------------------------------------------------------------------ threads
 
 
+class _Threads:
+    """Daemon threads reused across :func:`run_parallel` calls (starting a thread per call cost ~0.2 ms a step for
+    two cheap reward sources: 238 vs 54 us). A thread stuck in a timed-out call is simply never idle again; the
+    next submission starts a new one. Daemon threads: a hung reward never blocks the interpreter's exit."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
+
+    def submit(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if start:
+                self._started += 1
+            else:
+                self._idle -= 1  # an idle thread will take this task
+        self._tasks.put(task)
+        if start:
+            threading.Thread(target=self._loop, daemon=True, name=f"postrl-reward-{self._started}").start()
+
+    def _loop(self) -> None:
+        while True:
+            self._tasks.get()()  # the task catches its own exceptions
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _Threads()
+
+
 def run_parallel(calls: list[Callable[[], Any]], workers: int, timeout: float | None) -> list[tuple[str, Any]]:
     """Run zero-argument ``calls`` on at most ``workers`` threads, each with its own wall-clock ``timeout``.
 
@@ -176,7 +225,7 @@ def run_parallel(calls: list[Callable[[], Any]], workers: int, timeout: float | 
             while pending and len(running) < max(1, workers):
                 i = pending.pop(0)
                 running[i] = time.monotonic()
-                threading.Thread(target=runner, args=(i,), daemon=True, name=f"postrl-reward-{i}").start()
+                _THREADS.submit(lambda i=i: runner(i))
             for i in [i for i in running if results[i] is not None]:
                 del running[i]
             now = time.monotonic()
