@@ -170,6 +170,14 @@ def _np_mm(x: np.ndarray, w: np.ndarray | torch.Tensor) -> np.ndarray:
     return _onednn_linear(torch.from_numpy(x), w).numpy()
 
 
+def _np_softmax_(s: np.ndarray) -> np.ndarray:
+    """softmax over the last axis, in place (``-inf`` entries get 0)."""
+    s -= s.max(-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(-1, keepdims=True)
+    return s
+
+
 def _np_rms(x: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) in float32 over the last axis of a 2-D array (the weight is folded)."""
     r = (x * x).sum(-1, keepdims=True)  # 8 x 128: 8 us, einsum 14 us (its Python dispatcher)
@@ -441,27 +449,15 @@ class StaticDecoder:
                 q = qkv[:, :, :H].reshape(B, W, K, G, D).transpose(0, 2, 3, 1, 4)  # [B, K, G, W, D]
                 s = np.matmul(q, kv[0][:, :, None].swapaxes(-1, -2))  # [B, K, G, W, W] (pre-scaled queries)
                 s += bias
-                s -= s.max(-1, keepdims=True)
-                np.exp(s, out=s)
-                s /= s.sum(-1, keepdims=True)
-                o = np.matmul(s, kv[1][:, :, None])  # [B, K, G, W, D]
+                o = np.matmul(_np_softmax_(s), kv[1][:, :, None])  # [B, K, G, W, D]
                 if li == last:  # only the last position's output is needed from here on
                     o, x = o[:, :, :, -1:], x.reshape(B, W, -1)[:, -1]
                 o = o.transpose(0, 3, 1, 2, 4).reshape(len(x), H * D)
                 x = x + _np_mm(o, wo)
                 if bo is not None:
                     x += bo
-                gu = _np_mm(_np_rms(x, eps_post), wgu)
-                g, u = gu[:, :self.inter], gu[:, self.inter:]
-                e = np.exp(-g)
-                e += 1.0
-                act = g / e
-                act *= u
-                x += _np_mm(act, wd)
-        logits = _np_mm(_np_rms(x, self.norm_eps), self.np_head_w)
-        if self.np_head_b is not None:
-            logits += self.np_head_b
-        return logits
+                self._np_mlp(x, eps_post, wgu, wd)
+        return self._np_logits(x)
 
     def _np_decode(self, tokens: np.ndarray, positions: np.ndarray, col: int) -> np.ndarray:
         """:meth:`decode`'s step in numpy (float32, folded norms, paired RoPE layout: the same function as
@@ -482,20 +478,24 @@ class StaticDecoder:
                 keys, values = self.np_cache[li, 0, :, :, :col + 1], self.np_cache[li, 1, :, :, :col + 1]
                 s = np.matmul(qkv[:, :H].reshape(B, K, H // K, D), keys.swapaxes(-1, -2))  # pre-scaled queries
                 s += bias
-                s -= s.max(-1, keepdims=True)
-                np.exp(s, out=s)
-                s /= s.sum(-1, keepdims=True)
-                o = np.matmul(s, values).reshape(B, H * D)
+                o = np.matmul(_np_softmax_(s), values).reshape(B, H * D)
                 x += _np_mm(o, wo)
                 if bo is not None:
                     x += bo
-                gu = _np_mm(_np_rms(x, eps_post), wgu)
-                g, u = gu[:, :self.inter], gu[:, self.inter:]
-                e = np.exp(-g)
-                e += 1.0
-                act = g / e  # SiLU: g * sigmoid(g)
-                act *= u
-                x += _np_mm(act, wd)
+                self._np_mlp(x, eps_post, wgu, wd)
+        return self._np_logits(x)
+
+    def _np_mlp(self, x: np.ndarray, eps: float, wgu, wd) -> None:
+        """x += SwiGLU MLP of the normed x, in place (x [rows, hidden])."""
+        gu = _np_mm(_np_rms(x, eps), wgu)
+        g, u = gu[:, :self.inter], gu[:, self.inter:]
+        e = np.exp(-g)
+        e += 1.0
+        act = g / e  # SiLU: g * sigmoid(g)
+        act *= u
+        x += _np_mm(act, wd)
+
+    def _np_logits(self, x: np.ndarray) -> np.ndarray:
         logits = _np_mm(_np_rms(x, self.norm_eps), self.np_head_w)
         if self.np_head_b is not None:
             logits += self.np_head_b
