@@ -84,8 +84,9 @@ class RolloutConfig(_Strict):
     stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
     decode: Literal["auto", "numpy", "torch"] = Field(
-        "auto", description="library of the hf backend's decode steps for Llama-family models (auto: numpy for a "
-        "float32 model on a CPU, torch otherwise; the same function, numpy's operations cost less)")
+        "auto", description="library of the hf backend's prefill and decode steps for Llama-family models (auto: "
+        "numpy for a float32 model on a CPU, torch otherwise; the same function, numpy's operations cost less; "
+        "postrl.rollout.decoder)")
 
 
 class RewardConfig(_Strict):

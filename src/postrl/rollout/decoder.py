@@ -27,14 +27,18 @@ rounding only.
 On a CPU in float32 the decode steps run in numpy (``library='numpy'``, the default there, see
 :func:`decode_library`) on the same weights and the same cache memory (numpy views of the torch tensors): the same
 formulas, each operation costing about a microsecond where a torch operator costs several (argument parsing,
-dispatch, output allocation). A decode step of a tiny model is a few hundred such operations around a few small
-products, so this is most of its time. numpy's products run on the BLAS numpy ships (OpenBLAS in the PyPI
-wheels), with as many threads as torch has at the time (``blas_threads``), except where the torch steps would use
-oneDNN (below): there the numpy steps call oneDNN's product on the same memory, since OpenBLAS runs AVX2 kernels
-where oneDNN has AVX-512 ones. Measured on an AMD EPYC Zen 3 (AVX2), 8 rows: 1M model 0.88 vs 1.5 ms a step on one
-thread, 20M model 8.5 vs 15 ms on two (torch on MKL); on a Zen 5 (AVX-512), 1M: 0.40 vs 0.53 ms, 20M with 32 rows:
-the same time either way (bound by oneDNN's products). The prompt's prefill runs in numpy too (1M model, 2 prompts
-of 12 tokens: 0.95 vs 1.37 ms), its last layer's output projection and MLP on the last position only.
+dispatch, output allocation). A decode step of a tiny model is a few hundred such operations around 17 small
+products: in torch the operations are most of its time, in numpy the products are about two thirds. numpy's
+products run on the BLAS numpy ships (OpenBLAS in the PyPI wheels), with as many threads as torch has at the time
+(``blas_threads``), except where the torch steps would use oneDNN (below): there the numpy steps call oneDNN's
+product on the same memory (on the Zen 5 VM measured, whose environment pins OpenBLAS to its AVX2 kernels with
+``OPENBLAS_CORETYPE=Haswell``, oneDNN's AVX-512 ones were 1.7-1.9x as fast for the 20M model). Measured on an AMD
+EPYC Zen 3 (AVX2), 8 rows: 1M model 0.88 vs 1.5 ms a step on one thread, 20M model 8.5 vs 15 ms on two (torch on
+MKL); on a Zen 5 (AVX-512), 1M: 0.40 vs 0.53 ms, 20M with 32 rows: the same time either way (bound by oneDNN's
+products). The prompt's prefill runs in numpy too (1M model, 2 prompts of 12 tokens: 0.95 vs 1.37 ms), its last
+layer's output projection and MLP on the last position only. At long completions a step reads the whole KV cache
+(float32: 20 MB a step for 32 rows of the 1M model at 150 positions), and that reading bounds it (1.1 ms a step at
+12 positions, 2.7 ms at 260).
 
 It is used for models it can reproduce exactly (``StaticDecoder.supports``): ``model_type`` llama, mistral or qwen2,
 default RoPE, SiLU MLP without bias, no sliding window, no logit soft-capping. Any other model goes through the
@@ -91,8 +95,9 @@ def blas_threads(n: int) -> Iterator[None]:
 
 
 def decode_library(model, library: str = "auto") -> str:
-    """The library of :class:`StaticDecoder`'s decode steps: ``numpy`` (float32 model on a CPU, numpy with a BLAS;
-    what ``auto`` picks there) or ``torch``. ``library='numpy'`` where numpy cannot run the model is a ValueError."""
+    """The library of :class:`StaticDecoder`'s prefill and decode steps: ``numpy`` (float32 model on a CPU, numpy
+    with a BLAS; what ``auto`` picks there) or ``torch``. ``library='numpy'`` where numpy cannot run the model is a
+    ValueError."""
     if library not in LIBRARIES:
         raise ValueError(f"decode library must be one of {', '.join(LIBRARIES)}, got '{library}'")
     if library == "torch":
@@ -231,7 +236,7 @@ class StaticDecoder:
         return bool(layers)
 
     def __init__(self, model, library: str = "auto"):
-        """``library``: of the decode steps (:func:`decode_library`): ``auto``, ``numpy`` or ``torch``."""
+        """``library``: of the prefill and decode steps (:func:`decode_library`): ``auto``, ``numpy`` or ``torch``."""
         self.library = decode_library(model, library)
         cfg = model.config
         base = model.model
