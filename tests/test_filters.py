@@ -24,6 +24,7 @@ from postrl.rollout.base import Generation, SamplingParams
 from postrl.rollout.hf import left_pad
 from postrl.train import stage_ops
 from postrl.train.trainer import Trainer
+from test_train import crash_in_step
 
 nan = float("nan")
 
@@ -284,17 +285,7 @@ def test_stateful_filters_and_value_head_resume_exactly(model_dir, tmp_path, mon
     assert len(state["filters"]["0:insight"]["post"]) == 8  # 2 steps x 4 prompts observed
     assert state["advantage"]["0:gae"]["head"]["weight"]["shape"] == [1, 64]
 
-    real = Trainer.train_step
-
-    def crash(self, step):
-        if step == 2:
-            raise RuntimeError("crash")
-        return real(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crash)
-    with pytest.raises(RuntimeError):
-        Trainer(load_config(None, small(model_dir, b, *extra)), b).train()
-    monkeypatch.setattr(Trainer, "train_step", real)
+    crash_in_step(monkeypatch, small(model_dir, b, *extra), step=2)
     cfg = load_config(None, [], base=__import__("yaml").safe_load((b / "config.yaml").read_text()))
     Trainer(cfg, b, resume=True).train()
 

@@ -57,14 +57,15 @@ def run_inprocess(args: list[str], resume: bool = False) -> dict:
     return Trainer(cfg, cfg.output_dir, resume=resume).train()
 
 
-def crash_in_step_5(monkeypatch, args: list[str]) -> None:
-    """Run ``args`` in process and let it die of an exception in its 5th step (``Trainer.train_step`` patched)."""
+def crash_in_step(monkeypatch, args: list[str], step: int = 4) -> None:
+    """Run ``args`` in process and let it die of an exception in step ``step`` (0-based; ``Trainer.train_step``
+    patched)."""
     real = Trainer.train_step
 
-    def crashing(self, step):
-        if step == 4:
+    def crashing(self, s):
+        if s == step:
             raise RuntimeError("simulated crash")
-        return real(self, step)
+        return real(self, s)
 
     monkeypatch.setattr(Trainer, "train_step", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -104,7 +105,7 @@ def test_same_seed_same_metrics_and_resume_after_crash(model_dir, tmp_path, monk
     assert len(metrics(a)) == 6
 
     # crash in the 5th step (after the checkpoint of step 3), then resume: identical to the uninterrupted run
-    crash_in_step_5(monkeypatch, small(model_dir, c))
+    crash_in_step(monkeypatch, small(model_dir, c))
     assert len(metrics(c)) == 4  # steps 1-4 were logged before the crash
     resume(c)
     assert metrics(c) == metrics(a)
@@ -119,7 +120,7 @@ def test_resume_keeps_the_sharpness_batch(model_dir, tmp_path, monkeypatch):
     extra = ("rewards=[{name: sevens}]", "diagnostics.edge_of_stability.every=2",
              "diagnostics.edge_of_stability.iters=3")
     run_inprocess(small(model_dir, a, *extra))
-    crash_in_step_5(monkeypatch, small(model_dir, c, *extra))
+    crash_in_step(monkeypatch, small(model_dir, c, *extra))
     resume(c)
     sharp = [m["stability/sharpness"] for m in metrics(a) if "stability/sharpness" in m]
     assert len(sharp) == 3 and len(set(sharp)) == 3  # steps 2, 4, 6: measured, and the policy moved between
