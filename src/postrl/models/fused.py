@@ -34,7 +34,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from postrl.models.matmul import OneDNNLinear, _mm
+from postrl.models.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Spec, or None when not supported
@@ -70,26 +70,11 @@ def supports(model) -> bool:
 
 
 def _products(onednn: bool):
-    """(x W^T, g W, g^T x) for x [M, in], W [out, in], g [M, out]: oneDNN's or torch's (MKL's)."""
+    """(x W^T, g W, g^T x) for x [M, in], W [out, in], g [M, out]: oneDNN's (as the oneDNN linear layers compute
+    them, postrl.models.matmul) or torch's (MKL's)."""
     if onednn:
-        def fwd(x, w):
-            return _mm(x, w)
-
-        def dx(g, w):
-            return _mm(g, w.t())
-
-        def dw(g, x):  # oneDNN copies a transposed first operand: transpose the smaller of g and x
-            return _mm(g.t(), x.t()) if g.shape[1] <= x.shape[1] else _mm(x.t(), g.t()).t()
-    else:
-        def fwd(x, w):
-            return x @ w.t()
-
-        def dx(g, w):
-            return g @ w
-
-        def dw(g, x):
-            return g.t() @ x
-    return fwd, dx, dw
+        return _mm, onednn_grad_input, onednn_grad_weight
+    return (lambda x, w: x @ w.t()), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)
 
 
 def _rms(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +212,7 @@ class _Fused(torch.autograd.Function):
             x2 = fwd(a, wd)
             x2 += x1
             if grad:  # (a forward without a graph keeps nothing)
-                saved.append((x, xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu))
+                saved.append((xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu))
             x = x2
         w_norm = next(it)
         head_w = embed if spec.tied else next(it)
@@ -238,7 +223,7 @@ class _Fused(torch.autograd.Function):
         logits = fwd(hf, head_w)
         if head_b is not None:
             logits += head_b
-        ctx.spec, ctx.shape, ctx.keep, ctx.n_params = spec, (N, L), keep, len(params)
+        ctx.spec, ctx.shape, ctx.keep = spec, (N, L), keep
         if grad:
             ctx.saved = saved
             ctx.final = (xnf, rf, hf)
@@ -289,7 +274,7 @@ class _Fused(torch.autograd.Function):
             if spec.o_bias:
                 j += 1
             w_post, wg, wu, wd = params[j], params[j + 1], params[j + 2], params[j + 3]
-            x, xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu = ctx.saved[li]
+            xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu = ctx.saved[li]
             # MLP: x2 = x1 + (silu(g) u) Wd^T, [g u] = h2 [Wg; Wu]^T, h2 = w_post * rms(x1)
             grads[j + 3] = dwp(dx, a)
             da = dxp(dx, wd)

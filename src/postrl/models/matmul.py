@@ -37,6 +37,17 @@ def _mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
 
 
+def onednn_grad_input(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dL/dx = g W with oneDNN (``g`` [M, out], ``w`` [out, in])."""
+    return _mm(g, w.t())
+
+
+def onednn_grad_weight(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dL/dW = g^T x with oneDNN (``g`` [M, out], ``x`` [M, in]). oneDNN copies a transposed first operand:
+    transpose the smaller of g and x."""
+    return _mm(g.t(), x.t()) if g.shape[1] <= x.shape[1] else _mm(x.t(), g.t()).t()
+
+
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -60,9 +71,9 @@ class _OneDNNLinear(torch.autograd.Function):
                 gw = g.t() @ x2
         else:
             if need_x:
-                gx = _mm(g, weight.t()).view(ctx.x_shape)
-            if need_w:  # oneDNN copies a transposed first operand: transpose the smaller of g and x
-                gw = _mm(g.t(), x2.t()) if g.shape[1] <= x2.shape[1] else _mm(x2.t(), g.t()).t()
+                gx = onednn_grad_input(g, weight).view(ctx.x_shape)
+            if need_w:
+                gw = onednn_grad_weight(g, x2)
         if need_b and ctx.has_bias:
             gb = g.sum(0)
         return gx, gw, gb
