@@ -119,13 +119,13 @@ class ThreadPolicy:
         w2 = torch.randn(self.hidden, self.inter, generator=g) * self.inter ** -0.5
         F = torch.nn.functional
         reps = max(1, min(64, int(budget / (per_row * rows))))
-        if phase in self.numpy:  # as the numpy decode step: weights [in, out], SiLU as g / (1 + exp(-g))
-            xn, w1n, w2n = x.numpy(), w1.t().contiguous().numpy(), w2.t().contiguous().numpy()
+        if phase in self.numpy:  # as the numpy decode step: weights [out, in] (x @ w.T), SiLU as g / (1 + exp(-g))
+            xn, w1n, w2n = x.numpy(), w1.numpy(), w2.numpy()
 
             def unit_np() -> None:
-                h = xn @ w1n
+                h = xn @ w1n.T
                 h /= np.exp(-h) + 1.0
-                h @ w2n
+                h @ w2n.T
 
             return unit_np, reps
         if self.onednn.get(phase):

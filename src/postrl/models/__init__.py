@@ -81,25 +81,21 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     """
     T = completion_ids.shape[1]
     shared = _shared_prompts(model, prompt_ids, T, groups)
-    if fused and shared is None:
-        from postrl.models.fused import supports
-
-        fused = supports(model)
-    if fused and shared is None:
-        from postrl.models.fused import fused_logits
-
-        ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = fused_logits(model, ids, attn, pos, T + 1)[:, :-1, :]
-    elif shared is not None:
+    if shared is not None:
         logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, *shared)
     else:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
-        logits = out.logits[:, :-1, :].float()
+        if fused:
+            from postrl.models.fused import fused_logits, supports
+
+            fused = supports(model)
+        if fused:
+            logits = fused_logits(model, ids, attn, pos, T + 1)[:, :-1, :]
+        else:
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
+            logits = out.logits[:, :-1, :].float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
