@@ -259,9 +259,9 @@ class StaticDecoder:
         self.onednn = onednn
         # numpy's products take the weights as the layers hold them too ([out, in], ``x @ w.T``): as fast as
         # [in, out] at a decode step's rows (8 x 128 x 960: 29.6 vs 35.1 us, 8 x 480 x 128: 15.4 vs 13.6), and no
-        # transposing copy per generate call; the prefill then uses F.linear.
+        # transposing copy per generate call. (A numpy decoder runs no torch layer: ``linear`` is the torch steps'.)
         t = not onednn and self.library == "torch"
-        self.linear = _onednn_linear if onednn else _linear_t if t else F.linear
+        self.linear = _onednn_linear if onednn else _linear_t if t else None
         D = self.head_dim
         # Within a head: [x_0, y_0, x_1, y_1, ...] from HF's [x_0, x_1, ..., y_0, y_1, ...] (rotate_half pairs i, i+D/2).
         pair = torch.stack([torch.arange(D // 2), torch.arange(D // 2) + D // 2], dim=1).reshape(-1)
@@ -378,8 +378,6 @@ class StaticDecoder:
             return x + self.linear(a, w, b)
         if self.linear is _linear_t:
             return torch.addmm(x, a, w)
-        if self.linear is F.linear:
-            return torch.addmm(x, a, w.t())
         return torch.ops.mkldnn._linear_pointwise.binary(a, x, w, None, "add")
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
