@@ -4,6 +4,7 @@ batch, so the comparison in ``postrl bench`` is at equal work; the harness runs 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -269,6 +270,13 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
     assert ThreadPolicy.for_model(model).numpy == ()
     p = ThreadPolicy.for_model(model, decode="numpy", max_threads=2)
     assert p.numpy == ("generation",)
+    from postrl.models import matmul
+
+    if matmul.onednn_available():  # layers on oneDNN: the numpy steps' products are oneDNN's, and so is the probe
+        dnn = copy.deepcopy(model)
+        matmul.use_onednn(dnn)
+        q = ThreadPolicy.for_model(dnn, decode="numpy")
+        assert q.numpy == () and q.onednn == {"update": True, "generation": True}
     ctl = decoder.blas_controller()
     calls = []
 
