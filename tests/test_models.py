@@ -117,12 +117,14 @@ def _llama_gqa_bias(tok):
     return _reinit(LlamaForCausalLM(cfg), std=0.2)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "shared-prompt"])
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
 @pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _llama_gqa_bias], ids=["llama-tied", "qwen2-gqa-bias",
                                                                                 "llama-gqa-bias-untied"])
-def test_fused_forward_and_backward_equal_the_model(tok, make, onednn):
+def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
     """The hand-written forward and backward (postrl.models.fused) against autograd through the Hugging Face
-    model: log-probs, entropies, logits and every parameter's gradient, with left-padded prompts."""
+    model's one forward per row: log-probs, entropies, logits and every parameter's gradient, with left-padded
+    prompts; each row's own prompt, or (``shared``) each distinct prompt once for its rows, in shuffled order."""
     from postrl.models import fused, matmul
 
     model = make(tok)
@@ -130,12 +132,14 @@ def test_fused_forward_and_backward_equal_the_model(tok, make, onednn):
         if not matmul.onednn_available():
             pytest.skip("this torch build has no oneDNN")
         matmul.use_onednn(model)
-    pid, pm, cid, _ = _batch()
+    pid, pm, cid, groups = _batch()
+    order = torch.randperm(len(pid), generator=torch.Generator().manual_seed(2))  # a group's rows need not touch
+    pid, pm, cid, groups = pid[order], pm[order], cid[order], groups[order] + 7
     assert fused.supports(model.train())
     ref = _run(model, pid, pm, cid, None)
     model.zero_grad(set_to_none=True)
     logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
-                                            fused=True)
+                                            fused=True, groups=groups if shared else None)
     assert _fused_ran(logp)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (weights * logp).sum().backward()
@@ -165,11 +169,10 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     drop = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, attention_dropout=0.1))
     assert not fused.supports(drop.train()) and fused.supports(drop.eval())
-    # a shared-prompt batch keeps the shared path (fewer tokens)
+    # a shared-prompt batch takes the fused path too, each distinct prompt once (test above)
     pid, pm, cid, groups = _batch()
-    assert _shared_prompts(llama, pid, cid.shape[1], groups) is not None
     logp, _ = completion_logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
-    assert not _fused_ran(logp)
+    assert _fused_ran(logp)
     # no double backward: a clear error, not a wrong second derivative
     pid, pm, cid, _ = _batch(U=1)
     logp, _ = completion_logprobs(llama, pid, pm, cid, fused=True)

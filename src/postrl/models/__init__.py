@@ -76,26 +76,32 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     despite a shared id, a model with gradient checkpointing, or a model without a key/value cache take the
     one-forward path.
 
-    ``fused``: run the one-forward path through :func:`postrl.models.fused.fused_logits` (the same function with a
-    hand-written backward; fewer, larger operators) when it supports the model.
+    ``fused``: when :func:`postrl.models.fused.supports` the model, run
+    :func:`postrl.models.fused.fused_completion_logits` instead (the same function with a hand-written backward;
+    fewer, larger operators). It shares each distinct prompt among its rows whenever ``groups`` has rows with the
+    same prompt: it has no second model call to pay for (1M model, 32 rows of 12 + 32 tokens: update 35.1 vs
+    37.7 ms; 8 rows: no difference measured).
     """
     T = completion_ids.shape[1]
-    shared = _shared_prompts(model, prompt_ids, T, groups)
-    if shared is not None:
+    if fused and prompt_ids.shape[1] and T:
+        from postrl.models.fused import supports
+
+        fused = supports(model)
+    else:
+        fused = False
+    if fused:
+        from postrl.models.fused import fused_completion_logits
+
+        grouping = _prompt_groups(prompt_ids, groups) if groups is not None else None
+        logits = fused_completion_logits(model, prompt_ids, prompt_mask, completion_ids, *(grouping or (None, None)))
+    elif (shared := _shared_prompts(model, prompt_ids, T, groups)) is not None:
         logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, *shared)
     else:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        if fused:
-            from postrl.models.fused import fused_logits, supports
-
-            fused = supports(model)
-        if fused:
-            logits = fused_logits(model, ids, attn, pos, T + 1)[:, :-1, :]
-        else:
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
-            logits = out.logits[:, :-1, :].float()
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1, use_cache=False)
+        logits = out.logits[:, :-1, :].float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
@@ -143,7 +149,15 @@ def _shared_prompts(model, prompt_ids: torch.Tensor, T: int, groups: torch.Tenso
         checkpointing = getattr(inner, "is_gradient_checkpointing", False)
     if checkpointing or not _takes_cache(inner):
         return None
+    return _prompt_groups(prompt_ids, groups)
+
+
+def _prompt_groups(prompt_ids: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each distinct group [U], each row's group index [N]) when some rows share a group and the rows
+    of each group hold the same prompt; else None."""
     uniq, inverse = torch.unique(groups.cpu(), return_inverse=True)
+    if len(uniq) == len(groups):
+        return None
     first = torch.full((len(uniq),), len(groups), dtype=torch.long).scatter_reduce_(
         0, inverse, torch.arange(len(groups)), reduce="amin")
     inverse, first = inverse.to(prompt_ids.device), first.to(prompt_ids.device)

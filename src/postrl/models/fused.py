@@ -2,9 +2,9 @@
 
 The Hugging Face forward of a Llama layer runs about 40 operators (RMSNorm alone six, RoPE a dozen) and autograd
 as many nodes in the backward; for a tiny model each costs more in dispatch, allocation and memory traffic than
-it computes. :func:`fused_logits` computes the same function, ``model(input_ids, attention_mask,
-position_ids).logits`` at the last ``keep`` positions, as one autograd node whose backward is the chain rule
-written out, with fewer operators:
+it computes. :func:`fused_completion_logits` computes the same function, the logits of ``model([prompt;
+completion])`` that predict the completion tokens, as one autograd node whose backward is the chain rule written
+out, with fewer operators:
 
 * q, k and v in one product (``[Wq; Wk; Wv]``), gate and up in one (``[Wg; Wu]``), residual additions in place;
 * RMSNorm ``w * x / sqrt(mean(x^2) + eps)`` as a row scale and a weight, its backward
@@ -15,11 +15,17 @@ written out, with fewer operators:
   multiply; the attention's ``D**-0.5`` folded into the query rotation;
 * attention as two batched products and a softmax, grouped-query heads as groups of rows of one product, its
   backward ``ds = p (dp - sum(dp p))``;
-* SwiGLU ``silu(g) u``, ``silu'(g) = s (1 + g (1 - s))`` with ``s = sigmoid(g)`` (torch's ``silu_backward``).
+* SwiGLU ``silu(g) u``, ``silu'(g) = s (1 + g (1 - s))`` with ``s = sigmoid(g)`` (torch's ``silu_backward``);
+* only the rows that predict a completion token through the final norm and the LM head;
+* shared prompts (GRPO's G completions of a prompt): each distinct prompt's tokens run once; the completions
+  attend to their prompt's keys and values, gathered for each row, and the rows' gradients of them are summed
+  back (``_Layout``). A prompt's positions do not see its completions, so this is the same function.
 
 Measured on an AMD EPYC Zen 5 VM (2 cores, oneDNN products), the 1M benchmark model, 8 rows of 12 + 32 tokens:
 forward + backward 14.4 instead of 16.3 ms alone; inside a GRPO update 0.4-0.9 ms of 19 (2-4%). A 20M model,
-bound by its products, gains nothing measurable. The gradients are those of the model's own forward up to float
+bound by its products, gains nothing measurable from the fusion; the prompt sharing gains what it saves in tokens
+(8 rows, 2 prompts of 12 tokens, 32 completion tokens: 125 vs 139 ms forward + backward at 20M, against
+the model's own shared-prompt path). The gradients are those of the model's own forward up to float
 rounding (``tests/test_models.py`` compares
 every parameter's gradient with autograd through the Hugging Face model). It is used (``train.fused``) for models
 :class:`postrl.rollout.decoder.StaticDecoder` supports, in float32 on a CPU, without attention dropout, gradient
@@ -41,7 +47,7 @@ _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Spe
 
 
 def spec_for(model) -> _Spec | None:
-    """The :class:`_Spec` of ``model`` when :func:`fused_logits` reproduces its forward now, else None. The
+    """The :class:`_Spec` of ``model`` when :func:`fused_completion_logits` reproduces its forward now, else None. The
     structural checks run once per model (about 0.2 ms); dropout, checkpointing, dtype and device every call."""
     if not isinstance(model, torch.nn.Module):
         return None
@@ -65,7 +71,7 @@ def spec_for(model) -> _Spec | None:
 
 
 def supports(model) -> bool:
-    """Whether :func:`fused_logits` reproduces ``model``'s forward (see the module docstring)."""
+    """Whether :func:`fused_completion_logits` reproduces ``model``'s forward (see the module docstring)."""
     return spec_for(model) is not None
 
 
@@ -161,18 +167,146 @@ class _Spec:
         return out
 
 
+class _Layout:
+    """Where the packed token rows come from, and what each attends to.
+
+    Per row (``inverse`` None): rows ``[n L, (n + 1) L)`` are row n's prompt (``P`` positions, left-padded) and
+    completion (``T`` positions), ``L = P + T``, with causal attention. Shared prompts (``inverse`` [N]): rows
+    ``[0, U P)`` are the ``U`` distinct prompts, rows ``[U P, U P + N T)`` the ``N`` completions; completion row n
+    continues prompt ``inverse[n]`` and attends to its real positions, then causally to its own. ``keep`` [N T]: the
+    packed row whose hidden state predicts each completion token (the prompt's last position, then the
+    completion's positions ``0..T-2``)."""
+
+    def __init__(self, prompt_mask: torch.Tensor, T: int, inverse: torch.Tensor | None):
+        self.U, self.P = prompt_mask.shape
+        self.N = self.U if inverse is None else len(inverse)
+        self.T = T
+        self.inverse = inverse
+        U, P, N = self.U, self.P, self.N
+        real = prompt_mask.bool()
+        if inverse is None:
+            L = P + T
+            self.M = N * L
+            self.keep = (torch.arange(N)[:, None] * L + P - 1 + torch.arange(T)).reshape(-1)
+            real = torch.cat([real, torch.ones((N, T), dtype=torch.bool)], dim=1)
+            allowed = torch.ones((L, L), dtype=torch.bool).tril() & real[:, None, :]
+            allowed |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself: finite, never read
+            self.bias = torch.zeros((N, 1, 1, L, L)).masked_fill_(~allowed[:, None, None], float("-inf"))
+            return
+        self.M = U * P + N * T
+        keep = torch.empty((N, T), dtype=torch.long)
+        keep[:, 0] = inverse * P + P - 1
+        keep[:, 1:] = U * P + torch.arange(N)[:, None] * T + torch.arange(T - 1)
+        self.keep = keep.reshape(-1)
+        allowed = torch.ones((P, P), dtype=torch.bool).tril() & real[:, None, :]
+        allowed |= torch.eye(P, dtype=torch.bool)
+        self.bias_p = torch.zeros((U, 1, 1, P, P)).masked_fill_(~allowed[:, None, None], float("-inf"))
+        allowed = torch.cat([real[inverse][:, None, :].expand(N, T, P),
+                             torch.ones((T, T), dtype=torch.bool).tril().expand(N, T, T)], dim=2)
+        self.bias_c = torch.zeros((N, 1, 1, T, P + T)).masked_fill_(~allowed[:, None, None], float("-inf"))
+
+    def positions(self, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """The position id of every packed row [M], as the one forward over [prompt; completion] numbers them."""
+        T = self.T
+        if self.inverse is None:
+            attn = torch.cat([prompt_mask, torch.ones((self.N, T), dtype=prompt_mask.dtype)], dim=1)
+            return (attn.cumsum(-1) - 1).clamp(min=0).reshape(-1)
+        start = prompt_mask.sum(-1)[self.inverse]
+        return torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0).reshape(-1),
+                          (start[:, None] + torch.arange(T)).reshape(-1)])
+
+    def attend(self, qkv: torch.Tensor, K: int, G: int) -> tuple[torch.Tensor, tuple]:
+        """Attention of the packed rows: (o [M, H D], what :meth:`attend_back` needs) from qkv [M, H + 2K, D],
+        queries and keys rotated."""
+        H, D = K * G, qkv.shape[-1]
+        o = torch.empty((self.M, H * D), dtype=qkv.dtype)
+        if self.inverse is None:
+            N, L = self.N, self.P + self.T
+            qkv4 = qkv.view(N, L, H + 2 * K, D)
+            q = _to_heads(qkv4[:, :, :H], N, L, K, G, D)
+            k, v = qkv4[:, :, H:H + K].transpose(1, 2), qkv4[:, :, H + K:].transpose(1, 2)  # [N, K, L, D]
+            p, o4 = _attention(q, k, v, self.bias)
+            _from_heads(o4, o, N, L, K, G, D)
+            return o, (q, k, v, p)
+        U, P, N, T = self.U, self.P, self.N, self.T
+        UP = U * P
+        # prompts: causal attention within each distinct prompt
+        qkv_p = qkv[:UP].view(U, P, H + 2 * K, D)
+        q_p = _to_heads(qkv_p[:, :, :H], U, P, K, G, D)
+        kv_p = qkv_p[:, :, H:].transpose(1, 2)  # [U, 2K, P, D]: keys, then values
+        p_p, o_p = _attention(q_p, kv_p[:, :K], kv_p[:, K:], self.bias_p)
+        _from_heads(o_p, o[:UP], U, P, K, G, D)
+        # completions: their prompt's keys and values (one copy per row), then their own
+        qkv_c = qkv[UP:].view(N, T, H + 2 * K, D)
+        q_c = _to_heads(qkv_c[:, :, :H], N, T, K, G, D)
+        kv_c = torch.cat([kv_p[self.inverse], qkv_c[:, :, H:].transpose(1, 2)], dim=2)  # [N, 2K, P + T, D]
+        p_c, o_c = _attention(q_c, kv_c[:, :K], kv_c[:, K:], self.bias_c)
+        _from_heads(o_c, o[UP:], N, T, K, G, D)
+        return o, ((q_p, kv_p[:, :K], kv_p[:, K:], p_p), (q_c, kv_c[:, :K], kv_c[:, K:], p_c))
+
+    def attend_back(self, do: torch.Tensor, saved: tuple, K: int, G: int) -> torch.Tensor:
+        """dL/d[q k v] [M, H + 2K, D] (queries and keys still rotated) given dL/do [M, H D]."""
+        D = saved[0].shape[-1] if self.inverse is None else saved[0][0].shape[-1]
+        H = K * G
+        dqkv = torch.empty((self.M, H + 2 * K, D), dtype=do.dtype)  # [dq dk dv], written in place
+        if self.inverse is None:
+            N, L = self.N, self.P + self.T
+            dq, dk, dv = _attention_back(_to_heads(do, N, L, K, G, D), *saved)
+            parts = [(dqkv, N, L, dq, dk, dv)]
+        else:
+            U, P, N, T = self.U, self.P, self.N, self.T
+            UP = U * P
+            dq_c, dk_c, dv_c = _attention_back(_to_heads(do[UP:], N, T, K, G, D), *saved[1])
+            dq_p, dk_p, dv_p = _attention_back(_to_heads(do[:UP], U, P, K, G, D), *saved[0])
+            dk_p.index_add_(0, self.inverse, dk_c[:, :, :P])  # each row's share of its prompt's keys and values
+            dv_p.index_add_(0, self.inverse, dv_c[:, :, :P])
+            parts = [(dqkv[:UP], U, P, dq_p, dk_p, dv_p), (dqkv[UP:], N, T, dq_c, dk_c[:, :, P:], dv_c[:, :, P:])]
+        for rows, B, L, dq, dk, dv in parts:
+            _from_heads(dq, rows[:, :H], B, L, K, G, D)
+            rows = rows.view(B, L, H + 2 * K, D)
+            rows[:, :, H:H + K] = dk.transpose(1, 2)
+            rows[:, :, H + K:] = dv.transpose(1, 2)
+        return dqkv
+
+
+def _to_heads(x: torch.Tensor, B: int, L: int, K: int, G: int, D: int) -> torch.Tensor:
+    """[B, L, K G, D] query rows -> [B, K, G L, D]: the G query heads of a KV head as rows of one product."""
+    return x.reshape(B, L, K, G, D).permute(0, 2, 3, 1, 4).reshape(B, K, G * L, D)
+
+
+def _from_heads(o: torch.Tensor, out: torch.Tensor, B: int, L: int, K: int, G: int, D: int) -> None:
+    """Inverse of :func:`_to_heads`, written into ``out`` (a [B L, K G D] block of rows)."""
+    out.view(B, L, K, G, D).copy_(o.view(B, K, G, L, D).permute(0, 3, 1, 2, 4))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+    """softmax(q k^T + bias) v for q [B, K, G L, D], k, v [B, K, S, D], bias [B, 1, 1, L, S]: (p, o)."""
+    B, K, GL, _ = q.shape
+    L, S = bias.shape[-2:]
+    s = torch.matmul(q, k.transpose(-1, -2)).view(B, K, GL // L, L, S)
+    s += bias
+    p = torch.softmax(s, dim=-1).view(B, K, GL, S)
+    return p, torch.matmul(p, v)
+
+
+def _attention_back(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor):
+    """(dq, dk, dv) of :func:`_attention` given dL/do; the G query groups of a KV head sum into dk and dv."""
+    dp = torch.matmul(do, v.transpose(-1, -2))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = dp.sub_(torch.linalg.vecdot(dp, p).unsqueeze_(-1)).mul_(p)  # softmax backward
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+
+
 class _Fused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: _Spec, grad: bool, ids: torch.Tensor, bias: torch.Tensor, rot: torch.Tensor, keep: int,
-                *params):
+    def forward(ctx, spec: _Spec, grad: bool, ids: torch.Tensor, lay: _Layout, rot: torch.Tensor, *params):
         fwd, _, _ = _products(spec.onednn)
-        N, L = ids.shape
+        N, T, M = lay.N, lay.T, lay.M
         H, K, D = spec.H, spec.K, spec.D
         G = H // K
-        M = N * L
         it = iter(params)
         embed = next(it)
-        x = F.embedding(ids.reshape(-1), embed)  # [M, hidden]
+        x = F.embedding(ids, embed)  # [M, hidden]
         saved = []
         for li in range(spec.n_layers):
             w_in, wq, wk, wv = next(it), next(it), next(it), next(it)
@@ -187,17 +321,10 @@ class _Fused(torch.autograd.Function):
             qkv = fwd(h1, wqkv)
             if bqkv is not None:
                 qkv += bqkv
-            qkv = qkv.view(N, L, H + 2 * K, D)
-            qk = torch.view_as_complex(qkv[:, :, :H + K].reshape(N, L, H + K, D // 2, 2))
-            qk = qk * rot  # RoPE (queries also scaled by D**-0.5): [N, L, H + K, D/2]
-            qk = torch.view_as_real(qk).reshape(N, L, H + K, D)
-            q = qk[:, :, :H].reshape(N, L, K, G, D).permute(0, 2, 3, 1, 4).reshape(N, K, G * L, D)
-            k = qk[:, :, H:].transpose(1, 2)  # [N, K, L, D]
-            v = qkv[:, :, H + K:].transpose(1, 2)
-            s = torch.matmul(q, k.transpose(-1, -2)).view(N, K, G, L, L)
-            s += bias
-            p = torch.softmax(s, dim=-1).view(N, K, G * L, L)
-            o = torch.matmul(p, v).view(N, K, G, L, D).permute(0, 3, 1, 2, 4).reshape(M, H * D)
+            qkv = qkv.view(M, H + 2 * K, D)
+            # RoPE in place (queries also scaled by D**-0.5)
+            torch.view_as_complex(qkv[:, :H + K].view(M, H + K, D // 2, 2)).mul_(rot)
+            o, att = lay.attend(qkv, K, G)
             x1 = fwd(o, wo)
             x1 += x
             if bo is not None:
@@ -212,36 +339,34 @@ class _Fused(torch.autograd.Function):
             x2 = fwd(a, wd)
             x2 += x1
             if grad:  # (a forward without a graph keeps nothing)
-                saved.append((xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu))
+                saved.append((xn1, r1, h1, att, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu))
             x = x2
         w_norm = next(it)
         head_w = embed if spec.tied else next(it)
         head_b = next(it) if spec.head_bias else None
-        xl = x.view(N, L, -1)[:, L - keep:].reshape(N * keep, -1)
+        xl = x[lay.keep]  # [N T, hidden]: the rows that predict the completion tokens
         xnf, rf = _rms(xl, spec.norm_eps)
         hf = xnf * w_norm
         logits = fwd(hf, head_w)
         if head_b is not None:
             logits += head_b
-        ctx.spec, ctx.shape, ctx.keep = spec, (N, L), keep
+        ctx.spec, ctx.lay = spec, lay
         if grad:
             ctx.saved = saved
             ctx.final = (xnf, rf, hf)
             ctx.save_for_backward(ids, rot, *params)
-        return logits.view(N, keep, -1)
+        return logits.view(N, T, -1)
 
     @staticmethod
     def backward(ctx, dlogits: torch.Tensor):
         if torch.is_grad_enabled():
             raise RuntimeError("the fused training forward (train.fused) has no double backward; run the model's "
                                "own forward where a gradient is differentiated")
-        spec = ctx.spec
+        spec, lay = ctx.spec, ctx.lay
         _, dxp, dwp = _products(spec.onednn)
-        N, L = ctx.shape
-        keep = ctx.keep
+        N, T, M = lay.N, lay.T, lay.M
         H, K, D = spec.H, spec.K, spec.D
         G = H // K
-        M = N * L
         ids, rot, *params = ctx.saved_tensors
         grads: list[torch.Tensor | None] = [None] * len(params)
         # parameter positions, in the order of _Spec.params
@@ -252,20 +377,18 @@ class _Fused(torch.autograd.Function):
         embed = params[0]
         head_w = embed if spec.tied else params[pos_head]
         xnf, rf, hf = ctx.final
-        dlog = dlogits.reshape(N * keep, -1)
+        dlog = dlogits.reshape(N * T, -1)
         d_head = dwp(dlog, hf)
         if spec.head_bias:
             grads[pos_hb] = dlog.sum(0)
         dhf = dxp(dlog, head_w)
         grads[pos_norm] = (dhf * xnf).sum(0)
         dxl = _rms_back(dhf * params[pos_norm], xnf, rf)
-        dx = torch.zeros((N, L, dxl.shape[-1]), dtype=dxl.dtype, device=dxl.device)
-        dx[:, L - keep:] = dxl.view(N, keep, -1)
-        dx = dx.view(M, -1)
+        dx = torch.zeros((M, dxl.shape[-1]), dtype=dxl.dtype).index_add_(0, lay.keep, dxl)
         for li in reversed(range(spec.n_layers)):
             base = 1 + per_layer * li
             j = base
-            w_in, wq, wk, wv = params[j], params[j + 1], params[j + 2], params[j + 3]
+            w_in = params[j]
             j += 4
             if spec.qkv_bias:
                 j += 3
@@ -273,13 +396,13 @@ class _Fused(torch.autograd.Function):
             j += 1
             if spec.o_bias:
                 j += 1
-            w_post, wg, wu, wd = params[j], params[j + 1], params[j + 2], params[j + 3]
-            xn1, r1, h1, q, k, v, p, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu = ctx.saved[li]
+            w_post, wg, wd = params[j], params[j + 1], params[j + 3]
+            xn1, r1, h1, att, o, xn2, r2, h2, g, u, a_g, a, wqkv, wgu = ctx.saved[li]
             # MLP: x2 = x1 + (silu(g) u) Wd^T, [g u] = h2 [Wg; Wu]^T, h2 = w_post * rms(x1)
             grads[j + 3] = dwp(dx, a)
             da = dxp(dx, wd)
             inter = wg.shape[0]
-            dgu = torch.empty((M, 2 * inter), dtype=da.dtype, device=da.device)  # [dg du], written in place
+            dgu = torch.empty((M, 2 * inter), dtype=da.dtype)  # [dg du], written in place
             torch.mul(da, a_g, out=dgu[:, inter:])
             torch.ops.aten.silu_backward.grad_input(da.mul_(u), g, grad_input=dgu[:, :inter])  # * silu'(g)
             dwgu = dwp(dgu, h2)
@@ -292,17 +415,9 @@ class _Fused(torch.autograd.Function):
             grads[jo] = dwp(dx1, o)
             if spec.o_bias:
                 grads[jo + 1] = dx1.sum(0)
-            do = dxp(dx1, wo).view(N, L, K, G, D).permute(0, 2, 3, 1, 4).reshape(N, K, G * L, D)
-            dp = torch.matmul(do, v.transpose(-1, -2))
-            dv = torch.matmul(p.transpose(-1, -2), do)  # [N, K, L, D]: the G query groups summed
-            ds = dp.sub_(torch.linalg.vecdot(dp, p).unsqueeze_(-1)).mul_(p)  # softmax backward
-            dq = torch.matmul(ds, k).view(N, K, G, L, D).permute(0, 3, 1, 2, 4).reshape(N, L, H, D)
-            dk = torch.matmul(ds.transpose(-1, -2), q).transpose(1, 2)  # [N, L, K, D]
-            dqkv = torch.empty((N, L, H + 2 * K, D), dtype=dq.dtype, device=dq.device)  # [dq dk dv] in place
-            dqkv[:, :, :H] = dq
-            dqkv[:, :, H:H + K] = dk
-            dqkv[:, :, H + K:] = dv.transpose(1, 2)
-            dqk = torch.view_as_complex(dqkv[:, :, :H + K].view(N, L, H + K, D // 2, 2))
+            do = dxp(dx1, wo)
+            dqkv = lay.attend_back(do, att, K, G)
+            dqk = torch.view_as_complex(dqkv[:, :H + K].view(M, H + K, D // 2, 2))
             dqk.mul_(rot.conj())  # RoPE backward
             dqkv = dqkv.view(M, (H + 2 * K) * D)
             dwqkv = dwp(dqkv, h1)
@@ -317,38 +432,46 @@ class _Fused(torch.autograd.Function):
             dh1 = dxp(dqkv, wqkv)
             grads[base] = (dh1 * xn1).sum(0)
             dx = _rms_back(dh1.mul_(w_in), xn1, r1).add_(dx1)
-        d_embed = torch.zeros_like(embed).index_add_(0, ids.reshape(-1), dx)
+        d_embed = torch.zeros_like(embed).index_add_(0, ids, dx)
         if spec.tied:
             d_embed += d_head
         else:
             grads[pos_head] = d_head
         grads[0] = d_embed
         ctx.saved = ctx.final = None
-        grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[6:])]
-        return (None, None, None, None, None, None, *grads)
+        grads = [gr if need else None for gr, need in zip(grads, ctx.needs_input_grad[5:])]
+        return (None, None, None, None, None, *grads)
 
 
-def fused_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 keep: int) -> torch.Tensor:
-    """``model(input_ids, attention_mask, position_ids, logits_to_keep=keep).logits`` (float32 [N, keep, V]) for
-    a model :func:`supports` accepts, through the hand-written forward and backward (module docstring)."""
+def fused_completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                            first: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 logits [N, T, V] that predict each completion token, ``model(cat(prompt_ids, completion_ids),
+    cat(prompt_mask, 1), positions).logits[:, P-1:P+T-1]``, for a model :func:`supports` accepts, through the
+    hand-written forward and backward (module docstring). ``prompt_ids``/``prompt_mask`` [N, P] are left-padded.
+
+    With ``first`` [U] and ``inverse`` [N] (rows ``first`` hold the U distinct prompts, row n has prompt
+    ``inverse[n]``) each distinct prompt runs once and its keys and values serve all its rows, whose gradients sum
+    into it: the same function, with the prompt work divided by the number of rows per prompt."""
     spec = spec_for(model)
     if spec is None:
-        raise ValueError("fused_logits: this model is not supported (postrl.models.fused.supports)")
-    N, L = input_ids.shape
+        raise ValueError("fused_completion_logits: this model is not supported (postrl.models.fused.supports)")
+    if prompt_ids.shape[1] == 0 or completion_ids.shape[1] == 0:
+        raise ValueError("fused_completion_logits: needs at least one prompt and one completion position")
+    if first is not None:
+        prompt_ids, prompt_mask = prompt_ids[first], prompt_mask[first]
+    T = completion_ids.shape[1]
+    lay = _Layout(prompt_mask, T, inverse)
     with torch.no_grad():
-        cos, sin = spec.rotary(torch.empty(0, dtype=torch.float32), position_ids)  # [N, L, D]: HF's own table
+        positions = lay.positions(prompt_mask)
+        cos, sin = spec.rotary(torch.empty(0, dtype=torch.float32), positions[None])  # [1, M, D]: HF's own table
         half = spec.D // 2
-        rot = torch.complex(cos[..., :half], sin[..., :half]).unsqueeze(2)  # [N, L, 1, D/2]
+        rot = torch.complex(cos[0, :, :half], sin[0, :, :half]).unsqueeze(1)  # [M, 1, D/2]
         scale = torch.ones(spec.H + spec.K, 1, dtype=torch.float32)
         scale[:spec.H] = spec.scaling
-        rot = (rot * scale).contiguous()  # [N, L, H + K, D/2]: queries pre-scaled
-        real = attention_mask.bool()
-        causal = torch.ones((L, L), dtype=torch.bool).tril()
-        allowed = causal & real[:, None, :]
-        allowed |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself: finite, never read
-        bias = torch.zeros((N, 1, 1, L, L), dtype=torch.float32)
-        bias.masked_fill_(~allowed[:, None, None], float("-inf"))
+        rot = (rot * scale).contiguous()  # [M, H + K, D/2]: queries pre-scaled
+    ids = torch.cat([prompt_ids, completion_ids], dim=1) if inverse is None else \
+        torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
+    ids = ids.reshape(-1)
     params = spec.params()
     grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-    return _Fused.apply(spec, grad, input_ids, bias, rot, keep, *params)
+    return _Fused.apply(spec, grad, ids, lay, rot, *params)
