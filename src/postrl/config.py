@@ -166,8 +166,8 @@ class TrainConfig(_Strict):
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
     share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
-                               "(same log-probs up to float rounding; on a CPU, by the fused forward wherever a prompt repeats, by the "
-                               "model's own forward when it saves enough work; postrl.models)")
+                               "(same log-probs up to float rounding; on a CPU, by the fused forward wherever a prompt "
+                               "repeats, by the model's own forward when it saves enough work; postrl.models)")
     fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
                         "function for Llama-family float32 models on a CPU in one process (same log-probs and "
                         "gradients up to float rounding, fewer operators; postrl.models.fused)")
