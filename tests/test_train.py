@@ -278,3 +278,35 @@ def test_numpy_decode_of_a_bfloat16_model_is_one_line_error(model_dir, tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == ("postrl: error: rollout.decode: decode library 'numpy': the model is in bfloat16, "
                                 "numpy decodes float32 only")
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clipping", "under-the-norm"])
+def test_clip_folded_into_the_fused_step_equals_clip_then_step(max_norm):
+    """clip_into_step (the trainer's gradient clip as the fused AdamW's grad_scale) against torch's
+    clip_grad_norm_ then the step: the same norm, the same parameters over three steps (up to float rounding when
+    it clips; exactly when the norm is under max_norm)."""
+    from postrl.train.trainer import clip_into_step
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+    oa = torch.optim.AdamW(a.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    ob = torch.optim.AdamW(b.parameters(), lr=0.05, weight_decay=0.1, fused=True)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for model in (a, b):
+            model(x).square().sum().backward()
+        na = torch.nn.utils.clip_grad_norm_(a.parameters(), max_norm)
+        oa.step()
+        nb = clip_into_step(list(b.parameters()), ob, max_norm)
+        ob.step()
+        ob.grad_scale = None
+        assert float(nb) == pytest.approx(float(na), rel=1e-6) and (float(na) > max_norm) == (max_norm < 1)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            if max_norm < 1:
+                torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-7)
+            else:
+                assert torch.equal(pb, pa)
+        oa.zero_grad()
+        ob.zero_grad()

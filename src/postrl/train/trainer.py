@@ -67,6 +67,19 @@ def make_scheduler(optimizer, warmup: int, total: int, schedule: str):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def clip_into_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` folded into the next step of a fused Adam/AdamW
+    ``optimizer``: returns the gradients' total 2-norm ``n`` and sets the optimizer's ``grad_scale`` to
+    ``max(1, (n + 1e-6) / max_norm)``, by which the fused kernel divides each gradient as it reads it. The step is
+    that of clipping (``g * min(1, max_norm / (n + 1e-6))``) up to float rounding, without a pass that rewrites the
+    gradients (1M parameters on a 2-core Zen 5: the clip 0.22 vs 0.13 ms, with the step 0.56-0.62 vs 0.52 ms).
+    The caller sets ``grad_scale`` back to None after the step; a non-finite ``n`` is the caller's to handle (the
+    step must not run)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
 def resolve_model_path(cfg: Config, log: Callable[[str], None] = print) -> Path:
     if cfg.model.path == "builtin":
         from postrl.models.builtin import ensure_builtin
@@ -169,6 +182,12 @@ class Trainer:
         total = cfg.train.steps * cfg.train.epochs * cfg.train.mini_batches
         self.scheduler = make_scheduler(self.optimizer, cfg.optim.warmup_steps, total, cfg.optim.schedule)
         self.model, self.optimizer = self.acc.prepare(model, self.optimizer)
+        self.params = list(self.model.parameters())
+        from accelerate.utils import DistributedType
+
+        # the gradient clip folded into the fused AdamW step (clip_into_step), where nothing else scales gradients
+        self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
+            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
         self.backend = self._make_backend()
         self.start_step = 0
         self.eval_before: dict | None = None
@@ -530,7 +549,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
         sums: dict[str, float] = {}
         grad_norms: list[float] = []
-        self.model.train()
+        if not (self.model.training and self.policy.training):  # (a walk over every module: 0.1 ms)
+            self.model.train()
         for _ in range(cfg.train.epochs):
             order = torch.randperm(n, generator=gen) if cfg.train.mini_batches > 1 else torch.arange(n)
             for mb in order.chunk(cfg.train.mini_batches):
@@ -585,12 +605,18 @@ class Trainer:
                         self.diag.observe_micro(batch, idx, logp, old, info, first_pass=not multi_pass)  # diagnostics
                     for k, v in stats.items():
                         sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v
-                gn = self.acc.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm or float("inf"))
+                max_norm = cfg.optim.max_grad_norm or float("inf")
+                gn = clip_into_step(self.params, self.clip_opt, max_norm) if self.clip_opt is not None \
+                    else self.acc.clip_grad_norm_(self.params, max_norm)
                 grad_norms.append(float(gn))
                 if self.diag.nan_guard(gn, batch, step):  # diagnostics: a non-finite gradient never reaches the
                     self.optimizer.zero_grad(set_to_none=True)  # optimizer; the step is skipped, counted, saved
+                    if self.clip_opt is not None:
+                        self.clip_opt.grad_scale = None
                     continue
                 self.optimizer.step()
+                if self.clip_opt is not None:
+                    self.clip_opt.grad_scale = None
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         steps_taken = cfg.train.epochs * cfg.train.mini_batches
