@@ -36,7 +36,6 @@ import math
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +43,7 @@ import torch
 
 from postrl import registry
 from postrl.errors import RewardError
+from postrl.pipeline import signature
 
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
 
@@ -72,30 +72,16 @@ def _is_async(fn: Callable) -> bool:
 
 def _is_verl(fn: Callable) -> bool:
     try:
-        params = set(inspect.signature(fn).parameters)
+        params = set(signature(fn).parameters)
     except (TypeError, ValueError):
         return False
     return _VERL_PARAMS <= params
 
 
-_ACCEPTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> _signature_names(fn), while fn lives
-
-
 def _accepts(fn: Callable) -> tuple[frozenset[str], bool]:
-    """(names of the parameters ``fn`` takes by keyword, whether it takes ``**kwargs``); cached per function
-    (``inspect.signature`` costs tens of microseconds, several times a step)."""
+    """(names of the parameters ``fn`` takes by keyword, whether it takes ``**kwargs``)."""
     try:
-        hit = _ACCEPTS.get(fn)
-    except TypeError:  # not weakly referenceable or not hashable
-        return _signature_names(fn)
-    if hit is None:
-        hit = _ACCEPTS[fn] = _signature_names(fn)
-    return hit
-
-
-def _signature_names(fn: Callable) -> tuple[frozenset[str], bool]:
-    try:
-        sig = inspect.signature(fn)
+        sig = signature(fn)  # (cached per function: postrl.pipeline)
     except (TypeError, ValueError):
         return frozenset(), True
     names = frozenset(p.name for p in sig.parameters.values()
@@ -304,8 +290,8 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
     keeps its state across steps); without it each spec's registered function is called with ``spec.params``.
     """
     n = len(completions)
-    mat = torch.full((n, len(specs)), math.nan, dtype=torch.float32)
-    out = RewardOutcome(mat)
+    vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
+    out = RewardOutcome(torch.empty((n, len(specs))))
     if built is None:
         built = [(registry.get("reward", spec.name), spec.params) for spec in specs]
     fns = [fn for fn, _ in built]
@@ -361,7 +347,7 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
                     fail(k, range(i, i + 1), f"returned step scores {_short(v)}")
                     continue
                 steps[i] = sv
-                mat[i, k] = sum(sv)
+                vals[i][k] = sum(sv)
                 continue
             if isinstance(v, BaseException):  # a source may report why one entry failed
                 fail(k, range(i, i + 1), f"failed with {type(v).__name__}: {_one_line(v)}")
@@ -370,7 +356,8 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
             if math.isnan(f):
                 fail(k, range(i, i + 1), f"returned {_short(v, 40)}")
                 continue
-            mat[i, k] = f
+            vals[i][k] = f
+    out.matrix = torch.tensor(vals, dtype=torch.float32).reshape(n, len(specs))
     if out.step_source is not None:
         S = max((len(v) for v in steps.values()), default=0)
         sr = torch.full((n, S), math.nan, dtype=torch.float32)

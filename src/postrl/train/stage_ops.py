@@ -21,13 +21,14 @@ import torch
 
 from postrl.batch import RolloutBatch
 from postrl.models import completion_logprobs
+from postrl.pipeline import signature
 from postrl.rollout.base import SamplingParams
 from postrl.rollout.hf import left_pad
 
 
 def positional_fields(fn: Any) -> list[str]:
     """Names of the batch fields a stage (function or instance) reads: its positional parameters."""
-    return [p.name for p in inspect.signature(fn).parameters.values()
+    return [p.name for p in signature(fn).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
