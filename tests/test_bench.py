@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -293,9 +294,9 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
 
 
 def test_keep_freed_memory_stops_page_faults_of_training_steps():
-    """A forward and backward of the 1M benchmark model page-faults hundreds of times a step by glibc's default
-    (freed buffers unmapped or trimmed, the next ones faulted in again); after postrl.perf.keep_freed_memory
-    almost never. Run in fresh processes: the setting is process-wide."""
+    """A forward and backward of the 1M benchmark model page-faults thousands of times a step under glibc's
+    default thresholds (freed buffers unmapped or trimmed, the next ones faulted in again); after
+    postrl.perf.keep_freed_memory almost never. Run in fresh processes: the setting is process-wide."""
     import platform
     import subprocess
     import sys
@@ -315,12 +316,18 @@ def step():
     model(input_ids=ids).logits.pow(2).mean().backward()
 for _ in range(3):  # warm-up: first-call allocations fault in either way
     step()
-f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts = []
 for _ in range(10):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 10)
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(sorted(counts)[len(counts) // 2])  # the median step: robust to the odd fault burst of a busy machine
 """
+    # glibc's initial thresholds (128 KiB), held fixed: its dynamic mmap threshold otherwise rises in some runs and
+    # not in others (median step of the default: 1 to 286 faults in six runs); keep_freed_memory's mallopt overrides
+    # them
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     faults = {mode: float(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
-                                         check=True).stdout.split()[-1]) for mode in ("keep", "default")}
-    assert faults["keep"] < 50, faults  # measured: 14 a step
-    assert faults["default"] > 4 * faults["keep"] + 100, faults  # measured: 377 a step
+                                         check=True, env=env).stdout.split()[-1]) for mode in ("keep", "default")}
+    assert faults["keep"] < 20, faults  # measured: 0-1 a step
+    assert faults["default"] > 1000, faults  # measured: 14,000-16,000 a step

@@ -54,6 +54,9 @@ from postrl.errors import PostrlError
 
 SIDES = ("postrl", "trl")
 REWARD_WEIGHTS = (1.0, 0.2)
+# Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.perf) measures each
+# phase at its first use and again after 2 and 4 more uses (a few ms each time); TRL's first steps build its caches.
+WARMUP_STEPS = 6
 REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.bench:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
                     f"{{name: 'postrl.bench:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
 
@@ -231,6 +234,31 @@ def build_bench_model(path: str | Path, size: str, seed: int = 0) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ workers
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _children() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:  # pragma: no cover - a child exiting while listed
+        return []
+
+
+def _peak_rss_kib(pid: int) -> float:
+    """A live process's peak resident set (VmHWM of /proc/PID/status), in KiB; 0 where not readable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
 class _Proto:
     """The worker's channel to the parent: commands on stdin, JSON replies on the original stdout.
 
@@ -240,17 +268,25 @@ class _Proto:
         self.out = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)
         sys.stdout = sys.stderr
+        self.children: list = []
 
     def send(self, msg: dict) -> None:
-        msg["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        # peak RSS of this process plus that of its children (the helpers share the parameters with it, so this
+        # counts them twice: an upper bound)
+        msg["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 + sum(
+            _peak_rss_kib(c.pid) for c in self.children) / 1024.0
         self.out.write(json.dumps(msg) + "\n")
         self.out.flush()
 
-    @staticmethod
-    def cpu_s() -> float:
-        """CPU seconds (user + system, all threads) this process has used so far."""
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, all threads) this process and its child processes (postrl's generation
+        helpers, listed once by :meth:`find_children`) have used so far."""
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
+        return r.ru_utime + r.ru_stime + sum(t.user + t.system for t in (c.cpu_times() for c in self.children))
+
+    def find_children(self) -> None:
+        """List the live child processes (after the set-up; listing them scans every process of the machine)."""
+        self.children = _children()
 
     @staticmethod
     def recv() -> str:
@@ -273,12 +309,17 @@ def _sync(spec: Spec) -> None:
         torch.cuda.synchronize()
 
 
-def _policy_threads(policy) -> str:
-    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step)."""
+def _policy_threads(policy, backend=None) -> str:
+    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step); ``PxT`` for a
+    generation split over P processes of T threads each (``rollout.processes``)."""
     ch = policy.choices
     only = policy.max_threads if len(policy.candidates()) == 1 else "?"
-    return "/".join(str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
-                    for k in ("generation", "update"))
+    out = [str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
+           for k in ("generation", "update")]
+    procs = getattr(backend, "last_processes", 1)
+    if procs > 1:
+        out[0] = f"{procs}x{backend.split_threads.fixed}"
+    return "/".join(out)
 
 
 def _postrl_worker(spec: Spec, proto: _Proto) -> None:
@@ -304,18 +345,24 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     ]
     if spec.threads:
         overrides.append(f"train.threads={spec.threads}")
+    elif spec.device == "cpu" and _usable_cores() >= 2:
+        # a helper generation process on the other core where generation runs on one thread (postrl.rollout.helpers)
+        overrides.append("rollout.processes=2")
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, spec.work_dir)
     trainer.backend.eos_ids = []  # equal work: EOS does not end a completion (TRL side: eos_token_id=None)
+    trainer.backend.start_helpers(wait=120.0)  # their start-up is set-up time (init_s), as the trainer's own
+    proto.find_children()
     proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
     step = 0
     while proto.recv() == "step":
-        t, c = time.perf_counter(), proto.cpu_s()
+        c = proto.cpu_s()
+        t = time.perf_counter()
         m = trainer.train_step(step)
         _sync(spec)
         wall, cpu = time.perf_counter() - t, proto.cpu_s() - c
         step += 1
-        threads = spec.threads or _policy_threads(trainer.threads)
+        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
         proto.send({"wall": wall, "generation": m["time/generation"], "reward": m["time/reward"],
                     "ref": m["time/ref"], "len_min": m["length/min"], "len_max": m["length/max"],
                     "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.matmul})
@@ -378,6 +425,7 @@ def _trl_worker(spec: Spec, proto: _Proto) -> None:
                 # Ready only here, once train() has set itself up: had it said so before train(), its set-up
                 # would run during the other side's first step (and skew the thread probe postrl runs there).
                 clock["ready"] = True
+                proto.find_children()
                 proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
             self._report()
             if proto.recv() != "step":
@@ -465,6 +513,9 @@ class Worker:
         self.log = open(log_path, "w")
         # CPU runs hide any GPU from both sides: postrl's Trainer would otherwise take it and TRL would not
         hide = {"CUDA_VISIBLE_DEVICES": ""} if spec.device == "cpu" else {}
+        # Both sides in the same environment, the postrl command's (GOMP_SPINCOUNT=10000 unless set,
+        # postrl.cli.quiet_openmp_spin): with libgomp's default spin, a side's idle OpenMP threads spin for ~7 ms into
+        # the other side's step (TRL's generation took 53 instead of 45 ms after postrl's update)
         self.proc = subprocess.Popen([sys.executable, "-m", "postrl.bench", "worker", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, **hide, **(env or {})})
@@ -676,7 +727,7 @@ def run_steps_main(argv: list[str]) -> int:
     for step in range(spec.total_steps):
         t = time.perf_counter()
         m = trainer.train_step(step)
-        threads = spec.threads or _policy_threads(trainer.threads)
+        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
         recs.append({"wall": time.perf_counter() - t, "threads": threads, "len_min": m["length/min"],
                      "len_max": m["length/max"], "processes": trainer.world})
     if trainer.main:
@@ -748,7 +799,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     sizes = sizes or (["1m"] if quick else ["1m", "20m"])
     lengths = lengths or ([32] if quick else [32, 256])
     base = Spec(prompts=prompts or (2 if quick else 4), group_size=group_size or (4 if quick else 8),
-                steps=steps or (8 if quick else 3), warmup=2, epochs=epochs, lr=lr, device=device)
+                steps=steps or (8 if quick else 3), warmup=WARMUP_STEPS, epochs=epochs, lr=lr, device=device)
     if device == "cuda":
         import torch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -232,7 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_openmp_spin(environ=os.environ) -> bool:
+    """Set ``GOMP_SPINCOUNT=10000`` (libgomp's idle threads spin about 0.2 ms, not its default ~7 ms, before they
+    sleep) unless it is set, and only before torch (and with it libgomp) is loaded; True when set. A phase on fewer
+    threads, or a helper generation process (``rollout.processes``), then has the other cores at once after the
+    update; the update's back-to-back parallel regions are as fast (``postrl.rollout.helpers``)."""
+    if "torch" in sys.modules or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ["GOMP_SPINCOUNT"] = "10000"
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_openmp_spin()
     from postrl.launch import relaunch_if_needed
 
     try:

@@ -61,3 +61,11 @@ class GenerationBackend(ABC):
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # pragma: no cover - trivial for in-process backends
         """Make the backend generate with ``model``'s current weights (a no-op when it shares the module)."""
+
+    def close(self) -> None:  # pragma: no cover - trivial for in-process backends
+        """Release what the backend holds besides the model (helper processes); it may generate again later."""
+
+    def start_helpers(self, wait: float | None = None) -> bool:  # pragma: no cover - trivial for other backends
+        """Start any helper processes in the background (``wait``: seconds to wait for them); whether they are
+        ready."""
+        return False

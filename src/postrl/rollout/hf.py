@@ -17,6 +17,7 @@ The log-prob of each sampled token is ``log_softmax(logits / temperature)`` of t
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import nullcontext
 
 import numpy as np
@@ -174,12 +175,17 @@ class HFGenerator(GenerationBackend):
     thread count.
     ``threads``: torch intra-op threads while generating: an int, a :class:`~postrl.perf.ThreadPolicy` (phase
     ``generation``), or ``None`` to leave the current setting.
+    ``processes``: on a CPU, generate in this many processes, ``processes - 1`` of them helpers
+    (:mod:`postrl.rollout.helpers`) that each take a contiguous block of the prompts when seeds are given per
+    prompt; each process then runs (usable cores) / ``processes`` threads. :meth:`close` stops the helpers.
     """
 
     def __init__(self, model, tokenizer, batch_size: int | None = None, *, static_cache: bool | None = None,
-                 threads: ThreadPolicy | int | None = None, decode: str = "auto"):
+                 threads: ThreadPolicy | int | None = None, decode: str = "auto", processes: int = 1):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -202,6 +208,28 @@ class HFGenerator(GenerationBackend):
         self.decode = decode
         decode_library(model, decode)  # a bad or impossible choice fails here, not at the first generate
         self.threads = ThreadPolicy(threads) if isinstance(threads, int) else threads
+        self.helpers = None
+        self.last_processes = 1  # processes the last generation ran in
+        if processes > 1:
+            from postrl.rollout.helpers import HelperPool
+
+            if next(model.parameters()).device.type != "cpu":
+                raise ValueError(f"processes={processes}: helper generation processes run on a CPU only")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            per_process = max(1, cores // processes)  # torch threads of each process while generating
+            self.split_threads = ThreadPolicy(per_process)
+            self.helpers = HelperPool(model, tokenizer, processes - 1, {
+                "batch_size": batch_size, "static_cache": static_cache, "decode": decode, "threads": per_process})
+
+    def start_helpers(self, wait: float | None = None) -> bool:
+        """Spawn the helper processes (``processes`` > 1) in the background; with ``wait``, wait up to that many
+        seconds for them to start. Returns whether they are ready (False without helpers)."""
+        return self.helpers is not None and self.helpers.ready(timeout=wait or 0.0)
+
+    def close(self) -> None:
+        """Stop the helper processes (``processes`` > 1); :meth:`start_helpers` starts them again."""
+        if self.helpers is not None:
+            self.helpers.close()
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> list[int]:
@@ -232,7 +260,41 @@ class HFGenerator(GenerationBackend):
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if self._split(prompt_ids, n, params, seed):
+            return self._generate_split(prompt_ids, n, params, [int(s) for s in seed])
+        self.last_processes = 1
+        return self._generate(prompt_ids, n, params, seed, self.threads)
 
+    def _split(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed) -> bool:
+        """Whether the helpers take part: started, seeds per prompt, two prompts or more, and one thread for this
+        batch's generation (the thread policy's choice: where a second thread speeds up the decode steps, it runs
+        in this process instead)."""
+        if self.helpers is None or params.max_new_tokens == 0 or not isinstance(seed, (list, tuple)) \
+                or not len(seed) == len(prompt_ids) >= 2 or not self.helpers.ready():
+            return False
+        rows = self.batch_size or len(prompt_ids) * n
+        return self.threads is None or self.threads.threads_for("generation", rows=rows) == 1
+
+    def _generate_split(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
+                        seeds: list[int]) -> Generation:
+        """The prompts in contiguous blocks, one per process (this one takes the first), each block with its own
+        seeds: the rows of the single-process generation up to the rounding of smaller batches
+        (``postrl.rollout.helpers``)."""
+        from postrl.rollout.helpers import merge_generations
+
+        k = self.last_processes = min(self.helpers.count + 1, len(prompt_ids))
+        bounds = [len(prompt_ids) * i // k for i in range(k + 1)]
+        for i in range(1, k):
+            a, b = bounds[i], bounds[i + 1]
+            self.helpers.submit(i - 1, prompt_ids[a:b], n, params, seeds[a:b], self.eos_ids)
+        # the whole of this process's part on its share of the cores (the decoder's set-up too: a torch operator on
+        # more threads leaves OpenMP threads spinning on the helper's core)
+        with self.split_threads.use("generation"):
+            own = self._generate(prompt_ids[:bounds[1]], n, params, seeds[:bounds[1]], None)
+        return merge_generations([own] + [self.helpers.result(i - 1) for i in range(1, k)], self.pad_id)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int | list[int],
+                  thread_policy: ThreadPolicy | None) -> Generation:
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         num_rows = len(rows)
         all_prompt_ids, all_prompt_mask = left_pad(rows, self.pad_id)
@@ -246,8 +308,8 @@ class HFGenerator(GenerationBackend):
         device = self._device()
         chunk = self.batch_size or max(num_rows, 1)
         was_training = model.training
-        threads = self.threads.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
-            if self.threads is not None else nullcontext()
+        threads = thread_policy.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
+            if thread_policy is not None else nullcontext()
         try:
             decoder = StaticDecoder(model, self.decode) if self.static_cache and max_new > 0 else None
             if decoder is None:  # the model's forward runs: eval mode (no dropout); the static decoder has none

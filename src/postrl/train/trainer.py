@@ -189,6 +189,7 @@ class Trainer:
         self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
         self.backend = self._make_backend()
+        self.backend.start_helpers()  # rollout.processes > 1: helper processes start in the background
         self.start_step = 0
         self.eval_before: dict | None = None
         if resume:
@@ -219,9 +220,13 @@ class Trainer:
             raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
         from postrl.rollout.hf import HFGenerator
 
+        processes = self.cfg.rollout.processes
+        if processes > 1 and self.acc.device.type != "cpu":
+            raise ConfigError(f"rollout.processes={processes}: helper generation processes run on a CPU only; "
+                              f"use 1 on {self.acc.device.type}")
         try:
             return HFGenerator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size,
-                               threads=self.threads, decode=self.cfg.rollout.decode)
+                               threads=self.threads, decode=self.cfg.rollout.decode, processes=processes)
         except ValueError as e:  # rollout.decode=numpy where numpy cannot decode (not on a CPU, not float32)
             raise ConfigError(f"rollout.decode: {e}") from None
 
@@ -780,6 +785,7 @@ class Trainer:
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                 self.save(done)
         after = self.evaluate("after", cfg.train.steps)
+        self.backend.close()  # helper generation processes (rollout.processes)
         self.save(cfg.train.steps)
         summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
                    "model_path": str(self.model_path), "run_dir": str(self.run_dir),
