@@ -58,7 +58,7 @@ def _same(a, b):
     for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(a, k), getattr(b, k)), k
     assert a.texts == b.texts
-    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)  # (float rounding of smaller batches)
 
 
 def test_helper_generates_the_rows_of_one_process(tok, pair):
@@ -96,6 +96,25 @@ def test_helper_sees_the_in_place_updates(tok, pair):
     after = two.generate(prompts, 4, params, [1, 2])
     assert two.last_processes == 2 and not torch.allclose(after.logprobs[4:], before.logprobs[4:])
     _same(after, one.generate(prompts, 4, params, [1, 2]))
+
+
+def test_a_failure_here_leaves_the_helper_in_step(tok, pair, monkeypatch):
+    """This process's part raises: the error comes through, the helper's reply is read anyway, and the next
+    generation gets its own rows (not the stale reply of the failed one)."""
+    two, one = pair
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    prompts = _ids(tok, PROMPTS[:2])
+    real = HFGenerator._generate
+
+    def fail_once(self, *a, **k):
+        monkeypatch.setattr(HFGenerator, "_generate", real)
+        raise KeyError("boom")
+
+    monkeypatch.setattr(HFGenerator, "_generate", fail_once)
+    with pytest.raises(KeyError, match="boom"):
+        two.generate(prompts, 2, params, [7, 8])
+    _same(two.generate(prompts, 2, params, [3, 4]), one.generate(prompts, 2, params, [3, 4]))
+    assert two.last_processes == 2
 
 
 def test_a_dead_helper_is_a_one_line_error(tok, eos_model):

@@ -22,8 +22,8 @@ What is compared (both sides, every setting equal):
 
 How it is run: each side lives in its own worker subprocess (``python -m postrl.bench worker ...``) that holds
 its trainer; the parent tells the two workers to take one step each in turn (A B A B ...), so both see the same
-machine load, and a per-step ratio is robust to load that changes over minutes. The first step of each side is
-a warm-up and is not counted.
+machine load, and a per-step ratio is robust to load that changes over minutes. The first ``WARMUP_STEPS`` steps
+of each side are a warm-up and are not counted.
 
 Reported per side: wall time per step, completion tokens/s end to end and per phase (generation, reward,
 old/ref log-probs, update = the rest of the step), peak RSS of the worker; the speed-up
@@ -890,7 +890,7 @@ def add_parser(sub) -> None:
     b.add_argument("--lengths", nargs="+", type=int, metavar="T", help="completion lengths (default 32 256)")
     b.add_argument("--prompts", type=int, help="prompts per step (default 4; quick 2)")
     b.add_argument("--group-size", type=int, help="completions per prompt (default 8; quick 4)")
-    b.add_argument("--steps", type=int, help="measured steps per side after two warm-up steps (default 3; quick 8)")
+    b.add_argument("--steps", type=int, help="measured steps per side after six warm-up steps (default 3; quick 8)")
     b.add_argument("--epochs", type=int, default=1, help="optimisation epochs per batch (TRL num_iterations)")
     b.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     b.add_argument("--also", nargs="+", metavar="SIDE@THREADS",

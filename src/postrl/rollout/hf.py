@@ -287,11 +287,23 @@ class HFGenerator(GenerationBackend):
         for i in range(1, k):
             a, b = bounds[i], bounds[i + 1]
             self.helpers.submit(i - 1, prompt_ids[a:b], n, params, seeds[a:b], self.eos_ids)
-        # the whole of this process's part on its share of the cores (the decoder's set-up too: a torch operator on
-        # more threads leaves OpenMP threads spinning on the helper's core)
-        with self.split_threads.use("generation"):
-            own = self._generate(prompt_ids[:bounds[1]], n, params, seeds[:bounds[1]], None)
-        return merge_generations([own] + [self.helpers.result(i - 1) for i in range(1, k)], self.pad_id)
+        error: BaseException | None = None
+        try:
+            # the whole of this process's part on its share of the cores (the decoder's set-up too: a torch operator
+            # on more threads leaves OpenMP threads spinning on the helper's core)
+            with self.split_threads.use("generation"):
+                own = self._generate(prompt_ids[:bounds[1]], n, params, seeds[:bounds[1]], None)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once the helpers' replies are read
+            error = e
+        parts = []
+        for i in range(1, k):  # every reply is read, even after a failure, so that the pipes stay in step
+            try:
+                parts.append(self.helpers.result(i - 1))
+            except RuntimeError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return merge_generations([own] + parts, self.pad_id)
 
     def _generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int | list[int],
                   thread_policy: ThreadPolicy | None) -> Generation:
