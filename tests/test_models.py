@@ -173,6 +173,13 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     pid, pm, cid, groups = _batch()
     logp, _ = completion_logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
     assert _fused_ran(logp)
+    # long sequences take the model's own forward (its attention kernel keeps no score matrix)
+    from postrl.models import FUSED_MAX_POSITIONS
+
+    pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 10)
+    assert _fused_ran(completion_logprobs(llama, pid, pm, cid, fused=True)[0])
+    pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 9)
+    assert not _fused_ran(completion_logprobs(llama, pid, pm, cid, fused=True)[0])
     # no double backward: a clear error, not a wrong second derivative
     pid, pm, cid, _ = _batch(U=1)
     logp, _ = completion_logprobs(llama, pid, pm, cid, fused=True)
