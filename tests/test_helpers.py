@@ -16,33 +16,9 @@ import torch
 
 from postrl.rollout.base import SamplingParams
 from postrl.rollout.hf import HFGenerator
-from test_rollout import PROMPTS, _ids
+from test_rollout import PROMPTS, _ids, eos_model, model, tok  # noqa: F401 - the fixtures
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from postrl.models.tiny import build_tokenizer
-
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def eos_model(tok):
-    """A nano Llama (untied head, EOS pushed up): rows end at different lengths."""
-    from postrl.models.tiny import build_model
-    from test_rollout import _reinit
-
-    m = _reinit(build_model(tok, size="nano", seed=0))
-    m.config.tie_word_embeddings = False
-    head = torch.nn.Linear(m.config.hidden_size, m.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(m.get_input_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tok.eos_token_id] = 1.5
-    m.lm_head = head
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _stray(results) -> list[int]:
-    """Processes left by these runs: any descendant of this test process, any process of a run's uid."""
-    left = [p for p in core._proc_descendants(os.getpid())]
+    """Processes left by these runs: any descendant of this test process, any process of a run's uid. Python's
+    multiprocessing resource tracker, which the first spawned process of the session (test_helpers' generation
+    helpers) starts and which lives until the session ends, is not one of them."""
+    left = [p for p in core._proc_descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
     for r in results:
         if r is not None and r.uid is not None:
             left += core._proc_uid_pids(r.uid)
