@@ -154,6 +154,44 @@ def test_group_metrics_hand_computed():
     assert m["advantages/collapse"] == pytest.approx(0.0)
     std = [0.0, float(torch.tensor([.5, 0, .5]).std()), float(torch.tensor([1.5, .5, 1.5]).std())]
     assert m["reward/group_std"] == pytest.approx(sum(std) / 3)
+    # advantage statistics over the valid rows, with torch's conventions (std unbiased)
+    a = adv.double()
+    assert (m["advantages/mean"], m["advantages/std"], m["advantages/abs_mean"], m["advantages/min"],
+            m["advantages/max"]) == pytest.approx((float(a.mean()), float(a.std()), float(a.abs().mean()),
+                                                   float(a.min()), float(a.max())))
+
+
+def test_batch_metrics_hand_computed():
+    """The batch's own statistics: valid rows only for the reward, finite entries per source, failures as
+    reported, accuracy from the verifier column, token counts and sampler log-prob statistics."""
+    from types import SimpleNamespace
+
+    from postrl.diagnostics.metrics import batch_metrics
+
+    nan = float("nan")
+    correct = torch.tensor([1., 0, nan, 1])
+    fmt = torch.tensor([1., 1, 0, 0])
+    b = SimpleNamespace(
+        reward=torch.tensor([2., 1, nan, 1]), valid=torch.tensor([True, True, False, True]),
+        reward_names=["correct", "format"], rewards=torch.stack([correct, fmt], 1),
+        lengths=torch.tensor([2, 1, 3, 2]), truncated=torch.tensor([False, False, True, False]),
+        group_ids=torch.tensor([0, 0, 1, 1]), advantages=torch.tensor([.5, -.5, 0, 0]),
+        completion_mask=torch.tensor([[1., 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]]),
+        sampler_logprobs=torch.tensor([[-0.1, -3.0, 0], [-0.5, 0, 0], [-4.0, -0.2, -0.3], [-1.0, -2.5, 0]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]))
+    m = batch_metrics(b, {"failures": {"correct": 1}}, low_prob=0.1)
+    assert m["reward/mean"] == pytest.approx(4 / 3)
+    assert m["reward/std"] == pytest.approx(float(torch.tensor([2., 1, 1]).std()))
+    assert m["reward/correct/mean"] == pytest.approx(2 / 3)
+    assert m["reward/correct/std"] == pytest.approx(float(torch.tensor([1., 0, 1]).std()))
+    assert m["reward/format/mean"] == pytest.approx(0.5) and m["reward/correct/failures"] == 1.0
+    assert m["reward/format/failures"] == 0.0
+    assert m["accuracy"] == pytest.approx(2 / 3) and m["valid"] == pytest.approx(0.75)
+    assert (m["tokens/completion"], m["tokens/prompt"]) == (8.0, 10.0)
+    lp = [-0.1, -3.0, -0.5, -4.0, -0.2, -0.3, -1.0, -2.5]
+    assert m["tokens/logprob_mean"] == pytest.approx(sum(lp) / 8)
+    assert m["tokens/low_prob_frac"] == pytest.approx(3 / 8)  # below log(0.1) = -2.30
+    assert m["length/mean"] == pytest.approx(2.0) and m["truncated"] == pytest.approx(0.25)
 
 
 def test_advantage_collapse_counts_merged_reward_combinations():

@@ -234,10 +234,6 @@ def build_bench_model(path: str | Path, size: str, seed: int = 0) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _children() -> list:
     import psutil
 
@@ -326,6 +322,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     import torch
 
     from postrl.config import load_config
+    from postrl.perf import usable_cores
     from postrl.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -345,7 +342,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     ]
     if spec.threads:
         overrides.append(f"train.threads={spec.threads}")
-    elif spec.device == "cpu" and _usable_cores() >= 2:
+    elif spec.device == "cpu" and usable_cores() >= 2:
         # a helper generation process on the other core where generation runs on one thread (postrl.rollout.helpers)
         overrides.append("rollout.processes=2")
     cfg = load_config(None, overrides)

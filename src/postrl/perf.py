@@ -27,6 +27,7 @@ reproducible with a fixed ``train.threads``, and with the default whenever runs 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -266,6 +267,11 @@ class ThreadPolicy:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 KEEP_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 KEEP_TRIM_THRESHOLD = 2**30
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the CPU count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def keep_freed_memory() -> bool:

@@ -83,16 +83,12 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     same prompt: it has no second model call to pay for (1M model, 32 rows of 12 + 32 tokens: update 35.1 vs
     37.7 ms; 8 rows: no difference measured).
     """
-    T = completion_ids.shape[1]
-    if fused and prompt_ids.shape[1] and T and prompt_ids.shape[1] + T <= FUSED_MAX_POSITIONS:
-        from postrl.models.fused import supports
-
-        fused = supports(model)
-    else:
-        fused = False
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
     if fused:
-        from postrl.models.fused import fused_completion_logits
+        from postrl.models.fused import fused_completion_logits, supports
 
+        fused = 0 < P and 0 < T and P + T <= FUSED_MAX_POSITIONS and supports(model)
+    if fused:
         grouping = _prompt_groups(prompt_ids, groups) if groups is not None else None
         logits = fused_completion_logits(model, prompt_ids, prompt_mask, completion_ids, *(grouping or (None, None)))
     elif (shared := _shared_prompts(model, prompt_ids, T, groups)) is not None:
@@ -121,6 +117,7 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
 # large one (measured on CPU, 8 rows of 12 + 32 tokens, 20% of the tokens saved: 1M parameters 6% slower, 20M
 # parameters 1.28x faster; 56% saved at 0.9M: 2.5x faster).
 SHARE_MIN_SAVING = 0.25
+SHARE_FULL_PARAMS = 2e6
 
 # The fused training forward (postrl.models.fused) writes the attention out as products and a softmax over every
 # (query, key) pair, read again in the backward; the model's own forward runs torch's fused attention kernel, which
@@ -128,7 +125,6 @@ SHARE_MIN_SAVING = 0.25
 # positions (1M model), 0.91x at 268 (1M) and 0.76x at 268 (20M). Above this many positions the model's own forward
 # runs.
 FUSED_MAX_POSITIONS = 192
-SHARE_FULL_PARAMS = 2e6
 
 
 def _min_saving(model) -> float:

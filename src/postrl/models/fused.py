@@ -167,6 +167,16 @@ class _Spec:
         return out
 
 
+def _causal_bias(real: torch.Tensor) -> torch.Tensor:
+    """Additive attention bias [B, 1, 1, L, L] for rows of ``L`` positions whose keys are ``real`` [B, L]: 0 where
+    a query may attend (an earlier or the same real position), -inf elsewhere; a padding query attends to itself
+    (finite, never read)."""
+    L = real.shape[1]
+    allowed = torch.ones((L, L), dtype=torch.bool).tril() & real[:, None, :]
+    allowed |= torch.eye(L, dtype=torch.bool)
+    return torch.zeros((real.shape[0], 1, 1, L, L)).masked_fill_(~allowed[:, None, None], float("-inf"))
+
+
 class _Layout:
     """Where the packed token rows come from, and what each attends to.
 
@@ -188,19 +198,14 @@ class _Layout:
             L = P + T
             self.M = N * L
             self.keep = (torch.arange(N)[:, None] * L + P - 1 + torch.arange(T)).reshape(-1)
-            real = torch.cat([real, torch.ones((N, T), dtype=torch.bool)], dim=1)
-            allowed = torch.ones((L, L), dtype=torch.bool).tril() & real[:, None, :]
-            allowed |= torch.eye(L, dtype=torch.bool)  # a padding query attends to itself: finite, never read
-            self.bias = torch.zeros((N, 1, 1, L, L)).masked_fill_(~allowed[:, None, None], float("-inf"))
+            self.bias = _causal_bias(torch.cat([real, torch.ones((N, T), dtype=torch.bool)], dim=1))
             return
         self.M = U * P + N * T
         keep = torch.empty((N, T), dtype=torch.long)
         keep[:, 0] = inverse * P + P - 1
         keep[:, 1:] = U * P + torch.arange(N)[:, None] * T + torch.arange(T - 1)
         self.keep = keep.reshape(-1)
-        allowed = torch.ones((P, P), dtype=torch.bool).tril() & real[:, None, :]
-        allowed |= torch.eye(P, dtype=torch.bool)
-        self.bias_p = torch.zeros((U, 1, 1, P, P)).masked_fill_(~allowed[:, None, None], float("-inf"))
+        self.bias_p = _causal_bias(real)
         allowed = torch.cat([real[inverse][:, None, :].expand(N, T, P),
                              torch.ones((T, T), dtype=torch.bool).tril().expand(N, T, T)], dim=2)
         self.bias_c = torch.zeros((N, 1, 1, T, P + T)).masked_fill_(~allowed[:, None, None], float("-inf"))
@@ -246,8 +251,8 @@ class _Layout:
 
     def attend_back(self, do: torch.Tensor, saved: tuple, K: int, G: int) -> torch.Tensor:
         """dL/d[q k v] [M, H + 2K, D] (queries and keys still rotated) given dL/do [M, H D]."""
-        D = saved[0].shape[-1] if self.inverse is None else saved[0][0].shape[-1]
         H = K * G
+        D = do.shape[-1] // H
         dqkv = torch.empty((self.M, H + 2 * K, D), dtype=do.dtype)  # [dq dk dv], written in place
         if self.inverse is None:
             N, L = self.N, self.P + self.T

@@ -291,7 +291,7 @@ class StaticDecoder:
                                     wgu, _weight([m.down_proj.weight], [None], None, t)))
         self.inter = m.gate_proj.weight.shape[0]
         self.cache: torch.Tensor | None = None
-        if self.library == "numpy":  # views of the same memory (the weights above are this call's own copies)
+        if self.library == "numpy":  # numpy views of the same memory (the weights above: parameters, or copies)
             def arr(t):
                 return None if t is None else t.detach().numpy()
 

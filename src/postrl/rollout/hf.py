@@ -17,14 +17,13 @@ The log-prob of each sampled token is ``log_softmax(logits / temperature)`` of t
 from __future__ import annotations
 
 import inspect
-import os
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from postrl.models import cache_keyword, output_cache
-from postrl.perf import ThreadPolicy
+from postrl.perf import ThreadPolicy, usable_cores
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
 from postrl.rollout.decoder import StaticDecoder, blas_threads, decode_library
 
@@ -215,8 +214,7 @@ class HFGenerator(GenerationBackend):
 
             if next(model.parameters()).device.type != "cpu":
                 raise ValueError(f"processes={processes}: helper generation processes run on a CPU only")
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            per_process = max(1, cores // processes)  # torch threads of each process while generating
+            per_process = max(1, usable_cores() // processes)  # torch threads of each process while generating
             self.split_threads = ThreadPolicy(per_process)
             self.helpers = HelperPool(model, tokenizer, processes - 1, {
                 "batch_size": batch_size, "static_cache": static_cache, "decode": decode, "threads": per_process})
