@@ -89,7 +89,7 @@ def test_gae_hand_values():
     adv, _ = gae_advantages_returns(token_rewards(torch.tensor([1.0]), m), v, m, gamma=1.0, lam=0.5)
     assert close(adv[0, :2], [-0.3 + 0.5 * 0.8, 0.8])
     est = GAE(lam=1.0, whiten=False)
-    assert close(est(torch.tensor([1.0, nan]), torch.cat([v, v]), torch.cat([m, m])), [[0.5, 0.8, 0.0], [0, 0, 0]])
+    assert close(est.estimate(torch.tensor([1.0, nan]), torch.cat([v, v]), torch.cat([m, m])), [[0.5, 0.8, 0.0], [0, 0, 0]])
 
 
 def test_gdpo_motivating_case_differs_from_grpo():
@@ -372,7 +372,7 @@ def test_outcome_estimators_match_verl_loops(seed):
     values = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed + 20))
     for lam in (1.0, 0.95):
         adv_ref, ret_ref = verl_gae(tlr, values, mask, 1.0, lam)
-        assert close(GAE(gamma=1.0, lam=lam)(r, values, mask), adv_ref * mask, atol=1e-5)
+        assert close(GAE(gamma=1.0, lam=lam).estimate(r, values, mask), adv_ref * mask, atol=1e-5)
         _, ret = gae_advantages_returns(token_rewards(r, mask), values, mask, 1.0, lam)
         assert close(ret * mask, ret_ref * mask, atol=1e-5)
 
@@ -426,7 +426,7 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "group_ids": g, "valid": torch.isfinite(reward), "completion_mask": mask, "lengths": mask.sum(-1),
             "sampler_logprobs": -torch.rand(N, T, generator=gen) * mask, "token_entropy": torch.rand(N, T) * mask,
             "greedy_reward": torch.zeros(N), "prompt_logprob": -torch.rand(N, generator=gen) - 1,
-            "info_gain": torch.zeros(N), "values": torch.zeros(N, T), "columns": {"role": ["r"] * N},
+            "info_gain": torch.zeros(N), "values": torch.zeros(N, T), "completion_hidden": torch.randn(N, T, 8), "columns": {"role": ["r"] * N},
             "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)]}
 
 

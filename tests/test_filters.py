@@ -22,7 +22,9 @@ from postrl.errors import ConfigError
 from postrl.models.tiny import build_local
 from postrl.rollout.base import Generation, SamplingParams
 from postrl.rollout.hf import left_pad
-from postrl.train import stage_ops
+from postrl import stages
+from postrl.data.rollout_options import generate_multi_temperature
+from postrl.train import sampling
 from postrl.train.trainer import Trainer
 from test_train import crash_in_step
 
@@ -77,15 +79,15 @@ def test_beta_mutual_information_hand_values():
 def test_insight_posterior_selection_and_state():
     sel = InSight()
     rows = [{"prompt": p} for p in ("easy", "hard", "new", "mid")]
-    sel.observe([(prompt_key("easy"), 8.0, 8.0), (prompt_key("hard"), 0.0, 8.0), (prompt_key("mid"), 4.0, 8.0)])
+    sel.update([(prompt_key("easy"), 8.0, 8.0), (prompt_key("hard"), 0.0, 8.0), (prompt_key("mid"), 4.0, 8.0)])
     assert sel.post[prompt_key("easy")] == [8.0, 0.0]
     pick = sel.select(rows, 2, seed=0, group_size=8)
     assert sorted(pick) == [2, 3]  # the unseen prompt and the mid-difficulty one; solved / hopeless ones wait
     s = sel.scores([prompt_key(p) for p in ("easy", "hard", "new", "mid")], 8)
     assert s[2] > s[3] > s[0] and torch.isclose(s[0], s[1])
     sel2 = InSight(decay=0.5)
-    sel2.observe([("k", 2.0, 4.0)])
-    sel2.observe([("k", 4.0, 4.0)])
+    sel2.update([("k", 2.0, 4.0)])
+    sel2.update([("k", 4.0, 4.0)])
     assert sel2.post["k"] == [5.0, 1.0]  # 0.5 * [2, 2] + [4, 0]
     other = InSight()
     other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
@@ -94,11 +96,11 @@ def test_insight_posterior_selection_and_state():
 
 def test_pass_rate_curriculum_ema_and_sampling():
     sel = PassRateCurriculum(target=0.5, width=0.05, ema=0.5)
-    sel.observe([("k", 1.0, 2.0)])
-    sel.observe([("k", 2.0, 2.0)])
+    sel.update([("k", 1.0, 2.0)])
+    sel.update([("k", 2.0, 2.0)])
     assert sel.rate["k"] == 0.75  # first sets 0.5, then 0.5 * 0.5 + 0.5 * 1
     rows = [{"prompt": p} for p in ("a", "b", "c")]
-    sel.observe([(prompt_key("a"), 0.0, 4.0), (prompt_key("b"), 2.0, 4.0), (prompt_key("c"), 4.0, 4.0)])
+    sel.update([(prompt_key("a"), 0.0, 4.0), (prompt_key("b"), 2.0, 4.0), (prompt_key("c"), 4.0, 4.0)])
     assert sel.select(rows, 1, seed=1, group_size=4) == [1]  # the one at the target difficulty
     other = PassRateCurriculum()
     other.load_state_dict(json.loads(json.dumps(sel.state_dict())))
@@ -113,7 +115,7 @@ def test_pcl_value_probe_learns_and_selects_mid_difficulty():
     first = sel.select(rows, 4, seed=0, group_size=4, features=feats)
     assert sorted(first) == [0, 1, 2, 3]
     assert torch.allclose(sel.predict(feats), torch.full((4,), 0.5))  # zero-initialised probe
-    sel.observe([(prompt_key(f"p{i}"), r * 4, 4.0) for i, r in enumerate([0.0, 0.25, 0.5, 1.0])])
+    sel.update([(prompt_key(f"p{i}"), r * 4, 4.0) for i, r in enumerate([0.0, 0.25, 0.5, 1.0])])
     pred = sel.predict(feats)
     assert pred[0] < 0.2 and pred[3] > 0.8 and abs(float(pred[2]) - 0.5) < 0.1
     assert sel.select(rows, 1, seed=0, group_size=4, features=feats) == [2]
@@ -154,7 +156,7 @@ def test_multi_temperature_interleaves_groups():
     with pytest.raises(ConfigError, match="group_size=1 is smaller than the 2 temperatures"):
         mt.plan(1)
     be = FakeBackend()
-    gen, temps = stage_ops.generate_multi_temperature(be, [[5], [6]], SamplingParams(), mt.plan(3), [1, 2])
+    gen, temps = generate_multi_temperature(be.generate, [[5], [6]], SamplingParams(), mt.plan(3), [1, 2])
     assert sorted(be.calls) == [(2, 1, 1.0), (2, 2, 0.5)]
     # prompt-major rows: prompt 0 -> j = 0 (T 0.5, first sample), 1 (T 1.0), 2 (T 0.5, second sample)
     assert gen.completion_ids[:, 0].tolist() == [50, 100, 51, 60, 110, 61]
@@ -212,11 +214,12 @@ def test_retry_restarts_at_the_failing_step_and_trains_the_suffix():
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
-        stage_ops.check_stages(cfg, [(dynamic_sampling, {}, "dynamic_sampling")])
+        sampling.check(cfg, stages.build_all(stages.FILTER_KINDS, cfg.filters))
     cfg = load_config(None, ["rollout.group_size=1"])
-    assert "every advantage is 0" in stage_ops.check_stages(cfg, [])[0]
+    assert "every advantage is 0" in sampling.check(cfg, [stages.build("advantage", "grpo")])[0]
+    assert sampling.check(cfg, [stages.build("advantage", "reinforce_pp")]) == []  # declares no group baseline
     with pytest.raises(ConfigError, match="at most one prompt selector"):
-        stage_ops.check_stages(cfg, [(InSight(), {}, "insight"), (PassRateCurriculum(), {}, "pass_rate_curriculum")])
+        sampling.check(cfg, [stages.build("selector", "insight"), stages.build("selector", "pass_rate_curriculum")])
 
 
 # ----------------------------------------------------------------------------------------------- in the trainer
@@ -245,12 +248,12 @@ def test_dynamic_sampling_regenerates_until_full(model_dir, tmp_path):
     cfg = load_config(None, small(model_dir, tmp_path / "ds", "rewards=[{name: correct}, {name: filters_coin}]",
                                   "filters=[{name: dynamic_sampling, reward: filters_coin, max_attempts: 10}]"))
     tr = Trainer(cfg, tmp_path / "ds")
-    b = tr.rollout(0)
-    tr.score(b)
+    b = tr.batches.rollout(0)
+    tr.scorer.score(b)
     first = group_ranges(b, b.rewards[:, 1])
     assert 0.0 in first  # some groups of the first round carry no signal...
-    out = tr.filter(b)
-    m = tr.stage_metrics
+    out = tr.batches.filter(b)
+    m = tr.batches.metrics
     assert m["filter/attempts"] >= 2 and m["filter/cap_hit"] == 0.0 and m["filter/target_groups"] == 8
     assert m["filter/dropped_groups"] >= first.count(0.0)
     assert out.num_groups == 8 and len(out) == 32 and out.valid.all()  # ...the batch is full again
@@ -262,13 +265,13 @@ def test_dynamic_sampling_cap_uses_raw_reward_and_warns(model_dir, tmp_path, cap
     cfg = load_config(None, small(model_dir, tmp_path / "cap", "rewards=[{name: correct}, {name: filters_coin}]",
                                   "filters=[{name: dynamic_sampling, max_attempts: 3}]"))
     tr = Trainer(cfg, tmp_path / "cap")
-    b = tr.rollout(0)
-    tr.score(b)
+    b = tr.batches.rollout(0)
+    tr.scorer.score(b)
     assert max(group_ranges(b, b.reward)) > 0  # the shaped reward alone would have kept some groups
     with caplog.at_level(logging.WARNING, logger="postrl.filters"):
-        out = tr.filter(b)
+        out = tr.batches.filter(b)
     assert "kept 0 of 8 groups after 3 generation rounds (max_attempts=3)" in caplog.text
-    m = tr.stage_metrics
+    m = tr.batches.metrics
     assert m["filter/cap_hit"] == 1.0 and m["filter/attempts"] == 3 and m["filter/padded_groups"] == 8
     assert m["filter/dropped_groups"] == 24
     assert out.num_groups == 8 and len(out) == 32 and not out.valid.any()  # full shape, masked out of the update
@@ -308,11 +311,11 @@ def test_rollout_options_train_end_to_end(model_dir, tmp_path):
                                   "{name: range_filter, reward: filters_coin, low: 0.0, high: 1.0, max_attempts: 2}]",
                                   "advantage.name=rl_zvp"))
     tr = Trainer(cfg, out)
-    b = tr.rollout(0)
+    b = tr.batches.rollout(0)
     assert b.extra["temperature"].tolist()[:4] == pytest.approx([0.7, 1.3, 0.7, 1.3])
-    tr.score(b)
+    tr.scorer.score(b)
     n0 = b.num_groups
-    f = tr.filter(b)
+    f = tr.batches.filter(b)
     assert f.extra["branch"].any() and f.num_groups >= n0  # branched and retried groups were added
     tr.advantages(f)
     assert torch.isfinite(f.advantages).all()

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from postrl import registry
+from postrl.pipeline import call_stage
+from postrl.stages import StepEnd
+from postrl.stages import reads as _reads
 from postrl.losses import (AdaptiveEntropy, EntropySmoothing, KLController, check_aggregation, cispo, clip_cov,
                            dispo, dr_grpo, entropy_band, entropy_bonus, f_divergence, gmpo, gpg, gspo, kl_abs,
                            kl_abs_st, kl_cov, kl_k1, kl_k1_st, kl_k2, kl_k3, kl_k3_st, kl_reward_penalty, lp_reg,
-                           ppo_clip, sapo, seq_mean_token_mean, seq_mean_token_sum, stage_fields, tis_weights,
+                           ppo_clip, sapo, seq_mean_token_mean, seq_mean_token_sum, tis_weights,
                            token_mean, top_entropy_tokens)
 
 LOG = math.log
@@ -334,8 +337,6 @@ ALL_LOSSES = ["ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip
 
 
 def _call(name, logp, old, adv, mask):
-    from postrl.pipeline import call_stage
-
     return call_stage(registry.get("loss", name), {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask}, {})
 
 
@@ -481,18 +482,18 @@ def test_entropy_bonus_and_adaptive_entropy():
     assert torch.equal(entropy_bonus(h), -h)
     reg = AdaptiveEntropy(target=0.3, delta=0.01, init=0.0, max_alpha=0.015)
     assert num(reg(h).abs().sum()) == 0.0
-    reg.end_step({"entropy": 0.5})  # above target: alpha stays at its floor 0
+    reg.end_step(StepEnd({"entropy": 0.5}))  # above target: alpha stays at its floor 0
     assert reg.alpha == 0.0
-    reg.end_step({"entropy": 0.1})
-    reg.end_step({"entropy": 0.1})  # below target twice: +0.01 then capped at 0.015
+    reg.end_step(StepEnd({"entropy": 0.1}))
+    reg.end_step(StepEnd({"entropy": 0.1}))  # below target twice: +0.01 then capped at 0.015
     assert reg.alpha == pytest.approx(0.015)
     assert torch.allclose(reg(h), -0.015 * h)
-    reg.end_step({"entropy": 0.4})
+    reg.end_step(StepEnd({"entropy": 0.4}))
     assert reg.alpha == pytest.approx(0.005)
     other = AdaptiveEntropy()
     other.load_state_dict(reg.state_dict())
     assert other.alpha == reg.alpha
-    assert stage_fields(AdaptiveEntropy) == {"entropy"} and stage_fields(other) == {"entropy"}
+    assert _fields(AdaptiveEntropy) == {"entropy"} and _fields(other) == {"entropy"}
 
 
 def test_top_entropy_tokens_matches_trl_quantile_rule():
@@ -533,9 +534,9 @@ def test_entropy_smoothing_band_and_history():
     ent = torch.tensor([[1.5, 0.5]], requires_grad=True)
     mask = torch.ones(1, 2)
     assert num(reg(ent, mask).abs().sum()) == 0.0  # no history yet
-    reg.end_step({"entropy": 1.0})
-    reg.end_step({"entropy": 0.6})
-    reg.end_step({"entropy": 0.8})  # window 2: history [0.6, 0.8] -> reference 0.7
+    reg.end_step(StepEnd({"entropy": 1.0}))
+    reg.end_step(StepEnd({"entropy": 0.6}))
+    reg.end_step(StepEnd({"entropy": 0.8}))  # window 2: history [0.6, 0.8] -> reference 0.7
     assert reg.reference == pytest.approx(0.7)
     r = reg(ent, mask)  # batch mean 1.0 > 0.7 * 1.1: s = +1, R = H - 0.7
     assert torch.allclose(r, torch.tensor([[0.8, -0.2]]), atol=1e-6)
@@ -573,9 +574,9 @@ def test_regularizers_registered_with_fields():
     names = set(registry.names("regularizer"))
     assert {"f_divergence", "entropy_bonus", "adaptive_entropy", "top_entropy_tokens", "entropy_band", "lp_reg",
             "entropy_smoothing"} <= names
-    assert stage_fields(f_divergence) == {"logp", "old_logp", "ref_logp"}
-    assert stage_fields(lp_reg) == {"logits", "advantages"}
-    assert stage_fields(gspo) == {"logp", "old_logp", "advantages", "mask"}
+    assert _fields(f_divergence) == {"logp", "old_logp", "ref_logp"}
+    assert _fields(lp_reg) == {"logits", "advantages"}
+    assert _fields(gspo) == {"logp", "old_logp", "advantages", "mask"}
 
 
 def test_loss_kl_regularizer_config_validation():
@@ -597,3 +598,7 @@ def test_loss_kl_regularizer_config_validation():
         load_config(None, ["loss.tis.level=tokens"])
     with pytest.raises(ConfigError, match="unknown aggregation"):
         load_config(None, ["loss.agg=token-mean"])
+
+
+def _fields(fn) -> set:
+    return set(_reads(fn))

@@ -99,10 +99,10 @@ def test_each_regularizer_trains_without_nan(model_dir, tmp_path, name, spec):
     tr = make(model_dir, tmp_path / name, f"regularizers=[{spec}]", *one_epoch)
     reg = tr.cfg.regularizers[0].name
     # fields are computed only when a stage needs them
-    assert ("entropy" in tr.loss_fields) == (reg in ("entropy_bonus", "adaptive_entropy", "top_entropy_tokens",
+    assert ("entropy" in tr.objective.reads) == (reg in ("entropy_bonus", "adaptive_entropy", "top_entropy_tokens",
                                                        "entropy_band", "entropy_smoothing"))
-    assert tr.entropy_grad == (reg in ("entropy_bonus", "adaptive_entropy", "entropy_band", "entropy_smoothing"))
-    assert ("logits" in tr.loss_fields) == (reg == "lp_reg")
+    assert tr.objective.entropy_grad == (reg in ("entropy_bonus", "adaptive_entropy", "entropy_band", "entropy_smoothing"))
+    assert ("logits" in tr.objective.reads) == (reg == "lp_reg")
     assert (tr.ref_model is not None) == (reg == "f_divergence")
     m = run_steps(tr)
     if reg == "top_entropy_tokens":
@@ -110,7 +110,7 @@ def test_each_regularizer_trains_without_nan(model_dir, tmp_path, name, spec):
     elif reg == "adaptive_entropy":
         # the alpha each step used: init 0, then +delta (entropy below the target of 10 nats)
         assert m[0][f"reg/{reg}/alpha"] == 0.0 and m[1][f"reg/{reg}/alpha"] == pytest.approx(0.01)
-        assert tr.regularizers[0][0].alpha == pytest.approx(0.02)
+        assert tr.objective.regularizers[0].fn.alpha == pytest.approx(0.02)
     else:
         assert f"reg/{reg}" in m[0]
     if reg == "entropy_smoothing":
@@ -121,7 +121,7 @@ def test_each_regularizer_trains_without_nan(model_dir, tmp_path, name, spec):
 
 def test_default_run_keeps_entropy_a_diagnostic(model_dir, tmp_path):
     tr = make(model_dir, tmp_path / "plain")
-    assert tr.loss_fields == {"logp", "old_logp", "advantages"} and tr.ref_model is None and not tr.entropy_grad
+    assert tr.objective.reads == {"logp", "old_logp", "advantages"} and tr.ref_model is None and not tr.objective.entropy_grad
 
 
 @pytest.mark.parametrize("tis", ["level=token", "level=sequence", "level=token,mode=mask,cap=1.01"])
@@ -166,11 +166,11 @@ def test_adaptive_kl_and_regularizer_state_survive_checkpoint(model_dir, tmp_pat
     m = run_steps(tr)
     # step 1: KL = 0 -> error clipped to -0.2: coef * (1 - 0.2 * 16 / 8); step 2: KL >> target -> * (1 + 0.4)
     assert m[0]["kl_coef"] == 0.2 and m[1]["kl_coef"] == pytest.approx(0.2 * 0.6)
-    assert tr.kl_ctrl.value == pytest.approx(0.2 * 0.6 * 1.4)
+    assert tr.objective.kl_ctrl.value == pytest.approx(0.2 * 0.6 * 1.4)
     tr.save(2)
     again = make(model_dir, out, *extra)
-    assert again.kl_ctrl.value == 0.2  # a fresh run starts from kl.coef
+    assert again.objective.kl_ctrl.value == 0.2  # a fresh run starts from kl.coef
     resumed = Trainer(again.cfg, out, resume=True)
-    assert resumed.kl_ctrl.value == pytest.approx(tr.kl_ctrl.value)
-    assert resumed.regularizers[0][0].alpha == pytest.approx(0.02)
-    assert resumed.regularizers[1][0].history == pytest.approx(tr.regularizers[1][0].history)
+    assert resumed.objective.kl_ctrl.value == pytest.approx(tr.objective.kl_ctrl.value)
+    assert resumed.objective.regularizers[0].fn.alpha == pytest.approx(0.02)
+    assert resumed.objective.regularizers[1].fn.history == pytest.approx(tr.objective.regularizers[1].fn.history)

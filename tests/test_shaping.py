@@ -12,7 +12,8 @@ import torch
 from postrl import registry
 from postrl.pipeline import call_stage
 from postrl.rewards.steps import split_steps, step_lengths, step_token_ends
-from postrl.shaping import build_stage, load_stages_state, stages_state, weighted_sum
+from postrl.shaping import weighted_sum
+from postrl.stages import StepEnd, build, load_state, reads, state_of
 from postrl.shaping.length import (AdaptiveLengthCoef, LaserD, conciseness_gated, cosine_length, grpo_lambda,
                                    kimi_length, laser, overlong_soft, step_length_regularizer, truncation_penalty)
 from postrl.shaping.process import clip_prm, delta_prm, gated, min_form, potential
@@ -32,6 +33,15 @@ def close(a, b, tol=1e-6):
 
 
 # ------------------------------------------------------------------------------------------------ transforms
+
+
+def stepped(stage, *args):
+    """One training step of a stateful stage: its call, its observation of the same fields, its end of step."""
+    names = reads(stage)
+    out = stage(*args)
+    call_stage(stage.observe, dict(zip(names, args)), {})
+    stage.end_step(StepEnd())
+    return out
 
 
 def test_par_hand_values_bounded_monotone():
@@ -59,8 +69,8 @@ def test_centered_group_mean_excludes_nan():
 def test_running_norm_matches_full_sample_and_state_round_trip():
     rn = RunningNorm()
     a, b = T([[1.0], [2.0], [nan], [3.0]]), T([[10.0], [0.0]])
-    rn(a, ["r"])
-    out = rn(b, ["r"])["rewards"][:, 0]
+    stepped(rn, a, ["r"])
+    out = stepped(rn, b, ["r"])["rewards"][:, 0]
     allv = torch.tensor([1.0, 2.0, 3.0, 10.0, 0.0], dtype=torch.float64)
     mu, sd = allv.mean(), allv.std(unbiased=False)
     close(out, (torch.tensor([10.0, 0.0], dtype=torch.float64) - mu) / (sd + 1e-8), 1e-5)
@@ -86,10 +96,10 @@ def test_ensembles_hand_values():
 def test_dataset_median_maps_median_to_target():
     dm = DatasetMedian(key="task", target=0.5)
     r = T([[0.0], [2.0], [4.0], [10.0], [20.0], [30.0]])
-    out = dm(r, ["r"], {"task": ["a", "a", "a", "b", "b", "b"]})["rewards"][:, 0]
+    out = stepped(dm, r, ["r"], {"task": ["a", "a", "a", "b", "b", "b"]})["rewards"][:, 0]
     # a: lo 0, med 2, hi 4 -> 0, 0.5, 1 ; b: lo 10, med 20, hi 30 -> 0, 0.5, 1
     close(out, [0.0, 0.5, 1.0, 0.0, 0.5, 1.0])
-    out = dm(T([[1.0]]), ["r"], {"task": ["a"]})["rewards"][:, 0]  # window a = [0, 2, 4, 1]: med 1.5
+    out = stepped(dm, T([[1.0]]), ["r"], {"task": ["a"]})["rewards"][:, 0]  # window a = [0, 2, 4, 1]: med 1.5
     close(out, [0.5 * (1.0 - 0.0) / 1.5])
     st = dm.state_dict()
     assert st["history"]["r|a"] == [0.0, 2.0, 4.0, 1.0]
@@ -204,11 +214,11 @@ def test_laser_d_difficulty_targets_adapt():
     # group 0 (easy, 4/4 correct): lengths 10, 20, 30, 40 ; group 1 (hard, 1/4 correct): 50 correct
     r = T([[1.0]] * 4 + [[1.0], [0.0], [0.0], [0.0]])
     gids, L = T([0, 0, 0, 0, 1, 1, 1, 1]), T([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0])
-    out = stage(r, ["correct"], T([1.0]), gids, L)
+    out = stepped(stage, r, ["correct"], T([1.0]), gids, L)
     close(out["rewards"][:, 1], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # initial target 100 for all levels
     # easy: ExCR(L) >= 0.5 first at L = 20 (2 of 4) ; hard: accuracy 1/4 < 0.5 -> max_length ; medium unseen
     assert stage.targets == [20, 100, 100] and stage.calls == 1
-    out = stage(r, ["correct"], T([1.0]), gids, L)
+    out = stepped(stage, r, ["correct"], T([1.0]), gids, L)
     close(out["rewards"][:4, 1], [1.0, 1.0, 0.0, 0.0])
     st = json.loads(json.dumps(stage.state_dict()))
     s2 = LaserD(alpha=1.0, max_length=100, update_every=1, coverage=0.5)
@@ -256,15 +266,45 @@ def test_conciseness_gated():
 def test_adaptive_length_coef_rises_and_relaxes():
     st = AdaptiveLengthCoef(max_length=10, lambda_init=0.0, lr=0.5, target_accuracy=0.5)
     hi, lo = T([[1.0], [1.0]]), T([[0.0], [0.0]])
-    close(st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [0.0, 0.0])
+    close(stepped(st, hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [0.0, 0.0])
     assert st.lam == pytest.approx(0.25)  # 0 + 0.5 * (1 - 0.5)
-    close(st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [-0.125, -0.25])
+    close(stepped(st, hi, ["correct"], T([1.0]), T([5.0, 10.0]))["rewards"][:, 1], [-0.125, -0.25])
     assert st.lam == pytest.approx(0.5)
-    st(lo, ["correct"], T([1.0]), T([5.0, 10.0]))
+    stepped(st, lo, ["correct"], T([1.0]), T([5.0, 10.0]))
     assert st.lam == pytest.approx(0.25)  # accuracy dropped: relaxed
     for _ in range(5):
-        st(lo, ["correct"], T([1.0]), T([5.0, 10.0]))
+        stepped(st, lo, ["correct"], T([1.0]), T([5.0, 10.0]))
     assert st.lam == 0.0
+    st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))
+    st(hi, ["correct"], T([1.0]), T([5.0, 10.0]))
+    assert st.lam == 0.0  # calls read lambda; only the end of a step moves it
+
+
+@pytest.mark.parametrize("name, state", [("adaptive_length_coef", "lam"), ("running_norm", "stats"),
+                                         ("laser_d", "targets"), ("dataset_median", "history")])
+def test_stateful_shaping_changes_state_once_per_step(name, state):
+    """However often a step calls a stage (refill rounds, greedy baselines), its state moves at end_step only, by
+    the batches it observed: three observed calls then one end of step equal one call on their union."""
+    params = {"laser_d": {"update_every": 1, "max_length": 100}}.get(name, {})
+    parts = [T([[1.0], [1.0], [0.0], [1.0]]), T([[1.0], [0.0], [1.0], [1.0]]), T([[1.0], [1.0], [1.0], [1.0]])]
+    def fields(r):
+        return {"rewards": r, "reward_names": ["correct"], "reward_weights": T([1.0]), "group_ids": T([0, 0, 1, 1]),
+                "lengths": T([3.0, 9.0, 4.0, 6.0]), "columns": {"task": ["a", "a", "b", "b"]}}
+    many, one = build("shaping", name, params), build("shaping", name, params)
+    before = json.dumps(many.state_dict())
+    for r in parts:
+        many(fields(r))
+        many.observe(fields(r))
+    assert json.dumps(many.state_dict()) == before  # nothing moved during the step
+    many.end_step(StepEnd())
+    union = fields(torch.cat(parts))
+    union.update(group_ids=T([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]), lengths=T([3.0, 9.0, 4.0, 6.0] * 3),
+                 columns={"task": ["a", "a", "b", "b"] * 3})
+    one(union)
+    one.observe(union)
+    one.end_step(StepEnd())
+    assert json.dumps(many.state_dict(), sort_keys=True) != before
+    assert getattr(many.fn, state) == getattr(one.fn, state)
 
 
 def test_step_length_regularizer_hand_value():
@@ -319,17 +359,20 @@ def test_every_methods_md_shaping_entry_is_registered_with_a_docstring():
 
 
 def test_stage_state_helpers_and_call_stage_with_class():
-    stages = [build_stage("shaping", "running_norm", {}), build_stage("shaping", "weighted_sum", {})]
+    stages = [build("shaping", "running_norm", {}), build("shaping", "weighted_sum", {})]
     batch = {"rewards": T([[1.0], [3.0]]), "reward_names": ["r"], "reward_weights": T([1.0])}
-    out = call_stage(stages[0][0], batch, stages[0][1])
+    out = stages[0](batch)
     close(out["rewards"][:, 0], [-1.0, 1.0], 1e-6)
-    st = stages_state(stages)
+    assert state_of(stages) == {"0:running_norm": {"stats": {}}}  # a call reads the state, never changes it
+    stages[0].observe(batch)
+    stages[0].end_step(StepEnd())
+    st = state_of(stages)
     assert list(st) == ["0:running_norm"] and st["0:running_norm"]["stats"]["r"] == [2.0, 2.0, 2.0]
-    fresh = [build_stage("shaping", "running_norm", {}), build_stage("shaping", "weighted_sum", {})]
-    load_stages_state(fresh, json.loads(json.dumps(st)))
-    assert fresh[0][0].stats == stages[0][0].stats
+    fresh = [build("shaping", "running_norm", {}), build("shaping", "weighted_sum", {})]
+    load_state(fresh, json.loads(json.dumps(st)))
+    assert fresh[0].fn.stats == stages[0].fn.stats
     with pytest.raises(ValueError, match="clip"):
-        build_stage("shaping", "running_norm", {"clip": -1})
+        build("shaping", "running_norm", {"clip": -1})
     close(weighted_sum(T([[1.0, nan]]), T([1.0, 0.0]))["reward"], [nan])  # failed component is excluded
 
 
@@ -368,8 +411,8 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
                "shaping=[{name: min_form}, {name: running_norm, sources: [correct]}, {name: kimi_length}, "
                "{name: weighted_sum}]")
     tr = Trainer(cfg, out)
-    batch = tr.rollout(0)
-    info = tr.score(batch)
+    batch = tr.batches.rollout(0)
+    info = tr.scorer.score(batch)
     n = len(batch)
     assert batch.reward_names == ["correct", "steps_prm", "kimi_length"]
     assert batch.extra["raw_reward_names"] == ("correct", "steps_prm") and batch.raw_rewards.shape == (len(batch), 2)
@@ -390,7 +433,7 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     saved = state["shaping"]["1:running_norm"]["stats"]["correct"]
     assert saved[0] == 3 * n  # the score() above + two training steps, merged into the running statistics
     tr2 = Trainer(cfg, out, resume=True)
-    assert tr2.shaping[1][0].stats["correct"] == pytest.approx(saved)
+    assert tr2.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
 
 
 @registry.register("reward", "half_none", source="test: fails on every other completion")
@@ -403,9 +446,9 @@ def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
 
     out = tmp_path / "run"
     tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_none}]", "reward.alarm_rate=0.25"), out)
-    batch = tr.rollout(0)
+    batch = tr.batches.rollout(0)
     with caplog.at_level("WARNING", logger="postrl.rewards"):
-        info = tr.score(batch)
+        info = tr.scorer.score(batch)
     assert info["failure_rate"] == {"correct": 0.0, "half_none": 0.5}
     assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
     alarms = [r.getMessage() for r in caplog.records if "half_none" in r.getMessage()]

@@ -105,6 +105,31 @@ class RolloutBatch:
                 out[f.name] = v
         return RolloutBatch(**out)
 
+    def masked(self) -> "RolloutBatch":
+        """The same rows with ``valid`` False: no statistic, advantage 0, no loss (padding that keeps shapes)."""
+        self.valid = torch.zeros(len(self), dtype=torch.bool)
+        return self
+
+    def group_order(self) -> list[int]:
+        """Distinct group ids in order of first appearance."""
+        return list(dict.fromkeys(self.group_ids.tolist()))
+
+    def take_groups(self, gids: list[int]) -> "RolloutBatch":
+        """The rows of the groups ``gids``."""
+        keep = torch.isin(self.group_ids, torch.tensor(gids, dtype=self.group_ids.dtype))
+        return self.select(torch.nonzero(keep).flatten())
+
+    def pad_rows(self, n: int) -> "RolloutBatch":
+        """Append masked copies of the last rows (each its own new group) until the batch has ``n`` rows."""
+        extra = n - len(self)
+        if extra <= 0:
+            return self
+        pad = self.select(torch.arange(len(self) - 1, len(self) - 1 - extra, -1).remainder(len(self))).masked()
+        pad.group_ids = torch.arange(extra) + int(self.group_ids.max()) + 1
+        out = RolloutBatch.concat([self, pad])
+        out.group_ids = torch.cat([self.group_ids, pad.group_ids])
+        return out
+
     @staticmethod
     def concat(batches: list["RolloutBatch"], pad_id: int = 0) -> "RolloutBatch":
         """Concatenate batches row-wise, re-padding prompts (left) and completions (right); group ids are kept

@@ -353,6 +353,7 @@ def check_stages(cfg: Config) -> None:
     """Every stage name must exist and every parameter must be one the stage accepts."""
     from postrl import registry
     from postrl.data import load_source
+    from postrl.stages import FILTER_KINDS
 
     for i, r in enumerate(cfg.rewards):
         registry.entry("reward", r.name)
@@ -364,8 +365,7 @@ def check_stages(cfg: Config) -> None:
         registry.entry("shaping", s.name)
         registry.check_params("shaping", s.name, s.params, where=f"shaping.{i}")
     for i, s in enumerate(cfg.filters):
-        registry.entry("filter", s.name)
-        registry.check_params("filter", s.name, s.params, where=f"filters.{i}")
+        registry.check_params(FILTER_KINDS, s.name, s.params, where=f"filters.{i}")
     registry.entry("advantage", cfg.advantage.name)
     registry.check_params("advantage", cfg.advantage.name, cfg.advantage.params, where="advantage")
     registry.entry("loss", cfg.loss.name)

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from postrl.errors import ConfigError
 
-KINDS = ("reward", "shaping", "filter", "advantage", "loss", "regularizer", "aggregation", "task")
+KINDS = ("reward", "shaping", "filter", "selector", "sampling", "expansion", "advantage", "loss", "regularizer",
+         "aggregation", "task")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Entry:
     fn: Any
     description: str
     source: str
+    needs: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
@@ -48,11 +50,14 @@ def _check_kind(kind: str) -> None:
         raise ConfigError(f"unknown stage kind '{kind}'; valid kinds: {', '.join(KINDS)}")
 
 
-def register(kind: str, name: str | None = None, *, source: str = "", description: str | None = None) -> Callable:
+def register(kind: str, name: str | None = None, *, source: str = "", description: str | None = None,
+             needs: tuple[str, ...] = ()) -> Callable:
     """Decorator registering ``fn`` under ``kind``/``name`` (default: the function's name).
 
     ``source`` names the paper or anchor the method comes from; ``description`` defaults to the docstring's
-    first line. Registering a name twice replaces the earlier entry only if it is the same object (re-import).
+    first line; ``needs`` declares what the stage requires of the run, checked at start-up
+    (:func:`postrl.stages.check`): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
+    sandbox). Registering a name twice replaces the earlier entry only if it is the same object (re-import).
     """
     _check_kind(kind)
 
@@ -61,7 +66,7 @@ def register(kind: str, name: str | None = None, *, source: str = "", descriptio
         old = _REGISTRY[kind].get(key)
         if old is not None and getattr(old.fn, "__qualname__", None) != getattr(fn, "__qualname__", None):
             raise ValueError(f"{kind} '{key}' is already registered by {old.fn!r}")
-        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source)
+        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source, tuple(needs))
         return fn
 
     return deco
@@ -98,14 +103,23 @@ def names(kind: str) -> list[str]:
 
 def entry(kind: str, name: str) -> Entry:
     """The registry entry for ``name``; ``module.path:attr`` imports a user's stage."""
-    _check_kind(kind)
+    return find(kind, name)
+
+
+def find(kinds: str | tuple[str, ...], name: str) -> Entry:
+    """The entry for ``name`` in the first of ``kinds`` that registers it (an import path resolves in the first
+    kind); the error lists the names of every kind."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    for k in kinds:
+        _check_kind(k)
     _load_builtins()
-    if name in _REGISTRY[kind]:
-        return _REGISTRY[kind][name]
+    for k in kinds:
+        if name in _REGISTRY[k]:
+            return _REGISTRY[k][name]
     if ":" in name:
-        return _import_path(kind, name)
-    valid = ", ".join(names(kind)) or "(none)"
-    raise ConfigError(f"unknown {kind} '{name}'; valid: {valid} (or an import path 'module:function')")
+        return _import_path(kinds[0], name)
+    valid = ", ".join(sorted(n for k in kinds for n in _REGISTRY[k])) or "(none)"
+    raise ConfigError(f"unknown {'/'.join(kinds)} '{name}'; valid: {valid} (or an import path 'module:function')")
 
 
 def get(kind: str, name: str) -> Any:
@@ -118,12 +132,13 @@ def all_entries() -> list[Entry]:
     return [e for k in KINDS for e in sorted(_REGISTRY[k].values(), key=lambda e: e.name)]
 
 
-def check_params(kind: str, name: str, params: dict[str, Any], where: str) -> None:
+def check_params(kind: str | tuple[str, ...], name: str, params: dict[str, Any], where: str) -> None:
     """Raise ConfigError if ``params`` holds a keyword the stage does not accept.
 
     Stages declare their parameters as keyword-only arguments (after ``*``); that is the whole schema.
     """
-    fn = get(kind, name)
+    entry = find(kind, name)
+    kind, fn = entry.kind, entry.fn
     target = fn.__init__ if inspect.isclass(fn) else fn
     sig = inspect.signature(target)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):

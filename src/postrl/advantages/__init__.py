@@ -82,7 +82,7 @@ def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
     return mean[inv], var.sqrt()[inv], cnt[inv]
 
 
-@register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards")
+@register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards", needs=("groups",))
 def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
          scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), with the unbiased std of the completion's group g.

@@ -18,6 +18,7 @@ import torch
 from postrl import jsonstate
 from postrl.advantages import masked_whiten, valid_mask
 from postrl.registry import register
+from postrl.stages import StepEnd, Stateful
 
 
 def token_rewards(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ def gae_advantages_returns(rewards: torch.Tensor, values: torch.Tensor, mask: to
 
 @register("advantage", "gae", source="GAE (Schulman et al. 2016) with a value head, as in PPO/InstructGPT; "
           "verl adv_estimator=gae")
-class GAE:
+class GAE(Stateful):
     """GAE(gamma, lambda) advantages from a value head on the policy's hidden states (PPO's critic).
 
     Token rewards: the outcome reward r_i on the last completion token, 0 elsewhere. delta_t = r_t + gamma V_{t+1}
@@ -69,7 +70,8 @@ class GAE:
     0.5 * token-mean of max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) with c = ``value_clip`` 0.5 (verl
     ``critic.cliprange_value``), ``value_epochs`` 4 full-batch AdamW steps at ``value_lr`` 1e-3 per RL step.
     Matches verl ``compute_gae_advantage_return`` given the same values. Any group size (G = 1 included).
-    Shapes: reward [N], values [N, T], completion_mask [N, T], valid [N] -> [N, T].
+    Shapes: reward [N], completion_hidden [N, T, H], completion_mask [N, T], valid [N] -> [N, T] (``estimate``:
+    values [N, T] in place of the hidden states). The head is fitted once per step, in ``end_step``.
     """
 
     def __init__(self, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, value_lr: float = 1e-3,
@@ -88,10 +90,20 @@ class GAE:
         self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
         self.head: torch.nn.Linear | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self._fit_on: tuple | None = None
 
     # ---------------------------------------------------------------------------------------- the estimator
-    def __call__(self, reward: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor,
+    def __call__(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Advantages [N, T] from the value head's V on ``completion_hidden`` [N, T, H] (the policy's last hidden
+        state at each completion position); the batch is kept for the head's fit at the end of the step."""
+        values = self.values(completion_hidden)
+        self._fit_on = (completion_hidden, reward, completion_mask, valid, values)
+        return self.estimate(reward, values, completion_mask, valid)
+
+    def estimate(self, reward: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        """GAE advantages [N, T] given the values [N, T]."""
         v = valid_mask(reward, valid)
         mask = completion_mask.float() * v.unsqueeze(-1)
         r = torch.where(v, reward.float(), torch.zeros_like(reward, dtype=torch.float32))
@@ -99,6 +111,14 @@ class GAE:
         if self.whiten:
             adv = masked_whiten(adv, mask)
         return (adv * mask).to(torch.float32)
+
+    def end_step(self, step: StepEnd) -> dict:
+        """Fit the value head on the step's batch (once per step; gradients averaged over processes)."""
+        if self._fit_on is None:
+            return {}
+        hidden, reward, mask, valid, values = self._fit_on
+        self._fit_on = None
+        return self.fit(hidden, reward, mask, valid, values, all_reduce=step.all_reduce_mean)
 
     # ---------------------------------------------------------------------------------------- the value head
     def _make_head(self, hidden: int) -> None:

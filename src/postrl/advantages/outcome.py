@@ -21,7 +21,7 @@ def _out(adv: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 @register("advantage", "dr_grpo", source="Understanding R1-Zero-Like Training (Dr. GRPO); verl "
-          "norm_adv_by_std_in_grpo=False; TRL scale_rewards='none'")
+          "norm_adv_by_std_in_grpo=False; TRL scale_rewards='none'", needs=("groups",))
 def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = r_i - mean_g r (no division by the group std).
 
@@ -34,7 +34,7 @@ def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor |
 
 
 @register("advantage", "rloo", source="Back to Basics: REINFORCE-style optimization (RLOO, Ahmadian et al. 2024); "
-          "verl adv_estimator=rloo")
+          "verl adv_estimator=rloo", needs=("groups",))
 def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = r_i - (sum_{j != i} r_j) / (n - 1) = n / (n - 1) * (r_i - mean_g r), n = valid rows of the group.
 
@@ -86,7 +86,7 @@ def reinforce_pp(reward: torch.Tensor, completion_mask: torch.Tensor, valid: tor
 
 
 @register("advantage", "reinforce_pp_baseline", source="REINFORCE++ (Hu et al. 2025), group-baseline variant; "
-          "verl adv_estimator=reinforce_plus_plus_baseline")
+          "verl adv_estimator=reinforce_plus_plus_baseline", needs=("groups",))
 def reinforce_pp_baseline(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
                           valid: torch.Tensor | None = None) -> torch.Tensor:
     """c_i = r_i - mean_g r, then whitened over all valid tokens of the batch (each row weighs its length):
@@ -129,7 +129,7 @@ def remax(reward: torch.Tensor, greedy_reward: torch.Tensor, valid: torch.Tensor
 
 
 @register("advantage", "opo", source="On-Policy RL with Optimal Reward Baseline (OPO, Hao et al. 2025); "
-          "verl adv_estimator=opo")
+          "verl adv_estimator=opo", needs=("groups",))
 def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
         valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = r_i - b_g, b_g = sum_j |o_j| r_j / sum_j |o_j| over the valid completions of the group.
@@ -151,7 +151,7 @@ def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
 
 
 @register("advantage", "gpg", source="GPG: A Simple and Strong Reinforcement Learning Baseline (Chu et al. 2025); "
-          "verl adv_estimator=gpg")
+          "verl adv_estimator=gpg", needs=("groups",))
 def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
         f_norm: float = 1.0, count: str = "nonzero_reward") -> torch.Tensor:
     """A_i = alpha * (r_i - mean_g r) / f_norm, alpha = B / max(1, M).
@@ -181,7 +181,7 @@ def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
 
 
 @register("advantage", "pass_at_k", source="Pass@k Training (Chen et al. 2025, arXiv:2503.19595); "
-          "verl adv_estimator=grpo_passk")
+          "verl adv_estimator=grpo_passk", needs=("groups",))
 def pass_at_k(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
               scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """Only the best completion of each group gets a non-zero advantage: A_best = (r_max - r_second) / (std_g + eps)

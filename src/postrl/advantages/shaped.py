@@ -21,7 +21,7 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------ GDPO
 @register("advantage", "gdpo", source="GDPO: Group reward-Decoupled Normalization Policy Optimization; "
-          "TRL multi_objective_aggregation='normalize_then_sum'")
+          "TRL multi_objective_aggregation='normalize_then_sum'", needs=("groups",))
 def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.Tensor,
          valid: torch.Tensor | None = None, *, eps: float = 1e-4, batch_norm: bool = True) -> torch.Tensor:
     """z-score every reward component within its group, sum with the weights, then normalise over the batch.
@@ -56,7 +56,7 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
 
 
 # ------------------------------------------------------------------------------------------------------ role-aware
-@register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning")
+@register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning", needs=("groups",))
 def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
                columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
                role_weights: dict | None = None, eps: float = 1e-6) -> torch.Tensor:
@@ -120,7 +120,7 @@ def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 # ------------------------------------------------------------------------------------------------------ RL-ZVP
 @register("advantage", "rl_zvp", source="No Prompt Left Behind: Exploiting Zero-Variance Prompts in LLM RL via "
-          "Entropy-Guided Advantage Shaping (RL-ZVP)")
+          "Entropy-Guided Advantage Shaping (RL-ZVP)", needs=("groups",))
 def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor, token_entropy: torch.Tensor,
            valid: torch.Tensor | None = None, *, alpha: float = 0.1, threshold: float = 0.5,
            eps: float = 1e-6) -> torch.Tensor:
@@ -153,7 +153,7 @@ def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch
 
 # ------------------------------------------------------------------------------------------------------ ProGRPO/ARM
 @register("advantage", "confidence_scaled", source="Back to Basics: Revisiting Exploration in RL for LLM Reasoning "
-          "via Generative Probabilities (ProGRPO / ARM)")
+          "via Generative Probabilities (ProGRPO / ARM)", needs=("groups",))
 def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor,
                       completion_mask: torch.Tensor, prompt_logprob: torch.Tensor, valid: torch.Tensor | None = None,
                       *, gamma: float = 1.0, min_scale: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
@@ -194,7 +194,7 @@ def group_lower_quantile(x: torch.Tensor, group_ids: torch.Tensor, v: torch.Tens
 
 
 @register("advantage", "riskpo", source="RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM "
-          "Post-Training")
+          "Post-Training", needs=("groups",))
 def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, alpha: float = 0.25,
            omega: float = 0.5, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """GRPO on the Mixed-VaR utility u_i = omega * psi_alpha(r_i) / alpha + (1 - omega) * r_i.
@@ -221,7 +221,7 @@ def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
 
 
 # ------------------------------------------------------------------------------------------------------ AEM
-@register("advantage", "aem", source="AEM: Adaptive Entropy Modulation for Multi-Turn Agentic Reinforcement Learning")
+@register("advantage", "aem", source="AEM: Adaptive Entropy Modulation for Multi-Turn Agentic Reinforcement Learning", needs=("groups",))
 def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
         valid: torch.Tensor | None = None, *, beta: float = 0.2, eps: float = 1e-6) -> torch.Tensor:
     """A_i = A_i^GRPO * max(0, 1 + beta * sign(A_i^GRPO) * z_i), z_i = relative response surprisal in the group.
@@ -247,7 +247,7 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
 
 
 # ------------------------------------------------------------------------------------------------------ IGPO
-@register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)")
+@register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)", needs=("groups",))
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
                      valid: torch.Tensor | None = None, *, ig_weight: float = 1.0, answer_column: str = "answer",
                      eps: float = 1e-6) -> torch.Tensor:

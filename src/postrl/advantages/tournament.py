@@ -33,7 +33,7 @@ def _load_judge(judge: str) -> Callable:
 
 
 @register("advantage", "rank_tournament", source="ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based "
-          "Relative Ranking")
+          "Relative Ranking", needs=("groups",))
 def rank_tournament(reward: torch.Tensor, group_ids: torch.Tensor, prompts: list, completions: list,
                     valid: torch.Tensor | None = None, *, judge: str | None = None, seed: int = 0,
                     eps: float = 1e-6) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Data filters and prompt selection (registered under kind ``filter``; config ``filters: [...]``).
+"""Data filters and prompt selection (kinds ``filter`` and ``selector``; config ``filters: [...]``).
 
-Three kinds of entries, told apart by what they provide (the trainer calls each hook once per step, see
-``Trainer.rollout`` / ``Trainer.filter``):
+Two kinds of stages, each with its own protocol (``postrl.stages``; the step's batch is assembled by
+``postrl.train.sampling``, which calls each hook once per step):
 
-* keep-mask filters (functions): ``fn(<batch fields>, *, <params>) -> bool [N]`` on the scored batch; rows with
+* keep-mask filters (kind ``filter``, functions): ``fn(<batch fields>, *, <params>) -> bool [N]`` on the scored batch; rows with
   False are dropped. A filter with a ``max_attempts`` parameter asks the trainer to *refill*: it generates more
   prompts (fresh prompts drawn with a seed derived from (seed, step, attempt)), scores and filters them, until the
   batch holds as many groups as an unfiltered batch would, or ``max_attempts`` generation rounds were made. When the
@@ -12,11 +12,11 @@ Three kinds of entries, told apart by what they provide (the trainer calls each 
   DDP every process ends with the same number of rows (the trainer also pads the shortest process with masked
   copies of rows when expansions make the counts differ); nothing silently shrinks.
   They judge the RAW reward column (``reward``, default ``correct``), never the shaped scalar reward.
-* prompt selectors (classes with ``select``): choose the step's prompts from a candidate pool of
+* prompt selectors (kind ``selector``, :class:`PromptSelector`): choose the step's prompts from a candidate pool of
   ``pool_factor`` x ``prompts_per_step`` rows, before any rollout. Their running statistics are updated by
-  ``observe`` with the per-group outcomes of every process (gathered), so every process holds the same state and
+  ``update`` with the per-group outcomes of every process (gathered), so every process holds the same state and
   makes the same selection; the state is saved in checkpoints (``state_dict`` / ``load_state_dict``).
-* rollout options (``postrl.data.rollout_options``): multi_temperature, cure_branching, retry_from_failure.
+The rollout options (kinds ``sampling`` and ``expansion``) are in ``postrl.data.rollout_options``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from postrl import jsonstate
 from postrl.advantages import group_index, group_sum
 from postrl.data.base import stable_hash
 from postrl.registry import register
+from postrl.stages import Stateful
 
 
 def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
@@ -59,7 +60,8 @@ def _group_moments(x: torch.Tensor, group_ids: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------ keep masks
-@register("filter", "dynamic_sampling", source="DAPO (Yu et al. 2025) dynamic sampling; verl algorithm.filter_groups")
+@register("filter", "dynamic_sampling", source="DAPO (Yu et al. 2025) dynamic sampling; verl algorithm.filter_groups",
+          needs=("groups",))
 def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
                      raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
                      reward: str = "correct", max_attempts: int = 10) -> torch.Tensor:
@@ -108,7 +110,7 @@ def prompt_key(prompt: str) -> str:
     return format(stable_hash(prompt), "016x")
 
 
-class PromptSelector:
+class PromptSelector(Stateful):
     """Shared parts of the selectors: the candidate pool, per-group outcome summaries, deterministic ties."""
 
     needs_prompt_features = False
@@ -146,7 +148,7 @@ class PromptSelector:
         return {}
 
 
-@register("filter", "pass_rate_curriculum", source="online difficulty curricula (running pass rate per prompt)")
+@register("selector", "pass_rate_curriculum", source="online difficulty curricula (running pass rate per prompt)")
 class PassRateCurriculum(PromptSelector):
     """Sample the step's prompts from a pool with weight exp(-(p_q - target)^2 / (2 width^2)), p_q = running pass rate.
 
@@ -170,7 +172,7 @@ class PassRateCurriculum(PromptSelector):
         gen = torch.Generator().manual_seed(seed % (2**63))
         return torch.multinomial(w, k, replacement=False, generator=gen).tolist()
 
-    def observe(self, summaries: list) -> None:
+    def update(self, summaries: list) -> None:
         for key, s, n in summaries:
             acc = s / n
             old = self.rate.get(key)
@@ -207,7 +209,7 @@ def beta_mutual_information(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.T
     return h_y - n * e_h
 
 
-@register("filter", "insight",
+@register("selector", "insight",
           source="Efficient RLVR Training via Weighted Mutual Information Data Selection (InSight)")
 class InSight(PromptSelector):
     """Pick the pool prompts with the largest weighted mutual information between the next group and the success rate.
@@ -246,7 +248,7 @@ class InSight(PromptSelector):
         self._last_score = float(score[idx].mean()) if idx else 0.0
         return idx
 
-    def observe(self, summaries: list) -> None:
+    def update(self, summaries: list) -> None:
         for key, s, n in summaries:
             old = self.post.get(key, [0.0, 0.0])
             self.post[key] = [self.decay * old[0] + s, self.decay * old[1] + (n - s)]
@@ -261,7 +263,7 @@ class InSight(PromptSelector):
         self.post = {k: list(v) for k, v in state.get("post", {}).items()}
 
 
-@register("filter", "pcl", source="Prompt Curriculum Learning for Efficient LLM Post-Training (PCL)")
+@register("selector", "pcl", source="Prompt Curriculum Learning for Efficient LLM Post-Training (PCL)")
 class PromptCurriculum(PromptSelector):
     """Choose the pool prompts whose predicted success rate is closest to ``target``, with a learned value model.
 
@@ -308,7 +310,7 @@ class PromptCurriculum(PromptSelector):
         self._stats["filter/pcl/predicted"] = float(pred[idx].mean()) if idx else 0.0
         return idx
 
-    def observe(self, summaries: list) -> None:
+    def update(self, summaries: list) -> None:
         pairs = [(self._features[key], s / n) for key, s, n in summaries if key in self._features]
         self._features = {}  # the features of this step's selections
         if not pairs or self.head is None:

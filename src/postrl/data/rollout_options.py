@@ -1,7 +1,9 @@
-"""Rollout options (registered under kind ``filter``; config ``filters: [...]``).
+"""Rollout options (kinds ``sampling`` and ``expansion``; config ``filters: [...]``).
 
-* ``multi_temperature``: the trainer samples the completions of a group across several temperatures.
-* ``cure_branching`` / ``retry_from_failure``: after scoring, ``expand(batch, ctx)`` returns new groups that are
+* ``multi_temperature`` (kind ``sampling``, protocol ``plan(group_size) -> temperatures``): the completions of a
+  group are sampled across several temperatures.
+* ``cure_branching`` / ``retry_from_failure`` (kind ``expansion``, :class:`postrl.stages.Expansion`): after
+  scoring, ``expand(batch, ctx)`` returns new groups that are
   generated from a prefix of existing completions (the prefix becomes part of the prompt, so only the continuation
   is trained on); the trainer scores them and appends them to the batch. ``ctx`` (:class:`ExpandContext`) gives
   the stage a generation callback with the run's sampling parameters; the stage never touches the trainer.
@@ -14,7 +16,7 @@ of the prompt) and ``extra['completion_prefix']`` (the prefix text).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -24,6 +26,8 @@ from postrl.batch import RolloutBatch
 from postrl.data.filters import raw_column
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.rollout.base import Generation, SamplingParams
+from postrl.stages import Expansion
 from postrl.rollout.hf import left_pad
 
 
@@ -40,7 +44,7 @@ class ExpandContext:
     pad_id: int = 0
 
 
-@register("filter", "multi_temperature", source="On the Role of Temperature Sampling in Test-Time Scaling")
+@register("sampling", "multi_temperature", source="On the Role of Temperature Sampling in Test-Time Scaling")
 class MultiTemperature:
     """Sample each group across several temperatures: completion j of a prompt uses temperatures[j mod m].
 
@@ -65,9 +69,6 @@ class MultiTemperature:
             raise ConfigError(f"filters.multi_temperature: rollout.group_size={group_size} is smaller than the "
                               f"{len(self.temperatures)} temperatures; every temperature needs a completion")
         return [self.temperatures[j % len(self.temperatures)] for j in range(group_size)]
-
-    def validate(self, cfg) -> None:
-        self.plan(cfg.rollout.group_size)
 
 
 def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
@@ -132,9 +133,9 @@ def _first_per_group(candidate: torch.Tensor, group_ids: torch.Tensor, k: int) -
     return sorted(idx[order][rank < k].tolist())
 
 
-@register("filter", "cure_branching", source="CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse "
+@register("expansion", "cure_branching", source="CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse "
           "Prevention")
-class CureBranching:
+class CureBranching(Expansion):
     """Re-generate from the highest-entropy token of completions and train on the original and the branched groups.
 
     "CURE" (stage 1): for the first ``branches`` (default 1) completions of every group, the critical token is the
@@ -145,7 +146,7 @@ class CureBranching:
     CURE's second stage (plain DAPO training) is a second run without this option.
     """
 
-    needs = ("token_entropy",)
+    reads = ("token_entropy",)
 
     def __init__(self, *, branches: int = 1, group_size: int | None = None):
         if branches < 1 or (group_size is not None and group_size < 1):
@@ -166,9 +167,9 @@ class CureBranching:
         return branch_batch(batch, rows, [int(cut[i]) for i in rows], self.group_size or ctx.group_size, ctx)
 
 
-@register("filter", "retry_from_failure", source="R^3L: Reflect-then-Retry Reinforcement Learning with Language-Guided "
+@register("expansion", "retry_from_failure", source="R^3L: Reflect-then-Retry Reinforcement Learning with Language-Guided "
           "Exploration, Pivotal Credit, and Positive Amplification")
-class RetryFromFailure:
+class RetryFromFailure(Expansion):
     """Restart sampling from the step where a failed completion went wrong; train only on the diverging suffix.
 
     After "R^3L: Reflect-then-Retry RL" (restart from identified failure points; Pivotal Credit Assignment trains
@@ -215,3 +216,43 @@ class RetryFromFailure:
         cuts = torch.where(last_delim >= 0, last_delim + 1, t_max if not self.delimiter else torch.zeros_like(t_max))
         retries = self.retries or max(ctx.group_size - 1, 1)
         return branch_batch(batch, rows, cuts.tolist(), retries, ctx, keep_original=True)
+
+
+def generate_multi_temperature(generate: Callable, prompt_ids: list[list[int]], params: SamplingParams,
+                               temps: list[float], seeds: list[int], pad_id: int = 0):
+    """Generate G = len(temps) completions per prompt, completion j at temps[j], with ``generate(prompt_ids, n,
+    params, seeds)`` (a generation backend's); returns (Generation, [N] temperature of each row)."""
+    G, n_prompts = len(temps), len(prompt_ids)
+    by_t: dict[float, list[int]] = {}
+    for j, t in enumerate(temps):
+        by_t.setdefault(t, []).append(j)
+    parts = {}
+    for t, js in by_t.items():
+        s = [(x + int(round(t * 1000)) * 104729) % (2**62) for x in seeds]
+        parts[t] = (js, generate(prompt_ids, len(js), replace(params, temperature=t), s))
+    width = max(g.completion_ids.shape[1] for _, g in parts.values())
+    P = max(g.prompt_ids.shape[1] for _, g in parts.values())
+    N = n_prompts * G
+    pad = int(pad_id or 0)
+    comp = torch.full((N, width), pad, dtype=torch.long)
+    lp, mask = torch.zeros((N, width)), torch.zeros((N, width))
+    pids = torch.full((N, P), pad, dtype=torch.long)
+    pmask = torch.zeros((N, P), dtype=torch.long)
+    trunc = torch.zeros(N, dtype=torch.bool)
+    texts: list[str] = [""] * N
+    row_t = torch.zeros(N)
+    for t, (js, g) in parts.items():
+        k = len(js)
+        for c, j in enumerate(js):
+            src = torch.arange(n_prompts) * k + c
+            dst = torch.arange(n_prompts) * G + j
+            w = g.completion_ids.shape[1]
+            comp[dst, :w], lp[dst, :w], mask[dst, :w] = g.completion_ids[src], g.logprobs[src], g.completion_mask[src]
+            pids[dst, P - g.prompt_ids.shape[1]:] = g.prompt_ids[src]
+            pmask[dst, P - g.prompt_ids.shape[1]:] = g.prompt_mask[src]
+            trunc[dst] = g.truncated[src]
+            row_t[dst] = t
+            for a, b in zip(src.tolist(), dst.tolist()):
+                texts[b] = g.texts[a]
+    return Generation(prompt_ids=pids, prompt_mask=pmask, completion_ids=comp, completion_mask=mask, logprobs=lp,
+                      truncated=trunc, texts=texts), row_t

@@ -36,18 +36,22 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 class Diagnostics:
-    def __init__(self, trainer):
-        self.t = trainer
-        cfg = trainer.cfg
+    """The run's diagnostics. ``cfg``: the run's config; ``objective``: the training objective
+    (``postrl.losses.objective``), which the sharpness probe differentiates; ``main`` / ``rank`` / ``device``: this
+    process. The model and optimizer reach the probe at each call (``after_reduce``); nothing holds the trainer."""
+
+    def __init__(self, cfg, run_dir, objective=None, *, main: bool = True, rank: int = 0, device="cpu"):
+        self.run_cfg, self.objective = cfg, objective
+        self.main, self.rank, self.device = main, rank, device
         self.cfg = cfg.diagnostics
-        self.run_dir = Path(trainer.run_dir)
+        self.run_dir = Path(run_dir)
         run_config = cfg.model_dump(mode="json")
         self.watch = Watchdog(run_config, cfg.diagnostics)
         self.alarm_log: dict[str, dict] = {}
         # a resumed run replays its (already truncated) logs through the monitors, so that their windows and
         # patience counts continue exactly as in the uninterrupted run
-        logged = _read_jsonl(self.run_dir / "metrics.jsonl") if trainer.main else []
-        evals = sorted(_read_jsonl(self.run_dir / "eval.jsonl") if trainer.main else [],
+        logged = _read_jsonl(self.run_dir / "metrics.jsonl") if main else []
+        evals = sorted(_read_jsonl(self.run_dir / "eval.jsonl") if main else [],
                        key=lambda e: int(e.get("step", 0)))
         for m in logged:
             while evals and int(evals[0].get("step", 0)) < int(m.get("step", 0)):
@@ -57,7 +61,7 @@ class Diagnostics:
             self.watch.observe_eval(e)
         self.skipped_total = int(sum(float(m.get("nan_guard/skipped", 0) or 0) for m in logged))
         self.sinks = []
-        if trainer.main and cfg.logging.sinks:
+        if main and cfg.logging.sinks:
             from postrl.report.sinks import make_sinks
 
             self.sinks = make_sinks(list(cfg.logging.sinks), self.run_dir, run_config,
@@ -102,7 +106,7 @@ class Diagnostics:
         if self.cfg.nan_guard.save_batches and self._saved is None:
             d = self.run_dir / "bad_batches"
             d.mkdir(parents=True, exist_ok=True)
-            name = f"step-{step + 1}.pt" if self.t.rank == 0 else f"step-{step + 1}-rank{self.t.rank}.pt"
+            name = f"step-{step + 1}.pt" if self.rank == 0 else f"step-{step + 1}-rank{self.rank}.pt"
             from dataclasses import fields
 
             torch.save({f.name: getattr(batch, f.name) for f in fields(batch)} | {"step": step + 1,
@@ -115,7 +119,7 @@ class Diagnostics:
         out: dict[str, float] = {}
         ntok_c = float(batch.completion_mask.sum())
         ntok = ntok_c + float(batch.prompt_mask.sum())
-        cfg = self.t.cfg
+        cfg = self.run_cfg
         frozen = (cfg.kl.coef > 0) + (cfg.train.epochs > 1 or cfg.train.mini_batches > 1)  # frozen forward passes
         phases = {"generation": ("time/generation", ntok_c), "reward": ("time/reward", ntok_c),
                   "update": ("time/update", ntok * cfg.train.epochs)}
@@ -137,15 +141,16 @@ class Diagnostics:
         out["grad_norm/max"] = self._gn_max if self._gn_max > -math.inf else nan
         out["nan_guard/skipped"] = float(self.skipped)
         out["nan_guard/skipped_total"] = float(self.skipped_total)
-        out.update(memory_metrics(self.t.acc.device))
+        out.update(memory_metrics(self.device))
         return out
 
-    def after_reduce(self, step: int, batch, metrics: dict) -> dict:
-        """Main process only: sharpness, alarms (``metrics['alarms']``), sinks."""
+    def after_reduce(self, step: int, batch, metrics: dict, model=None, optimizer=None) -> dict:
+        """Main process only: sharpness (of ``model`` under ``optimizer``'s preconditioner), alarms
+        (``metrics['alarms']``), sinks."""
         eos = self.cfg.edge_of_stability
         if self.cfg.enabled and eos.enabled and eos.every and (step + 1) % eos.every == 0 and len(batch):
             t0 = time.perf_counter()
-            measured = self.sharpness(batch)
+            measured = self.sharpness(batch, model, optimizer)
             if measured:  # (none before Adam has seen a non-zero gradient)
                 metrics.update(measured)
                 metrics["time/sharpness"] = time.perf_counter() - t0  # not in time/step: the probe's own cost
@@ -201,34 +206,33 @@ class Diagnostics:
                        for k, v in fx.items()}
 
     # ------------------------------------------------------------------------------------------ sharpness
-    def sharpness(self, batch) -> dict:
-        """Top eigenvalue of the (Adam-preconditioned) Hessian of the training loss on a small fixed batch.
+    def sharpness(self, batch, model, optimizer) -> dict:
+        """Top eigenvalue of the (Adam-preconditioned) Hessian of the training objective on a small fixed batch.
 
         The batch is fixed at the first call: up to ``diagnostics.edge_of_stability.batch_size`` rows of that
-        step, rows with a non-zero advantage first, with their advantages. The objective is the configured policy
-        loss and aggregation on it as a single-pass update sees it, i.e. with the old policy = the current one
-        (``old_logp = logp.detach()``, ratio 1 at the point of measurement); the negative log-likelihood of the
-        completions when every advantage is zero.
+        step, rows with a non-zero advantage first, with their advantages and every field the objective reads. The
+        objective is the run's (``postrl.losses.objective``, the same object the update differentiates) as a
+        single-pass update sees it, i.e. with the old policy = the current one (``old_logp = logp.detach()``,
+        ratio 1 at the point of measurement); the negative log-likelihood of the completions when every advantage
+        is zero (the objective is then flat).
         """
         from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
         from postrl.models import completion_logprobs
-        from postrl.pipeline import call_stage
 
-        t, p = self.t, self.cfg.edge_of_stability
-        model = t.policy
-        dev = t.acc.device
-        temp = t.cfg.rollout.temperature or 1.0
+        p = self.cfg.edge_of_stability
+        obj = self.objective
+        temp = self.run_cfg.rollout.temperature or 1.0
         if self._fixed is None:
             adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages.mean(-1)
             score = adv.abs() * batch.valid.float()
             order = torch.argsort(score, descending=True, stable=True)[:p.batch_size]
-            fx = {k: getattr(batch, k)[order] for k in ("prompt_ids", "prompt_mask", "completion_ids", "advantages")}
-            fx["mask"] = batch.completion_mask[order] * batch.valid[order].unsqueeze(-1).float()
+            fx = {k: getattr(batch, k)[order] for k in ("prompt_ids", "prompt_mask", "completion_ids")}
+            fx.update({k: v for k, v in obj.batch_fields(batch, order).items() if v is not None})
             fx["nll"] = bool(float(fx["advantages"].abs().max()) < 1e-8)
             self._fixed = fx
-        fx = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in self._fixed.items()}
+        fx = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in self._fixed.items()}
         params = [q for q in model.parameters() if q.requires_grad]
-        opt = getattr(t.optimizer, "optimizer", t.optimizer)
+        opt = getattr(optimizer, "optimizer", optimizer)
         pre = adam_preconditioner(opt, params)
         if pre is not None:
             precond, beta1, lr = pre
@@ -241,25 +245,21 @@ class Diagnostics:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.MATH]):  # fused attention kernels have no double backward
-            logp, _ = completion_logprobs(model, fx["prompt_ids"], fx["prompt_mask"], fx["completion_ids"], temp)
-        w = t.agg_fn(fx["mask"], max_len=t.cfg.rollout.max_new_tokens)
-        loss = None
-        if not fx["nll"]:
-            old = logp.detach()
-            fields = {"logp": logp, "old_logp": old, "advantages": fx["advantages"], "mask": fx["mask"],
-                      "lengths": fx["mask"].sum(-1), "sampler_logp": old, "entropy": None, "logits": None,
-                      "ref_logp": None}
-            try:
-                loss_mat, _ = call_stage(t.loss_fn, fields, t.cfg.loss.params, what=f"loss '{t.cfg.loss.name}'")
-                loss = (w * loss_mat).sum()
-            except Exception:  # noqa: BLE001 - a loss reading fields this probe does not have: fall back to NLL
-                loss = None
-        if loss is None:
+            out = completion_logprobs(model, fx["prompt_ids"], fx["prompt_mask"], fx["completion_ids"], temp,
+                                      with_entropy=True, entropy_grad=obj.entropy_grad,
+                                      return_logits="logits" in obj.reads)
+        logp, ent = out[0], out[1]
+        w = obj.weights(fx["mask"])
+        if fx["nll"]:
             loss = -(w * logp).sum()
-        lam = top_eigenvalue(loss, params, iters=p.iters, precond=precond, seed=t.cfg.seed)
+        else:
+            fields = {k: v for k, v in fx.items() if k not in ("prompt_ids", "prompt_mask", "completion_ids", "nll")}
+            fields.update(logp=logp, old_logp=logp.detach(), entropy=ent, logits=out[2] if len(out) > 2 else None)
+            fields.setdefault("sampler_logp", logp.detach())
+            loss = obj(fields, w)[0]
+        lam = top_eigenvalue(loss, params, iters=p.iters, precond=precond, seed=self.run_cfg.seed)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
         thr = stability_threshold(lr, beta1)
         return {"stability/sharpness": lam, "stability/threshold": thr, "stability/ratio": lam / thr,
                 "stability/lr": lr, "stability/preconditioned": 1.0 if precond is not None else 0.0}
-

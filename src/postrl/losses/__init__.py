@@ -19,7 +19,6 @@ The aggregation table (postrl / verl ``loss_agg_mode`` / TRL ``loss_type``) is i
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from postrl.losses.aggregation import (SEQUENCE_AGGREGATIONS, dr_grpo, seq_mean_token_mean, seq_mean_token_sum,
@@ -37,26 +36,8 @@ __all__ = [
     "kl_k1", "kl_k2", "kl_k3", "kl_abs", "kl_k1_st", "kl_k3_st", "kl_abs_st", "straight_through",
     "kl_reward_penalty", "KLController", "tis_weights",
     "entropy_bonus", "AdaptiveEntropy", "top_entropy_tokens", "entropy_band", "EntropySmoothing", "lp_reg",
-    "f_divergence", "stage_fields", "check_aggregation", "make_stage",
+    "f_divergence", "check_aggregation",
 ]
-
-
-def stage_fields(fn: Any) -> set[str]:
-    """Names of the fields a stage reads: its positional parameters (``__call__``'s for a class instance,
-    ``__init__`` is configuration)."""
-    target = fn.__call__ if inspect.isclass(fn) else fn
-    params = list(inspect.signature(target).parameters.values())
-    if inspect.isclass(fn):
-        params = params[1:]  # self
-    return {p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-
-def make_stage(fn: Any, params: dict) -> tuple[Any, dict]:
-    """(callable, call-time params): a class is instantiated with its parameters (stateful stage); a function
-    is returned as is with its parameters passed at every call."""
-    if inspect.isclass(fn):
-        return fn(**params), {}
-    return fn, dict(params)
 
 
 def check_aggregation(loss_name: str, loss_fn: Any, agg: str) -> str | None:

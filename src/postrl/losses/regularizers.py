@@ -5,9 +5,10 @@ A regulariser reads per-token fields by positional parameter name (``logp``, ``o
 applied; computed only when a stage asks for it), ``sampler_logp``, ``lengths``) and returns either
 - a tensor R [N, T]: the trainer adds ``coef * sum(w * R)`` to the loss (w = the aggregation's weights), or
 - a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``.
-A stateful regulariser is a class: ``__init__`` takes the keyword parameters, ``__call__`` the fields;
-``end_step(stats)`` runs once per training step with the step's metrics reduced over processes (``entropy`` =
-aggregated token entropy), and ``state_dict`` / ``load_state_dict`` put its state in the checkpoint.
+A stateful regulariser is a :class:`postrl.stages.Stateful` class: ``__init__`` takes the keyword parameters,
+``__call__`` the fields; ``end_step(step)`` runs once per training step with the step's metrics reduced over
+processes (``step.metrics['entropy']`` = aggregated token entropy) and returns the values the step used, and
+``state_dict`` / ``load_state_dict`` put its state in the checkpoint.
 A stage that only selects on a field lists it in ``no_grad_fields`` (the trainer then computes it without
 gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as verl and TRL do per batch they see.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from postrl.registry import register
+from postrl.stages import StepEnd, Stateful
 
 
 def _top_quantile_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, what: str) -> torch.Tensor:
@@ -43,7 +45,7 @@ def entropy_bonus(entropy: torch.Tensor) -> torch.Tensor:
 
 
 @register("regularizer", "adaptive_entropy", source="Skywork Open Reasoner 1 (adaptive entropy control)")
-class AdaptiveEntropy:
+class AdaptiveEntropy(Stateful):
     """R_t = -alpha H_t with alpha adapted toward a target entropy (after Skywork-OR1's adaptive entropy control).
 
     After each step, with H the step's aggregated token entropy:
@@ -62,12 +64,14 @@ class AdaptiveEntropy:
     def __call__(self, entropy: torch.Tensor) -> torch.Tensor:
         return -self.alpha * entropy
 
-    def end_step(self, stats: dict) -> None:
-        h = stats.get("entropy")
+    def end_step(self, step: StepEnd) -> dict:
+        h = step.metrics.get("entropy")
+        used = {"alpha": self.alpha}  # the value this step used
         if h is None or h != h:  # no measurement (or NaN): keep alpha
-            return
-        step = self.delta if h < self.target else (-self.delta if h > self.target else 0.0)
-        self.alpha = min(max(self.alpha + step, 0.0), self.max_alpha)
+            return used
+        d = self.delta if h < self.target else (-self.delta if h > self.target else 0.0)
+        self.alpha = min(max(self.alpha + d, 0.0), self.max_alpha)
+        return used
 
     def state_dict(self) -> dict:
         return {"alpha": self.alpha}
@@ -108,7 +112,7 @@ def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2, l
 
 @register("regularizer", "entropy_smoothing", source="EPO: Entropy-regularized Policy Optimization for LLM Agents "
           "Reinforcement Learning")
-class EntropySmoothing:
+class EntropySmoothing(Stateful):
     """Keep the policy's entropy near its running historical mean (after EPO's entropy smoothing regulariser).
 
     H_hist = mean of the last ``window`` steps' aggregated token entropies; H_b = mean token entropy of the
@@ -139,11 +143,13 @@ class EntropySmoothing:
         s = 0.0 if abs(hb - ref) <= self.band * ref else (1.0 if hb > ref else -1.0)
         return s * (entropy - ref)
 
-    def end_step(self, stats: dict) -> None:
-        h = stats.get("entropy")
-        if h is None or h != h:
-            return
-        self.history = (self.history + [float(h)])[-self.window:]
+    def end_step(self, step: StepEnd) -> dict:
+        h = step.metrics.get("entropy")
+        ref = self.reference
+        used = {"reference": ref} if ref is not None else {}  # the value this step used
+        if h is not None and h == h:
+            self.history = (self.history + [float(h)])[-self.window:]
+        return used
 
     def state_dict(self) -> dict:
         return {"history": list(self.history)}

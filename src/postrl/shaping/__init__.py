@@ -8,18 +8,16 @@ that add a named column also set ``reward_names`` and ``reward_weights``; proces
 Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo, dataset_median), ``process``
 (clip_prm, delta_prm, min_form, gated, potential), ``length`` (overlong_soft, truncation_penalty, laser, laser_d,
 grpo_lambda, kimi_length, cosine_length, conciseness_gated, adaptive_length_coef, step_length_regularizer).
-Stateful stages are classes (built once per run by :func:`build_stage`) with ``state_dict`` /
-``load_state_dict``; the trainer saves their state in the checkpoint.
+Stateful stages are classes (:class:`postrl.stages.Stateful`, built once per run by :func:`postrl.stages.build`):
+``__call__`` reads the state, ``observe`` records the step's batches, ``end_step`` updates the state once per step;
+their state travels with the checkpoint.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
 
 import torch
 
-from postrl import registry
 from postrl.registry import register
 
 
@@ -32,26 +30,6 @@ def weighted_sum(rewards: torch.Tensor, reward_weights: torch.Tensor) -> dict:
     Anchor: TRL ``reward_weights`` (TRL instead treats None as NaN and uses ``nansum``; postrl excludes).
     """
     return {"reward": (rewards * reward_weights.to(rewards.dtype)).sum(-1)}
-
-
-def build_stage(kind: str, name: str, params: dict) -> tuple[Any, dict, str]:
-    """(callable, call params, name) for a configured stage: a class is instantiated once with its params."""
-    fn = registry.get(kind, name)
-    if inspect.isclass(fn):
-        return fn(**params), {}, name
-    return fn, dict(params), name
-
-
-def stages_state(stages: list[tuple[Any, dict, str]]) -> dict:
-    """JSON-serialisable state of the stateful stages, keyed '<position>:<name>'."""
-    return {f"{i}:{name}": fn.state_dict() for i, (fn, _, name) in enumerate(stages) if hasattr(fn, "state_dict")}
-
-
-def load_stages_state(stages: list[tuple[Any, dict, str]], state: dict | None) -> None:
-    for i, (fn, _, name) in enumerate(stages):
-        key = f"{i}:{name}"
-        if hasattr(fn, "load_state_dict") and state and key in state:
-            fn.load_state_dict(state[key])
 
 
 from postrl.shaping import length, process, transforms  # noqa: E402,F401  (register the stages)

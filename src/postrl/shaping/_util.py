@@ -1,8 +1,7 @@
-"""Helpers shared by the shaping stages: column lookup, appended columns, group statistics, stage state."""
+"""Helpers shared by the shaping stages: column lookup, appended columns, group statistics."""
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -87,20 +86,3 @@ def process_column(reward_names: list[str], step_reward_source: str | None, sour
     if name is None:
         raise ValueError(f"shaping '{stage}': no reward source returned step scores; set 'source'")
     return col(reward_names, name, stage)
-
-
-class Stateful:
-    """Base of shaping stages that keep state across steps; the state travels with the checkpoint.
-
-    Subclasses list the attribute names of their state in ``_state`` (JSON-serialisable values).
-    """
-
-    _state: tuple[str, ...] = ()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: copy.deepcopy(getattr(self, k)) for k in self._state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in self._state:
-            if k in state:
-                setattr(self, k, copy.deepcopy(state[k]))

@@ -14,8 +14,9 @@ import math
 import torch
 
 from postrl.registry import register
-from postrl.shaping._util import (NAN, Stateful, append_column, col, cols, correctness, group_index, group_minmax,
+from postrl.shaping._util import (NAN, append_column, col, cols, correctness, group_index, group_minmax,
                                   with_column)
+from postrl.stages import StepEnd, Stateful
 from postrl.rewards.steps import step_lengths
 
 
@@ -96,7 +97,7 @@ class LaserD(Stateful):
     """LASER-D: the LASER bonus with a target length per difficulty level, adapted during training.
 
     S_i = alpha * 1[correct_i] * 1[L_i <= L_A(d_i)]. Difficulty d_i from the group's accuracy: easy (>= 2/3),
-    medium, hard (< 1/3) (``difficulty_cuts``). Every ``update_every`` calls, each level's target becomes the
+    medium, hard (< 1/3) (``difficulty_cuts``). Every ``update_every`` steps, each level's target becomes the
     smallest length L such that the expected-correct-response ratio ExCR(L) = P(correct and length <= L) over the
     level's completions seen since the last update reaches ``coverage`` (default 0.3); a level whose accuracy
     stays below ``coverage`` gets ``max_length`` (no pressure on hard questions). Before the first update every
@@ -122,7 +123,8 @@ class LaserD(Stateful):
         t0 = int(initial_target if initial_target is not None else max_length)
         self.targets: list[int] = [t0, t0, t0]
         self.seen: list[list[list[float]]] = [[], [], []]  # per level: [length, correct] pairs
-        self.calls = 0
+        self.calls = 0  # steps seen
+        self._seen: list[list[list[float]]] = [[], [], []]  # this step's pairs, kept by end_step
 
     def _update(self) -> None:
         for d in range(3):
@@ -142,13 +144,23 @@ class LaserD(Stateful):
         s = self.alpha * (c & (lengths <= target)).to(torch.float32)
         out = append_column(rewards, reward_names, reward_weights, _nan_where(s, known), self.name, self.weight,
                             "laser_d")
+        return out
+
+    def observe(self, rewards, reward_names, group_ids, lengths) -> None:
+        c, known = correctness(rewards, reward_names, self.source, self.thr, "laser_d")
+        d = _difficulty(c, known, group_ids, self.cuts)
         for lvl in range(3):
             sel = known & (d == lvl)
-            self.seen[lvl].extend([float(L), float(x)] for L, x in zip(lengths[sel].tolist(), c[sel].tolist()))
+            self._seen[lvl].extend([float(L), float(x)] for L, x in zip(lengths[sel].tolist(), c[sel].tolist()))
+
+    def end_step(self, step: StepEnd) -> dict:
+        for lvl in range(3):
+            self.seen[lvl].extend(self._seen[lvl])
+        self._seen = [[], [], []]
         self.calls += 1
         if self.calls % self.update_every == 0:
             self._update()
-        return out
+        return {f"target_{level}": float(t) for level, t in zip(("easy", "medium", "hard"), self.targets)}
 
 
 def _kimi_lambda(lengths, group_ids, known):
@@ -268,9 +280,9 @@ def conciseness_gated(rewards, reward_names, reward_weights, group_ids, lengths,
 class AdaptiveLengthCoef(Stateful):
     """Length penalty whose weight rises while accuracy is high and relaxes when it drops.
 
-    Appended column: p_i = -lambda_t * L_i / max_length. After each batch,
-    lambda_{t+1} = clip(lambda_t + lr * (acc_t - target_accuracy), 0, lambda_max), acc_t = the batch's accuracy
-    (correct rate over completions with a known outcome). After "Thinking Fast and Right" (the abstract gives the
+    Appended column: p_i = -lambda_t * L_i / max_length. After each step,
+    lambda_{t+1} = clip(lambda_t + lr * (acc_t - target_accuracy), 0, lambda_max), acc_t = the step's accuracy
+    (correct rate over the completions with a known outcome of the batches the step trained on). After "Thinking Fast and Right" (the abstract gives the
     direction, not the rule): the additive update toward a target accuracy is an assumption. Defaults:
     max_length=4096, lambda_init=0.0, lr=0.05, target_accuracy=0.7, lambda_max=1.0. State (lambda) is saved with
     the checkpoint.
@@ -286,16 +298,25 @@ class AdaptiveLengthCoef(Stateful):
         self.max_length, self.lr, self.target, self.lam_max = max_length, lr, target_accuracy, lambda_max
         self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
         self.lam = float(lambda_init)
+        self._seen = [0.0, 0.0]  # this step's (correct, known) counts, applied by end_step
 
     def __call__(self, rewards, reward_names, reward_weights, lengths):
         c, known = correctness(rewards, reward_names, self.source, self.thr, "adaptive_length_coef")
         p = -self.lam * lengths.to(torch.float64) / self.max_length
-        out = append_column(rewards, reward_names, reward_weights, _nan_where(p, known), self.name, self.weight,
-                            "adaptive_length_coef")
-        if known.any():
-            acc = float((c & known).sum()) / float(known.sum())
-            self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (acc - self.target)))
-        return out
+        return append_column(rewards, reward_names, reward_weights, _nan_where(p, known), self.name, self.weight,
+                             "adaptive_length_coef")
+
+    def observe(self, rewards, reward_names) -> None:
+        c, known = correctness(rewards, reward_names, self.source, self.thr, "adaptive_length_coef")
+        self._seen[0] += float((c & known).sum())
+        self._seen[1] += float(known.sum())
+
+    def end_step(self, step: StepEnd) -> dict:
+        right, known = self._seen
+        self._seen = [0.0, 0.0]
+        if known:
+            self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (right / known - self.target)))
+        return {"lambda": self.lam}
 
 
 @register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "

@@ -10,7 +10,8 @@ import math
 import torch
 
 from postrl.registry import register
-from postrl.shaping._util import NAN, Stateful, cols, group_mean
+from postrl.shaping._util import NAN, cols, group_mean
+from postrl.stages import StepEnd, Stateful
 
 
 def _ref_values(columns: dict, ref_column: str, name: str, n: int, stage: str) -> list[list[float]]:
@@ -82,8 +83,9 @@ def centered(rewards, reward_names, group_ids, columns=None, *, sources: list[st
 class RunningNorm(Stateful):
     """r' = (r - mu) / (sigma + eps) with the running mean and std of every reward seen so far, per column.
 
-    Each call first merges the batch's valid entries into the running (count, mean, M2) (Chan et al.'s parallel
-    Welford update), then normalises with the updated statistics; sigma is the population std sqrt(M2 / count).
+    The batch's valid entries are merged into the running (count, mean, M2) (Chan et al.'s parallel Welford
+    update) and the batch is normalised with the merged statistics; sigma is the population std sqrt(M2 / count).
+    The merge is kept at the end of the step (``end_step``), with every batch the step trained on, once.
     ``center=False`` skips the subtraction, ``scale=False`` the division; ``clip`` (default None) clips r' to
     [-clip, clip]. Defaults: eps=1e-8. State (count, mean, M2 per column) is saved with the checkpoint.
     """
@@ -96,9 +98,12 @@ class RunningNorm(Stateful):
             raise ValueError(f"running_norm.clip: expected a positive number, got {clip}")
         self.sources, self.center, self.scale, self.eps, self.clip = sources, center, scale, eps, clip
         self.stats: dict[str, list[float]] = {}
+        self._seen: list[tuple[str, torch.Tensor]] = []
 
-    def update(self, name: str, x: torch.Tensor) -> tuple[float, float]:
-        cnt, mean, m2 = self.stats.get(name, [0.0, 0.0, 0.0])
+    @staticmethod
+    def merge(stats: list[float], x: torch.Tensor) -> list[float]:
+        """(count, mean, M2) with the values ``x`` merged in."""
+        cnt, mean, m2 = stats
         x = x.to(torch.float64)
         if x.numel():
             nb, mb = float(x.numel()), float(x.mean())
@@ -108,14 +113,18 @@ class RunningNorm(Stateful):
             mean = mean + delta * nb / tot
             m2 = m2 + m2b + delta * delta * cnt * nb / tot
             cnt = tot
-        self.stats[name] = [cnt, mean, m2]
-        return mean, math.sqrt(m2 / cnt) if cnt else 0.0
+        return [cnt, mean, m2]
+
+    def _columns(self, rewards, reward_names):
+        for k in cols(reward_names, self.sources, "running_norm"):
+            r = rewards[:, k].to(torch.float64)
+            yield k, reward_names[k], r, r[torch.isfinite(r)]
 
     def __call__(self, rewards, reward_names):
         out = rewards.clone()
-        for k in cols(reward_names, self.sources, "running_norm"):
-            r = rewards[:, k].to(torch.float64)
-            mean, std = self.update(reward_names[k], r[torch.isfinite(r)])
+        for k, name, r, ok in self._columns(rewards, reward_names):
+            cnt, mean, m2 = self.merge(self.stats.get(name, [0.0, 0.0, 0.0]), ok)
+            std = math.sqrt(m2 / cnt) if cnt else 0.0
             y = r - mean if self.center else r
             if self.scale:
                 y = y / (std + self.eps)
@@ -123,6 +132,15 @@ class RunningNorm(Stateful):
                 y = y.clamp(-self.clip, self.clip)
             out[:, k] = y.to(out.dtype)
         return {"rewards": out}
+
+    def observe(self, rewards, reward_names) -> None:
+        self._seen.extend((name, ok) for _, name, _, ok in self._columns(rewards, reward_names))
+
+    def end_step(self, step: StepEnd) -> dict:
+        for name, ok in self._seen:
+            self.stats[name] = self.merge(self.stats.get(name, [0.0, 0.0, 0.0]), ok)
+        self._seen = []
+        return {}
 
 
 def _ensemble(rewards, reward_names, reward_weights, sources, name, weight, stage, agg):
@@ -202,38 +220,52 @@ class DatasetMedian(Stateful):
             raise ValueError(f"dataset_median.window: expected >= 1, got {window}")
         self.key, self.target, self.window, self.sources = key, target, window, sources
         self.history: dict[str, list[float]] = {}
+        self._seen: list[tuple[str, list[float]]] = []
 
     def __call__(self, rewards, reward_names, columns):
+        out = rewards.clone()
+        t = self.target
+        for k, lab, rows, values in self._groups(rewards, reward_names, columns):
+            r = rewards[:, k].tolist()
+            hist = (self.history.get(f"{reward_names[k]}|{lab}", []) + values)[-self.window:]
+            if not hist:
+                continue
+            s = sorted(hist)
+            m = len(s)
+            lo, hi = s[0], s[-1]
+            med = s[m // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
+            for i in rows:
+                x = r[i]
+                if not math.isfinite(x):
+                    continue
+                if x <= med:
+                    y = t if med - lo <= 0 else t * (x - lo) / (med - lo)
+                else:
+                    y = t if hi - med <= 0 else t + (1 - t) * (x - med) / (hi - med)
+                out[i, k] = y
+        return {"rewards": out}
+
+    def _groups(self, rewards, reward_names, columns):
+        """(column, dataset label, its rows, their finite rewards) for each column and dataset of the batch."""
         labels = columns.get(self.key)
         if labels is None:
             raise ValueError(f"shaping 'dataset_median': the rows have no '{self.key}' column; columns: "
                              f"{', '.join(columns) or '(none)'}")
-        out = rewards.clone()
-        t = self.target
+        by: dict[str, list[int]] = {}
+        for i, lab in enumerate(labels):
+            by.setdefault(str(lab), []).append(i)
         for k in cols(reward_names, self.sources, "dataset_median"):
             r = rewards[:, k].tolist()
-            by: dict[str, list[int]] = {}
-            for i, lab in enumerate(labels):
-                by.setdefault(str(lab), []).append(i)
             for lab, rows in by.items():
-                hkey = f"{reward_names[k]}|{lab}"
-                hist = self.history.get(hkey, []) + [r[i] for i in rows if math.isfinite(r[i])]
-                hist = hist[-self.window:]
-                self.history[hkey] = hist
-                if not hist:
-                    continue
-                s = sorted(hist)
-                m = len(s)
-                lo, hi = s[0], s[-1]
-                med = s[m // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
-                for i in rows:
-                    x = r[i]
-                    if not math.isfinite(x):
-                        continue
-                    if x <= med:
-                        y = t if med - lo <= 0 else t * (x - lo) / (med - lo)
-                    else:
-                        y = t if hi - med <= 0 else t + (1 - t) * (x - med) / (hi - med)
-                    out[i, k] = y
-        return {"rewards": out}
+                yield k, lab, rows, [r[i] for i in rows if math.isfinite(r[i])]
+
+    def observe(self, rewards, reward_names, columns) -> None:
+        self._seen.extend((f"{reward_names[k]}|{lab}", values)
+                          for k, lab, _, values in self._groups(rewards, reward_names, columns))
+
+    def end_step(self, step: StepEnd) -> dict:
+        for key, values in self._seen:
+            self.history[key] = (self.history.get(key, []) + values)[-self.window:]
+        self._seen = []
+        return {}
 

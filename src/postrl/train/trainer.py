@@ -13,7 +13,6 @@ process takes its share of the step's prompts, gradients are averaged, metrics r
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -24,34 +23,27 @@ from typing import Any, Callable
 
 import torch
 
-from postrl import registry
+from postrl import stages
 from postrl.batch import RolloutBatch
 from postrl.config import Config, dump_yaml
+from postrl.context import ModelContext
 from postrl.data import load_source
-from postrl.data.base import stable_hash
+from postrl.diagnostics.metrics import batch_metrics
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import evaluate
-from postrl.losses import KLController, check_aggregation, kl_reward_penalty, make_stage, stage_fields, tis_weights
-from postrl.models import completion_logprobs, encode_prompt, load_model_and_tokenizer, matmul
-from postrl.pipeline import call_stage
+from postrl.fields import produce
+from postrl.losses import kl_reward_penalty
+from postrl.losses.objective import Objective
+from postrl.models import completion_logprobs, load_model_and_tokenizer, matmul
 from postrl.perf import ThreadPolicy, keep_freed_memory
-from postrl.rewards import RewardContext, score_batch
-from postrl.rewards.core import wants
-from postrl.rewards.steps import split_steps, step_token_ends
+from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
 from postrl.rollout.decoder import decode_library
-from postrl.shaping import build_stage, load_stages_state, stages_state
+from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
-from postrl.data.rollout_options import ExpandContext
-from postrl.train import stage_ops
-
-_HASH_MOD = 2**62
-_reward_log = logging.getLogger("postrl.rewards")
-
-
-def _seed(*parts: Any) -> int:
-    return stable_hash(*parts) % _HASH_MOD
-
+from postrl.train import sampling
+from postrl.train.sampling import derive_seed as _seed
+from postrl.train.scoring import Scorer
 
 def make_scheduler(optimizer, warmup: int, total: int, schedule: str):
     """Linear warmup over ``warmup`` optimizer steps, then constant / linear decay to 0 / cosine decay to 0."""
@@ -125,8 +117,9 @@ class Trainer:
                               f"number of processes ({self.world})")
         self.reporter = reporter
         log = reporter.log if reporter is not None else print
+        self.log = log if self.main else (lambda s: None)
         self.source = load_source(cfg.task.model_dump())
-        path = resolve_model_path(cfg, log=log if self.main else (lambda s: None))
+        path = resolve_model_path(cfg, log=self.log)
         self.model_path = path
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
@@ -145,31 +138,16 @@ class Trainer:
         else:  # on an accelerator the host's thread count is not measured (the CPU probe would time the wrong thing)
             self.threads = ThreadPolicy(cfg.train.threads or torch.get_num_threads())
             self.matmul = "torch"
+        # the stages: objective (loss, KL, regularisers), rewards + shaping, advantage, batch selection
+        self.objective = Objective(cfg)
+        if self.objective.warning:
+            self._warn(self.objective.warning)
         self.ref_model = None
-        self._setup_losses()
-        if "ref_logp" in self.loss_fields:
+        if "ref_logp" in self.objective.reads:
             self.ref_model, _ = load_model_and_tokenizer(path, cfg.model.dtype)
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
             matmul.use_onednn(self.ref_model, self.matmul == "onednn")
-        # stages
-        self.reward_specs = cfg.rewards
-        self.reward_fns = [build_stage("reward", r.name, r.params)[:2] for r in cfg.rewards]  # classes keep state
-        if any(getattr(fn, "__module__", "") == "postrl.rewards.code" or
-               type(fn).__module__ == "postrl.rewards.code" for fn, _ in self.reward_fns):
-            from postrl.sandbox import capabilities
-
-            caps = capabilities()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
-            if caps.get("warning") and reporter is not None and self.main:
-                reporter.log(f"warning: {caps['warning']}")
-        self.reward_weights = torch.tensor(cfg.reward.weights if cfg.reward.weights is not None
-                                           else [r.weight for r in cfg.rewards], dtype=torch.float32)
-        self.shaping = [build_stage("shaping", s.name, s.params) for s in cfg.shaping]  # classes keep state
-        self.filters = [build_stage("filter", s.name, s.params) for s in cfg.filters]  # classes keep state
-        self.advantage_fn, self.advantage_params, _ = build_stage("advantage", cfg.advantage.name,
-                                                                  cfg.advantage.params)
-        self.stage_metrics: dict[str, float] = {}  # filter / value-head metrics of the current step
-        for msg in stage_ops.check_stages(cfg, self.filters):
-            warnings.warn(msg, stacklevel=2)
+        self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
         # optimisation
         torch.manual_seed(cfg.seed)
         decay, no_decay = [], []
@@ -189,7 +167,27 @@ class Trainer:
         self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
         self.backend = self._make_backend()
-        self.backend.start_helpers()  # rollout.processes > 1: helper processes start in the background
+        self.backend.start_helpers()  # rollout.processes > 1: helper generation processes start in the background
+        r = cfg.rollout
+        self.ctx = ModelContext(self.policy, self.tokenizer, self.acc.device, temperature=r.temperature or 1.0,
+                                micro_batch_size=cfg.train.micro_batch_size, chat_template=cfg.model.chat_template,
+                                sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                                        top_p=r.top_p, top_k=r.top_k, stop=list(r.stop)),
+                                generate=self.backend.generate, pad_id=self.backend.pad_id,
+                                score=lambda b: self.scorer.score(b, observe=False))
+        self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
+                                                chat_template=cfg.model.chat_template), self.tokenizer, log=self.log)
+        self.batches = sampling.BatchSource(cfg, self.source, self.ctx, self.scorer, rank=self.rank,
+                                            world=self.world, gather=self._gather,
+                                            max_over_processes=self._max_over_processes, log=self.log)
+        for msg in sampling.check(cfg, [*self.batches.stages, self.advantage]):
+            self._warn(msg)
+        if any("sandbox" in s.needs for s in self.scorer.rewards):
+            from postrl.sandbox import capabilities
+
+            caps = capabilities()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
+            if caps.get("warning"):
+                self.log(f"warning: {caps['warning']}")
         self.start_step = 0
         self.eval_before: dict | None = None
         if resume:
@@ -202,7 +200,8 @@ class Trainer:
         # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         from postrl.diagnostics.hooks import Diagnostics
 
-        self.diag = Diagnostics(self)
+        self.diag = Diagnostics(cfg, self.run_dir, self.objective, main=self.main, rank=self.rank,
+                                device=self.acc.device)
         if resume:
             self.diag.load_state_dict(self._resumed_state.get("diagnostics"))
 
@@ -214,6 +213,10 @@ class Trainer:
         if getattr(self, "_unwrapped", (None, None))[0] is not self.model:
             self._unwrapped = (self.model, self.acc.unwrap_model(self.model))
         return self._unwrapped[1]
+
+    def _warn(self, msg: str) -> None:
+        warnings.warn(msg, stacklevel=3)
+        self.log(f"warning: {msg}")
 
     def _make_backend(self):
         if self.cfg.rollout.backend == "vllm":
@@ -230,8 +233,11 @@ class Trainer:
         except ValueError as e:  # rollout.decode=numpy where numpy cannot decode (not on a CPU, not float32)
             raise ConfigError(f"rollout.decode: {e}") from None
 
-    def _reward_stages(self) -> list[tuple[Any, dict, str]]:
-        return [(fn, params, r.name) for (fn, params), r in zip(self.reward_fns, self.reward_specs)]
+    @property
+    def stateful(self) -> dict[str, list[stages.Stage]]:
+        """The run's stages by checkpoint section (their state is saved and restored together)."""
+        return {"rewards": self.scorer.rewards, "shaping": self.scorer.shaping, "filters": self.batches.stages,
+                "advantage": [self.advantage]}
 
     def _resume(self) -> None:
         last = ckpt.latest_checkpoint(self.run_dir)
@@ -241,197 +247,14 @@ class Trainer:
         self.start_step = int(state["step"])
         self._resumed_state = state
         self.eval_before = state.get("eval_before")
-        load_stages_state(self._reward_stages(), state.get("rewards"))
-        load_stages_state(self.shaping, state.get("shaping"))
-        load_stages_state(self.filters, state.get("filters"))
-        load_stages_state([(self.advantage_fn, {}, self.cfg.advantage.name)], state.get("advantage"))
-        self._load_loss_state(state.get("losses"))
+        for section, group in self.stateful.items():
+            stages.load_state(group, state.get(section))
+        self.objective.load_state_dict(state.get("losses"))
         if self.main:
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 _jsonl_truncate(self.run_dir / name, self.start_step)
 
-    # ------------------------------------------------------------------------------------------------ stages
-    def rollout(self, step: int, attempt: int = 0) -> RolloutBatch:
-        """G completions for each of this process's prompts. ``attempt`` > 0 (a refill, see ``filter``) draws fresh
-        prompts with a seed derived from (seed, step, attempt). A prompt selector (pass_rate_curriculum, insight,
-        pcl) picks the step's prompts from a pool of pool_factor x prompts_per_step rows (every process makes the
-        same choice and takes its share); multi_temperature samples each group across its temperatures."""
-        cfg = self.cfg
-        P, G = cfg.train.prompts_per_step, cfg.rollout.group_size
-        per_rank = P // self.world
-        seed = cfg.seed if attempt == 0 else _seed(cfg.seed, step, attempt, "refill")
-        selector = next((fn for fn, _, _ in self.filters if hasattr(fn, "select")), None)
-        rows = self.source.train_rows(step, P * (selector.pool_factor if selector else 1), seed)
-        if selector is not None:
-            feats = stage_ops.prompt_features(self, rows) if selector.needs_prompt_features else None
-            pick = selector.select(rows, P, seed=_seed(seed, step, attempt, "select"), group_size=G, features=feats)
-            rows = [rows[i] for i in pick]
-        rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
-        prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.model.chat_template) for r in rows]
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop))
-        first = self.rank * per_rank  # global index of this process's first prompt
-        seeds = [_seed(cfg.seed, step, first + i, "rollout", *([attempt] if attempt else [])) for i in range(len(rows))]
-        multi = next((fn for fn, _, _ in self.filters if hasattr(fn, "plan")), None)
-        extra: dict[str, Any] = {"step": step, "attempt": attempt}
-        if multi is None:
-            gen = self.backend.generate(prompt_ids, G, params, seeds)
-        else:
-            gen, extra["temperature"] = stage_ops.generate_multi_temperature(self.backend, prompt_ids, params,
-                                                                            multi.plan(G), seeds)
-        keys = [k for k in rows[0] if k != "prompt"] if rows else []
-        columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in keys}
-        group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * cfg.train.prompts_per_step \
-            + self.rank * per_rank
-        return RolloutBatch(
-            prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
-            completion_mask=gen.completion_mask.float(), group_ids=group_ids, sampler_logprobs=gen.logprobs,
-            truncated=gen.truncated, prompts=[r["prompt"] for r in rows for _ in range(G)], completions=gen.texts,
-            columns=columns, extra=extra)
-
-    def score(self, batch: RolloutBatch) -> dict:
-        """Rewards, then shaping. Every source scores every completion (parallel, per-call timeout, failures
-        isolated as NaN and counted; ``cfg.reward``); step texts / step ends are computed when a source or stage
-        asks for them; the shaping stages run in config order; ``valid`` marks the completions with a finite
-        reward. A source failing on more than ``reward.alarm_rate`` of the batch logs a warning."""
-        rc = self.cfg.reward
-        columns = {**batch.columns, "group_ids": batch.group_ids.tolist()}
-        if any(wants(registry.get("reward", r.name), "steps") for r in self.reward_specs):
-            columns["steps"] = [split_steps(c, rc.step_delimiter) for c in batch.completions]
-        ctx = RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
-                            chat_template=self.cfg.model.chat_template)
-        outcome = score_batch(batch.prompts, batch.completions, columns, self.reward_specs, built=self.reward_fns,
-                              context=ctx,
-                              strict=rc.strict, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size)
-        batch.reward_names = [r.name for r in self.reward_specs]
-        batch.rewards = outcome.matrix
-        batch.reward_weights = self.reward_weights
-        batch.raw_rewards = outcome.matrix.clone()  # before shaping (metrics, filters on raw rewards)
-        batch.extra["raw_reward_names"] = tuple(batch.reward_names)
-        batch.step_rewards = outcome.step_rewards
-        if outcome.step_source is not None:
-            batch.extra["step_reward_source"] = outcome.step_source
-        if outcome.step_rewards is not None or any(wants(fn, "step_ends") for fn, _, _ in self.shaping):
-            batch.step_ends = step_token_ends(batch.completion_ids, batch.lengths, batch.completions,
-                                              self.tokenizer, rc.step_delimiter)
-        for fn, params, name in self.shaping:
-            out = call_stage(fn, batch, params, what=f"shaping '{name}'")
-            for k, v in out.items():
-                if k in RolloutBatch.__dataclass_fields__:
-                    setattr(batch, k, v)
-                else:  # e.g. min_form's step_returns
-                    batch.extra[k] = v
-        if batch.reward is None:
-            raise ConfigError("shaping: no stage produced the scalar reward; add {name: weighted_sum}")
-        batch.valid = torch.isfinite(batch.reward)
-        for r in self.reward_specs:
-            rate = outcome.failure_rate(r.name)
-            if rate > rc.alarm_rate:
-                msg = (f"reward '{r.name}' failed on {rate:.0%} of the batch (reward.alarm_rate={rc.alarm_rate:g});"
-                       f" first failure: {outcome.first_failure.get(r.name)}")
-                _reward_log.warning(msg)
-                if self.reporter is not None and self.main:
-                    self.reporter.log(f"warning: {msg}")
-        return {"failures": outcome.failures, "first_failure": outcome.first_failure,
-                "failure_rate": {r.name: outcome.failure_rate(r.name) for r in self.reward_specs}}
-
-    def filter(self, batch: RolloutBatch) -> RolloutBatch:
-        """Filters and rollout options on the scored batch (``postrl.data.filters`` describes the protocol).
-
-        Expanding options (cure_branching, retry_from_failure) append scored groups; keep-mask filters drop groups
-        and, when one has ``max_attempts``, new prompts are generated (``rollout(step, attempt)``), scored and
-        filtered until the batch holds as many groups as the unfiltered first round, or the cap is hit: then the
-        shortfall is filled with dropped groups masked out of the loss (``valid`` False), a warning is logged and
-        ``filter/cap_hit`` is 1. Prompt selectors then observe every group generated this step, from every process.
-        Under DDP every process ends with the same number of rows (masked copies pad the shorter ones)."""
-        self.stage_metrics = {}
-        if not self.filters:
-            return batch
-        step = int(batch.extra.get("step", 0))
-        keepers = [(fn, p, n) for fn, p, n in self.filters if stage_ops.is_keep_mask(fn)]
-        selectors = [(i, fn) for i, (fn, _, _) in enumerate(self.filters) if hasattr(fn, "observe")]
-        summaries: list = []
-        failures = 0
-
-        def prepare(b: RolloutBatch, attempt: int) -> RolloutBatch:
-            b = self._expand(b, step, attempt)
-            for i, sel in selectors:
-                summaries.append((i, sel.summarize(b)))
-            return b
-
-        def split(b: RolloutBatch) -> tuple[RolloutBatch, RolloutBatch]:
-            keep = torch.ones(len(b), dtype=torch.bool)
-            for fn, params, name in keepers:
-                keep &= call_stage(fn, b, params, what=f"filter '{name}'").bool()
-            return b.select(torch.nonzero(keep).flatten()), b.select(torch.nonzero(~keep).flatten())
-
-        batch = prepare(batch, 0)
-        target = batch.num_groups
-        kept, dropped = split(batch)
-        attempts, cap = 1, stage_ops.max_attempts(self.filters)
-        n_dropped = dropped.num_groups
-        pad = self.backend.pad_id
-        while kept.num_groups < target and attempts < cap:
-            more = self.rollout(step, attempt=attempts)
-            failures += sum(self.score(more)["failures"].values())
-            k, d = split(prepare(more, attempts))
-            kept, dropped = RolloutBatch.concat([kept, k], pad), RolloutBatch.concat([dropped, d], pad)
-            n_dropped += d.num_groups
-            attempts += 1
-        short = target - kept.num_groups
-        if short < 0:  # more than needed: the first target groups (verl: batch[:train_batch_size])
-            kept = stage_ops.take_groups(kept, stage_ops.groups_in_order(kept)[:target])
-        elif short > 0:  # cap hit: fill with dropped groups that take no part in the update
-            fill = stage_ops.mask_rows(stage_ops.take_groups(dropped, stage_ops.groups_in_order(dropped)[:short]))
-            kept = RolloutBatch.concat([kept, fill], pad) if len(kept) else fill
-            msg = (f"step {step + 1}: filters kept {target - short} of {target} groups after {attempts} generation "
-                   f"rounds (max_attempts={cap}); the other {short} groups are masked out of the update")
-            logging.getLogger("postrl.filters").warning(msg)
-            if self.reporter is not None and self.main:
-                self.reporter.log(f"warning: {msg}")
-        batch = kept
-        if selectors:  # every process's outcomes, so every process keeps the same selector state
-            gathered = self._gather(summaries)
-            for i, sel in selectors:
-                sel.observe([row for part in gathered for key, rows in part if key == i for row in rows])
-        if self.world > 1:
-            import torch.distributed as dist
-
-            n = torch.tensor([len(batch)], device=self.acc.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            batch = stage_ops.pad_rows(batch, int(n))
-        m = self.stage_metrics
-        if keepers:
-            m.update({"filter/attempts": float(attempts), "filter/target_groups": float(target),
-                      "filter/dropped_groups": float(n_dropped), "filter/padded_groups": float(max(short, 0)),
-                      "filter/cap_hit": float(short > 0), "filter/refill_reward_failures": float(failures)})
-        for fn, _, _ in self.filters:
-            if hasattr(fn, "metrics"):
-                m.update(fn.metrics())
-        return batch
-
-    def _expand(self, batch: RolloutBatch, step: int, attempt: int) -> RolloutBatch:
-        """Append the scored groups of the expanding options (cure_branching, retry_from_failure)."""
-        cfg = self.cfg
-        for fn, _, name in self.filters:
-            if not hasattr(fn, "expand"):
-                continue
-            stage_ops.produce(self, batch, list(getattr(fn, "needs", ())), {})
-            params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop))
-            ctx = ExpandContext(generate=lambda ids, n, seeds: self.backend.generate(ids, n, params, seeds),
-                                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                                group_size=cfg.rollout.group_size, pad_id=self.backend.pad_id,
-                                seed=_seed(cfg.seed, step, attempt, self.rank, name))
-            more = fn.expand(batch, ctx)
-            if more is None or not len(more):
-                continue
-            self.score(more)
-            batch.extra.setdefault("branch", torch.zeros(len(batch), dtype=torch.bool))
-            batch.extra.setdefault("completion_prefix", [""] * len(batch))
-            batch = RolloutBatch.concat([batch, more], self.backend.pad_id)
-        return batch
-
+    # ------------------------------------------------------------------------------------------------ processes
     def _gather(self, obj: Any) -> list:
         if self.world == 1:
             return [obj]
@@ -441,240 +264,19 @@ class Trainer:
         dist.all_gather_object(out, obj)
         return out
 
+    def _max_over_processes(self, n: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=self.acc.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
     def _all_reduce_mean(self, t: torch.Tensor) -> None:
         if self.world > 1:
             import torch.distributed as dist
 
             dist.all_reduce(t)
             t /= self.world
-
-    def advantages(self, batch: RolloutBatch) -> None:
-        """The advantage stage. Inputs it names that the batch lacks (greedy_reward, token_entropy, prompt_logprob,
-        info_gain) are produced first (``postrl.train.stage_ops``); an estimator with a value head (gae) gets
-        ``values`` from the policy's hidden states and then fits the head on this batch's returns."""
-        fn = self.advantage_fn
-        stage_ops.produce(self, batch, stage_ops.positional_fields(fn), self.cfg.advantage.params)
-        hidden = None
-        if hasattr(fn, "fit"):
-            hidden = stage_ops.completion_hidden(self, batch)
-            batch.extra["values"] = fn.values(hidden)
-        batch.advantages = call_stage(fn, batch, self.advantage_params, what=f"advantage '{self.cfg.advantage.name}'")
-        if hidden is not None:
-            self.stage_metrics.update(fn.fit(hidden, batch.reward, batch.completion_mask, batch.valid,
-                                             batch.extra["values"], all_reduce=self._all_reduce_mean))
-
-    # ------------------------------------------------------------------------------------------------ update
-    def _setup_losses(self) -> None:
-        """Policy loss, aggregation, KL (estimator, placement, controller) and regularisers from cfg.loss / cfg.kl /
-        cfg.regularizers; ``loss_fields`` = the per-token fields they read (a reference model is loaded when it
-        holds ``ref_logp``; logits are kept only when it holds ``logits``; the entropy is differentiated only when
-        a stage reads it without listing it in its ``no_grad_fields``)."""
-        cfg = self.cfg
-        self.loss_fn = registry.get("loss", cfg.loss.name)
-        self.agg_fn = registry.get("aggregation", cfg.loss.agg)
-        self.kl_fn = registry.get("regularizer", f"kl_{cfg.kl.estimator}") if cfg.kl.coef > 0 else None
-        self.kl_ctrl = KLController(cfg.kl.coef, adaptive=cfg.kl.controller == "adaptive", target=cfg.kl.target,
-                                    horizon=cfg.kl.horizon)
-        self.regularizers = []  # (callable, call params, coef, metric name: the stage name, ".i" when repeated)
-        names = [s.name for s in cfg.regularizers]
-        for i, spec in enumerate(cfg.regularizers):
-            fn, params = make_stage(registry.get("regularizer", spec.name), spec.params)
-            label = spec.name if names.count(spec.name) == 1 else f"{spec.name}.{i}"
-            self.regularizers.append((fn, params, spec.coef, label))
-        stages = [self.loss_fn] + [r[0] for r in self.regularizers]
-        self.loss_fields = set().union(*(stage_fields(f) for f in stages))
-        if self.kl_fn is not None:
-            self.loss_fields.add("ref_logp")
-        self.entropy_grad = any("entropy" in stage_fields(f) and "entropy" not in getattr(f, "no_grad_fields", ())
-                                for f in stages)
-        msg = check_aggregation(cfg.loss.name, self.loss_fn, cfg.loss.agg)
-        if msg:
-            warnings.warn(msg, stacklevel=2)
-            if self.reporter is not None and self.main:
-                self.reporter.log(f"warning: {msg}")
-
-    def _logprobs(self, model, batch: RolloutBatch, idx: torch.Tensor, with_entropy: bool = False,
-                  entropy_grad: bool = False, with_logits: bool = False):
-        """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
-        dev = self.acc.device
-        groups = batch.group_ids[idx] if self.cfg.train.share_prompt else None
-        out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
-                                  batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=groups, fused=self.cfg.train.fused)
-        return out if with_logits else (*out, None)
-
-    @torch.no_grad()
-    def _frozen_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
-        mbs = self.cfg.train.micro_batch_size
-        outs = [self._logprobs(model, batch, torch.arange(i, min(i + mbs, len(batch))))[0].cpu()
-                for i in range(0, len(batch), mbs)]
-        return torch.cat(outs)
-
-    def kl_in_reward(self, batch: RolloutBatch) -> None:
-        """``kl.placement=reward``: r_i <- r_i - coef * sum_t m_it KL_it before the advantages (verl
-        ``use_kl_in_reward``); KL from the policy that generated the batch and the reference model. The per-token
-        values go to ``batch.extra['kl_token']``."""
-        if self.kl_fn is None or self.cfg.kl.placement != "reward" or len(batch) == 0:
-            return
-        batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
-        seq, tok, _ = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, self.kl_fn)
-        batch.reward = batch.reward - self.kl_ctrl.value * seq
-        batch.extra["kl_token"] = tok
-
-    def _loss_inputs(self, batch: RolloutBatch, idx: torch.Tensor, logp, old, ent, logits, m) -> dict:
-        """The per-token fields losses and regularisers read by name, for the micro-batch rows ``idx``; per-row
-        tensors earlier stages put in ``batch.extra`` are sliced along."""
-        dev = logp.device
-        fields = {"logp": logp, "old_logp": old, "advantages": batch.advantages[idx].to(dev), "mask": m,
-                  "entropy": ent, "logits": logits, "lengths": m.sum(-1),
-                  "sampler_logp": batch.sampler_logprobs[idx].to(dev),
-                  "ref_logp": batch.ref_logprobs[idx].to(dev) if batch.ref_logprobs is not None else None}
-        for k, v in batch.extra.items():
-            if k not in fields and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(batch):
-                fields[k] = v[idx].to(dev)
-        return fields
-
-    def update(self, batch: RolloutBatch, step: int) -> dict:
-        """Epochs x mini-batches x micro-batches of: policy loss (x TIS weight x regulariser masks), aggregated
-        with the mini-batch's weights, + KL + regularisers; one optimizer step per mini-batch."""
-        cfg = self.cfg
-        multi_pass = cfg.train.epochs > 1 or cfg.train.mini_batches > 1
-        t0 = time.perf_counter()
-        if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
-            batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
-        t_ref = time.perf_counter() - t0
-        loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
-        n = len(batch)
-        kl_in_loss = self.kl_fn is not None and cfg.kl.placement == "loss"
-        tis = cfg.loss.tis
-        gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
-        sums: dict[str, float] = {}
-        grad_norms: list[float] = []
-        if not (self.model.training and self.policy.training):  # (a walk over every module: 0.1 ms)
-            self.model.train()
-        for _ in range(cfg.train.epochs):
-            order = torch.randperm(n, generator=gen) if cfg.train.mini_batches > 1 else torch.arange(n)
-            for mb in order.chunk(cfg.train.mini_batches):
-                weights = self.agg_fn(loss_mask[mb], max_len=cfg.rollout.max_new_tokens)
-                micro = list(torch.arange(len(mb)).split(cfg.train.micro_batch_size))
-                for j, sel in enumerate(micro):
-                    idx = mb[sel]
-                    sync = j == len(micro) - 1
-                    with (nullcontext() if sync else self.acc.no_sync(self.model)):
-                        logp, ent, logits = self._logprobs(self.model, batch, idx, with_entropy=True,
-                                                           entropy_grad=self.entropy_grad,
-                                                           with_logits="logits" in self.loss_fields)
-                        old = batch.old_logprobs[idx].to(logp.device) if multi_pass else logp.detach()
-                        m = loss_mask[idx].to(logp.device)
-                        w = weights[sel].to(logp.device)
-                        fields = self._loss_inputs(batch, idx, logp, old, ent, logits, m)
-                        loss_mat, info = call_stage(self.loss_fn, fields, cfg.loss.params,
-                                                    what=f"loss '{cfg.loss.name}'")
-                        stats: dict[str, float] = {}
-                        if tis.level != "none":
-                            tw = tis_weights(old.detach(), fields["sampler_logp"], m, level=tis.level, mode=tis.mode,
-                                             cap=tis.cap)
-                            loss_mat = loss_mat * tw
-                            stats["tis/weight"] = float((w * tw).sum())
-                            stats["tis/capped"] = float((w * (tw >= tis.cap).float()).sum()) if tis.mode == "truncate" \
-                                else float((w * (tw == 0).float()).sum())
-                        reg_loss = 0.0
-                        for fn, params, coef, name in self.regularizers:
-                            out = call_stage(fn, fields, params, what=f"regularizer '{name}'")
-                            term = out.get("loss") if isinstance(out, dict) else out
-                            if isinstance(out, dict) and out.get("pg_mask") is not None:
-                                loss_mat = loss_mat * out["pg_mask"]
-                                stats[f"reg/{name}/kept"] = float((w * out["pg_mask"].detach()).sum())
-                            if term is not None:
-                                agg = (w * term).sum()
-                                reg_loss = reg_loss + coef * agg
-                                stats[f"reg/{name}"] = agg.item()
-                        pg = (w * loss_mat).sum()
-                        loss = pg + reg_loss
-                        stats["pg_loss"] = pg.item()
-                        stats["entropy"] = float((w * ent.detach()).sum())
-                        if kl_in_loss:
-                            kl = self.kl_fn(logp, fields["ref_logp"])
-                            kl_term = (w * kl).sum()
-                            loss = loss + self.kl_ctrl.value * kl_term
-                            stats["kl"] = kl_term.item()
-                        for key, val in info.items():
-                            if val.dtype == torch.bool:
-                                stats[key] = float((w * val.float()).sum())
-                        stats["ratio_max"] = float((info["ratio"] * m).max()) if "ratio" in info else 1.0
-                        self.acc.backward(loss)
-                        self.diag.observe_micro(batch, idx, logp, old, info, first_pass=not multi_pass)  # diagnostics
-                    for k, v in stats.items():
-                        sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v
-                max_norm = cfg.optim.max_grad_norm or float("inf")
-                gn = clip_into_step(self.params, self.clip_opt, max_norm) if self.clip_opt is not None \
-                    else self.acc.clip_grad_norm_(self.params, max_norm)
-                grad_norms.append(float(gn))
-                if self.diag.nan_guard(gn, batch, step):  # diagnostics: a non-finite gradient never reaches the
-                    self.optimizer.zero_grad(set_to_none=True)  # optimizer; the step is skipped, counted, saved
-                    if self.clip_opt is not None:
-                        self.clip_opt.grad_scale = None
-                    continue
-                self.optimizer.step()
-                if self.clip_opt is not None:
-                    self.clip_opt.grad_scale = None
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        steps_taken = cfg.train.epochs * cfg.train.mini_batches
-        out = {k: (v if k == "ratio_max" else v / steps_taken) for k, v in sums.items()}
-        if "kl_token" in batch.extra:  # kl.placement=reward: mean over rows of the per-token mean (verl current_kl)
-            lens = loss_mask.sum(-1)
-            has = lens > 0
-            out["kl_reward"] = float((batch.extra["kl_token"].sum(-1)[has] / lens[has]).mean()) if has.any() else 0.0
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        out["time/ref"] = t_ref
-        return out
-
-    def _end_step(self, metrics: dict, n_seq: int) -> None:
-        """After a step, with the metrics reduced over processes: adapt the KL coefficient (measured ``kl`` or
-        ``kl_reward``, over ``n_seq`` sequences) and the stateful regularisers; log their values."""
-        if self.kl_fn is not None:
-            metrics["kl_coef"] = self.kl_ctrl.value  # the value this step used
-            current = metrics.get("kl_reward" if self.cfg.kl.placement == "reward" else "kl")
-            if current is not None:
-                self.kl_ctrl.update(current, n_seq)
-        for fn, _, _, name in self.regularizers:
-            if hasattr(fn, "state_dict"):  # the values this step used
-                for k, v in fn.state_dict().items():
-                    if isinstance(v, (int, float)):
-                        metrics[f"reg/{name}/{k}"] = float(v)
-            if hasattr(fn, "end_step"):
-                fn.end_step(metrics)
-
-    def _loss_state(self) -> dict:
-        """JSON state of the KL controller and stateful regularisers (saved in trainer_state.json)."""
-        return {"kl": self.kl_ctrl.state_dict(),
-                "regularizers": [fn.state_dict() if hasattr(fn, "state_dict") else None
-                                 for fn, *_ in self.regularizers]}
-
-    def _load_loss_state(self, state: dict | None) -> None:
-        if not state:
-            return
-        self.kl_ctrl.load_state_dict(state["kl"])
-        for (fn, *_), s in zip(self.regularizers, state.get("regularizers", [])):
-            if s is not None and hasattr(fn, "load_state_dict"):
-                fn.load_state_dict(s)
-
-    # ------------------------------------------------------------------------------------------------ metrics
-    def batch_metrics(self, batch: RolloutBatch, reward_info: dict) -> dict:
-        """Per-step metrics of the batch (rewards, accuracy, groups, advantages, lengths, tokens): see
-        ``postrl.diagnostics.metrics.batch_metrics`` and docs/metrics.md."""
-        from postrl.diagnostics.metrics import batch_metrics
-
-        m = batch_metrics(batch, reward_info, low_prob=self.cfg.diagnostics.entropy_collapse.low_prob)
-        for name, rate in reward_info.get("failure_rate", {}).items():  # of the scored batch (before filters)
-            m[f"reward/{name}/failure_rate"] = rate
-        return m
 
     def _reduce(self, metrics: dict) -> dict:
         """Average metrics over processes; keys ending in min / max are reduced as min / max."""
@@ -693,6 +295,153 @@ class Trainer:
                 t = t / self.world
             out.update(zip(keys, t.tolist()))
         return out
+
+    # ------------------------------------------------------------------------------------------------ log-probs
+    def _logprobs(self, model, batch: RolloutBatch, idx: torch.Tensor, with_entropy: bool = False,
+                  entropy_grad: bool = False, with_logits: bool = False):
+        """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
+        dev = self.acc.device
+        groups = batch.group_ids[idx] if self.cfg.train.share_prompt else None
+        out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
+                                  batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
+                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
+                                  groups=groups, fused=self.cfg.train.fused)
+        return out if with_logits else (*out, None)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
+        mbs = self.cfg.train.micro_batch_size
+        outs = [self._logprobs(model, batch, torch.arange(i, min(i + mbs, len(batch))))[0].cpu()
+                for i in range(0, len(batch), mbs)]
+        return torch.cat(outs) if outs else torch.zeros(batch.completion_ids.shape)
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def kl_in_reward(self, batch: RolloutBatch) -> None:
+        """``kl.placement=reward``: r_i <- r_i - coef * sum_t m_it KL_it before the advantages (verl
+        ``use_kl_in_reward``); KL from the policy that generated the batch and the reference model. The per-token
+        values go to ``batch.extra['kl_token']``."""
+        obj = self.objective
+        if obj.kl is None or obj.kl_placement != "reward" or len(batch) == 0:
+            return
+        batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
+        batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        seq, tok, _ = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, obj.kl)
+        batch.reward = batch.reward - obj.kl_ctrl.value * seq
+        batch.extra["kl_token"] = tok
+
+    def advantages(self, batch: RolloutBatch) -> None:
+        """The advantage stage, with the fields it reads that the batch lacks produced first
+        (``postrl.fields``)."""
+        produce(self.ctx, batch, self.advantage)
+        batch.advantages = self.advantage(batch)
+
+    def update(self, batch: RolloutBatch, step: int) -> dict:
+        """Epochs x mini-batches x micro-batches of the objective (``postrl.losses.objective``); one optimizer
+        step per mini-batch."""
+        cfg, obj = self.cfg, self.objective
+        multi_pass = cfg.train.epochs > 1 or cfg.train.mini_batches > 1
+        t0 = time.perf_counter()
+        if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
+            batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
+        if self.ref_model is not None and batch.ref_logprobs is None:
+            batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        t_ref = time.perf_counter() - t0
+        loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
+        gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
+        sums: dict[str, float] = {}
+        grad_norms: list[float] = []
+        if not (self.model.training and self.policy.training):  # (a walk over every module: 0.1 ms)
+            self.model.train()
+        for _ in range(cfg.train.epochs):
+            order = torch.randperm(len(batch), generator=gen) if cfg.train.mini_batches > 1 else \
+                torch.arange(len(batch))
+            for mb in order.chunk(cfg.train.mini_batches):
+                weights = obj.weights(loss_mask[mb])
+                micro = list(torch.arange(len(mb)).split(cfg.train.micro_batch_size))
+                for j, sel in enumerate(micro):
+                    idx = mb[sel]
+                    with (nullcontext() if j == len(micro) - 1 else self.acc.no_sync(self.model)):
+                        logp, ent, logits = self._logprobs(self.model, batch, idx, with_entropy=True,
+                                                           entropy_grad=obj.entropy_grad,
+                                                           with_logits="logits" in obj.reads)
+                        old = batch.old_logprobs[idx].to(logp.device) if multi_pass else logp.detach()
+                        fields = {**obj.batch_fields(batch, idx, logp.device), "logp": logp, "old_logp": old,
+                                  "entropy": ent, "logits": logits}
+                        loss, stats, info = obj(fields, weights[sel].to(logp.device))
+                        self.acc.backward(loss)
+                        self.diag.observe_micro(batch, idx, logp, old, info, first_pass=not multi_pass)
+                    for k, v in stats.items():
+                        sums[k] = max(sums.get(k, v), v) if k == "ratio_max" else sums.get(k, 0.0) + v
+                gn = self._optimizer_step(step, batch)
+                grad_norms.append(gn)
+        steps_taken = cfg.train.epochs * cfg.train.mini_batches
+        out = {k: (v if k == "ratio_max" else v / steps_taken) for k, v in sums.items()}
+        if "kl_token" in batch.extra:  # kl.placement=reward: mean over rows of the per-token mean (verl current_kl)
+            lens = loss_mask.sum(-1)
+            has = lens > 0
+            out["kl_reward"] = float((batch.extra["kl_token"].sum(-1)[has] / lens[has]).mean()) if has.any() else 0.0
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["time/ref"] = t_ref
+        return out
+
+    def _optimizer_step(self, step: int, batch: RolloutBatch) -> float:
+        """Clip, then step (skipped, counted and saved by the diagnostics' nan guard when the norm is not
+        finite); returns the gradient norm."""
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        gn = clip_into_step(self.params, self.clip_opt, max_norm) if self.clip_opt is not None \
+            else self.acc.clip_grad_norm_(self.params, max_norm)
+        if not self.diag.nan_guard(gn, batch, step):
+            self.optimizer.step()
+            self.scheduler.step()
+        if self.clip_opt is not None:
+            self.clip_opt.grad_scale = None
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(gn)
+
+    def batch_metrics(self, batch: RolloutBatch, reward_info: dict) -> dict:
+        """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
+        reward source's failure rate on the scored batch (before filters)."""
+        m = batch_metrics(batch, reward_info, low_prob=self.cfg.diagnostics.entropy_collapse.low_prob)
+        for name, rate in reward_info.get("failure_rate", {}).items():
+            m[f"reward/{name}/failure_rate"] = rate
+        return m
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        batch, info = self.batches.next_batch(step)
+        t1 = time.perf_counter()
+        self.kl_in_reward(batch)
+        self.advantages(batch)
+        t2 = time.perf_counter()
+        metrics = self.batch_metrics(batch, info)
+        metrics.update(self.batches.metrics)  # filters, prompt selectors
+        rows = min(len(batch), self.cfg.train.micro_batch_size) * (batch.prompt_ids.shape[1]
+                                                                   + batch.completion_ids.shape[1])
+        with self.threads.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
+            metrics.update(self.update(batch, step))
+        t3 = time.perf_counter()
+        gen_time = self.batches.generation_time
+        metrics.update({"time/generation": gen_time, "time/reward": t2 - t0 - gen_time,
+                        "time/update": t3 - t2 - metrics["time/ref"], "time/step": t3 - t0,
+                        "time/tokens_per_s": float(batch.lengths.sum()) * self.world / max(t3 - t0, 1e-9)})
+        metrics.update(self.diag.step_metrics(batch, metrics))  # diagnostics: throughput, memory, mismatch...
+        metrics = self._reduce(metrics)
+        # state changes once per step: every stateful stage, the KL controller, the regularisers
+        end = StepEnd(metrics, self._all_reduce_mean)
+        metrics.update(self.objective.end_step(end, len(batch) * self.world))
+        for group in self.stateful.values():
+            metrics.update(stages.end_step(group, end))
+        metrics["step"] = step + 1
+        if self.main:
+            metrics = self.diag.after_reduce(step, batch, metrics, self.policy, self.optimizer)
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if (step + 1) % self.cfg.train.samples_every == 0 or step == 0:
+                self._write_samples(step + 1, batch)
+            for name, n in info["failures"].items():
+                self.log(f"reward '{name}' failed on {n} completions: {info['first_failure'][name]}")
+        return metrics
 
     def _write_samples(self, step: int, batch: RolloutBatch, k: int = 2) -> None:
         G = self.cfg.rollout.group_size
@@ -726,48 +475,10 @@ class Trainer:
         if self.main:
             ckpt.save_checkpoint(self.run_dir, step, self.policy, self.tokenizer, self.optimizer, self.scheduler,
                                  {"seed": self.cfg.seed, "eval_before": self.eval_before,
-                                  "rewards": stages_state(self._reward_stages()),
-                                  "shaping": stages_state(self.shaping),
-                                  "filters": stages_state(self.filters),
-                                  "advantage": stages_state([(self.advantage_fn, {}, self.cfg.advantage.name)]),
-                                  "losses": self._loss_state(), "diagnostics": self.diag.state_dict()},
+                                  **{k: stages.state_of(v) for k, v in self.stateful.items()},
+                                  "losses": self.objective.state_dict(), "diagnostics": self.diag.state_dict()},
                                  keep_last=self.cfg.train.keep_last)
         self.acc.wait_for_everyone()
-
-    def train_step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        batch = self.rollout(step)
-        t1 = time.perf_counter()
-        info = self.score(batch)
-        batch = self.filter(batch)
-        self.kl_in_reward(batch)
-        self.advantages(batch)
-        t2 = time.perf_counter()
-        metrics = self.batch_metrics(batch, info)
-        metrics.update(self.stage_metrics)  # filters, prompt selectors, value head
-        rows = min(len(batch), self.cfg.train.micro_batch_size) * (batch.prompt_ids.shape[1]
-                                                                   + batch.completion_ids.shape[1])
-        with self.threads.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
-            metrics.update(self.update(batch, step))
-        t3 = time.perf_counter()
-        ntok = float(batch.lengths.sum())
-        metrics.update({"time/generation": t1 - t0, "time/reward": t2 - t1,
-                        "time/update": t3 - t2 - metrics["time/ref"], "time/step": t3 - t0,
-                        "time/tokens_per_s": ntok * self.world / max(t3 - t0, 1e-9)})
-        metrics.update(self.diag.step_metrics(batch, metrics))  # diagnostics: throughput, memory, mismatch...
-        metrics = self._reduce(metrics)
-        self._end_step(metrics, len(batch) * self.world)
-        metrics["step"] = step + 1
-        if self.main:
-            metrics = self.diag.after_reduce(step, batch, metrics)  # diagnostics: sharpness, alarms, sinks
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if (step + 1) % self.cfg.train.samples_every == 0 or step == 0:
-                self._write_samples(step + 1, batch)
-            for name, n in info["failures"].items():
-                if self.reporter is not None:
-                    self.reporter.log(f"reward '{name}' failed on {n} completions: {info['first_failure'][name]}")
-        return metrics
 
     def train(self) -> dict:
         cfg = self.cfg

@@ -1,0 +1,104 @@
+"""Fields a stage may read that the rollout batch does not hold: the one mechanism that produces them.
+
+A stage names the fields it reads (its positional parameters, :func:`postrl.stages.reads`). Before a stage runs,
+:func:`produce` computes each of those that the batch lacks and a producer below makes, from the model through a
+:class:`~postrl.context.ModelContext` (never the trainer), and stores it in ``batch.extra``:
+
+    token_entropy      [N, T]    the policy's token entropy at the rollout temperature (rl_zvp, cure_branching)
+    prompt_logprob     [N]       mean log-prob of the prompt tokens, -log perplexity (confidence_scaled)
+    info_gain          [N]       log pi(answer | q, o) - log pi(answer | q), answer tokens summed (information_gain)
+    greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
+    completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from postrl.batch import RolloutBatch
+from postrl.context import ModelContext
+from postrl.rollout.base import SamplingParams
+
+
+def group_first_rows(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each group [ng], group number of each row [N])."""
+    _, inv = torch.unique(batch.group_ids, return_inverse=True)
+    ng = int(inv.max()) + 1 if len(batch) else 0
+    first = torch.full((ng,), len(batch), dtype=torch.long).scatter_reduce(0, inv, torch.arange(len(batch)), "amin")
+    return first, inv
+
+
+def prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
+    return batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+
+
+def token_entropy(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    return ctx.logprobs(batch, with_entropy=True)[1] * batch.completion_mask
+
+
+def prompt_logprob(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    first, inv = group_first_rows(batch)
+    prompts = [prompt_tokens(batch, int(i)) for i in first]
+    # log pi(q_t | q_<t) for t >= 1: context = the first token, target = the rest
+    tgt = [p[1:] for p in prompts]
+    lp = ctx.sequence_logprob([p[:1] for p in prompts], tgt, mean=True)
+    lp = torch.where(torch.tensor([len(t) > 0 for t in tgt]), lp, torch.zeros_like(lp))
+    return lp[inv]
+
+
+def info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    column = params.get("answer_column", "answer")
+    if column not in batch.columns:
+        raise ValueError(f"advantage.answer_column: the batch has no column '{column}'; columns: "
+                         f"{', '.join(sorted(batch.columns)) or '(none)'}")
+    ans = [ctx.tokenizer(str(a), add_special_tokens=False)["input_ids"] if a is not None else []
+           for a in batch.columns[column]]
+    lens = batch.completion_mask.sum(-1).long().tolist()
+    with_o = [prompt_tokens(batch, i) + batch.completion_ids[i, :lens[i]].tolist() for i in range(len(batch))]
+    first, inv = group_first_rows(batch)
+    lp1 = ctx.sequence_logprob(with_o, ans, mean=False)
+    lp0 = ctx.sequence_logprob([prompt_tokens(batch, int(i)) for i in first], [ans[int(i)] for i in first],
+                               mean=False)
+    ig = lp1 - lp0[inv]
+    return torch.where(torch.tensor([len(a) > 0 for a in ans]), ig, torch.full_like(ig, math.nan))
+
+
+def greedy_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    """Greedy completion of each group's context, scored with the run's rewards and shaping (one row per group)."""
+    first, inv = group_first_rows(batch)
+    rows = first.tolist()
+    sp = replace(ctx.sampling or SamplingParams(), temperature=0.0, top_p=1.0, top_k=0)
+    gen = ctx.generate([prompt_tokens(batch, i) for i in rows], 1, sp, [0] * len(rows))
+    prefix = batch.extra.get("completion_prefix")
+    g = RolloutBatch(prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
+                     completion_mask=gen.completion_mask.float(), group_ids=torch.arange(len(rows)),
+                     sampler_logprobs=gen.logprobs, truncated=gen.truncated, prompts=[batch.prompts[i] for i in rows],
+                     completions=[(prefix[i] if prefix else "") + t for i, t in zip(rows, gen.texts)],
+                     columns={k: [v[i] for i in rows] for k, v in batch.columns.items()})
+    ctx.score(g)
+    return g.reward.float()[inv]
+
+
+def completion_hidden(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    return ctx.completion_hidden(batch)
+
+
+PRODUCERS: dict[str, Callable[[ModelContext, RolloutBatch, dict], torch.Tensor]] = {
+    "token_entropy": token_entropy,
+    "prompt_logprob": prompt_logprob,
+    "info_gain": info_gain,
+    "greedy_reward": greedy_reward,
+    "completion_hidden": completion_hidden,
+}
+
+
+def produce(ctx: ModelContext, batch: RolloutBatch, stage) -> None:
+    """Fill ``batch.extra`` with every field the stage (a :class:`postrl.stages.Stage`) reads that the batch lacks
+    and a producer makes."""
+    for name in stage.reads:
+        if name in PRODUCERS and name not in batch.extra:
+            batch.extra[name] = PRODUCERS[name](ctx, batch, stage.params)

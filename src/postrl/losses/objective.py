@@ -1,0 +1,136 @@
+"""The training objective as one object: policy loss x multiplicative factors + additive terms, aggregated once.
+
+For a micro-batch, with w the aggregation's weights [n, T] (computed over the whole mini-batch, so gradient
+accumulation changes nothing):
+
+    L_pg   = loss(fields)                                  policy loss matrix [n, T]          (loss.name)
+    L_pg  *= tis_weights(old_logp, sampler_logp, mask)     if loss.tis.level != none          (tis.py)
+    L_pg  *= pg_mask of every mask regulariser              e.g. top_entropy_tokens            (regularizers.py)
+    loss   = sum(w L_pg) + kl_coef sum(w KL) + sum_j coef_j sum(w R_j)                          (kl.py, regularizers.py)
+
+The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
+tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
+``sampler_logp``, ``ref_logp``, ``lengths`` and any per-row tensor of ``batch.extra``); :meth:`batch_fields` takes
+the batch's part of them for some rows, the model's part (``logp``, ``entropy``, ``logits``) is the caller's.
+``reads`` is what the stages read: a reference model is needed when it holds ``ref_logp``, logits only when it
+holds ``logits``, and the entropy is differentiated only when a stage reads it without listing it in its
+``no_grad_fields``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from postrl import registry, stages
+from postrl.losses import KLController, check_aggregation
+from postrl.losses.tis import tis_weights
+from postrl.stages import StepEnd
+
+_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs"}
+
+
+class Objective:
+    """Built from the config's ``loss``, ``kl``, ``regularizers`` and ``rollout.max_new_tokens``."""
+
+    def __init__(self, cfg: Any):
+        self.loss = stages.build("loss", cfg.loss.name, cfg.loss.params)
+        self.agg = registry.get("aggregation", cfg.loss.agg)
+        self.max_len = cfg.rollout.max_new_tokens
+        self.tis = cfg.loss.tis
+        self.kl = registry.get("regularizer", f"kl_{cfg.kl.estimator}") if cfg.kl.coef > 0 else None
+        self.kl_placement = cfg.kl.placement
+        self.kl_ctrl = KLController(cfg.kl.coef, adaptive=cfg.kl.controller == "adaptive", target=cfg.kl.target,
+                                    horizon=cfg.kl.horizon)
+        self.regularizers = stages.build_all("regularizer", cfg.regularizers)
+        self.coefs = [s.coef for s in cfg.regularizers]
+        parts = [self.loss, *self.regularizers]
+        self.reads = set().union(*(s.reads for s in parts))
+        if self.kl is not None:
+            self.reads.add("ref_logp")
+        self.entropy_grad = any("entropy" in s.reads and "entropy" not in getattr(s.fn, "no_grad_fields", ())
+                                for s in parts)
+        self.warning = check_aggregation(cfg.loss.name, self.loss.fn, cfg.loss.agg)
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl is not None and self.kl_placement == "loss"
+
+    def weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """The aggregation's weights [n, T] for a mini-batch's loss mask."""
+        return self.agg(mask, max_len=self.max_len)
+
+    def batch_fields(self, batch: Any, idx: torch.Tensor, device: Any = "cpu") -> dict:
+        """The batch's fields for rows ``idx``: advantages, the loss mask (completion mask x valid rows), lengths,
+        sampler / reference log-probs, and every per-row tensor of ``batch.extra`` a stage reads."""
+        mask = (batch.completion_mask[idx] * batch.valid[idx].unsqueeze(-1).float()).to(device)
+        fields = {"mask": mask, "lengths": mask.sum(-1)}
+        for name, attr in _BATCH_FIELDS.items():
+            v = getattr(batch, attr)
+            fields[name] = v[idx].to(device) if v is not None else None
+        for k, v in batch.extra.items():
+            if k in self.reads and k not in fields and isinstance(v, torch.Tensor) and v.dim() > 0 \
+                    and v.shape[0] == len(batch):
+                fields[k] = v[idx].to(device)
+        return fields
+
+    def __call__(self, fields: dict, w: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
+        """(loss, statistics, the policy loss's info) of a micro-batch; statistics are weighted sums (a
+        mini-batch's sum is its aggregate), ``ratio_max`` a maximum."""
+        loss_mat, info = self.loss(fields)
+        m = fields["mask"]
+        stats: dict[str, float] = {}
+        if self.tis.level != "none":
+            tw = tis_weights(fields["old_logp"].detach(), fields["sampler_logp"], m, level=self.tis.level,
+                             mode=self.tis.mode, cap=self.tis.cap)
+            loss_mat = loss_mat * tw
+            stats["tis/weight"] = float((w * tw).sum())
+            capped = (tw >= self.tis.cap) if self.tis.mode == "truncate" else (tw == 0)
+            stats["tis/capped"] = float((w * capped.float()).sum())
+        extra = 0.0
+        for reg, coef in zip(self.regularizers, self.coefs):
+            out = reg(fields)
+            term = out.get("loss") if isinstance(out, dict) else out
+            if isinstance(out, dict) and out.get("pg_mask") is not None:
+                loss_mat = loss_mat * out["pg_mask"]
+                stats[f"reg/{reg.label}/kept"] = float((w * out["pg_mask"].detach()).sum())
+            if term is not None:
+                agg = (w * term).sum()
+                extra = extra + coef * agg
+                stats[f"reg/{reg.label}"] = agg.item()
+        pg = (w * loss_mat).sum()
+        loss = pg + extra
+        stats["pg_loss"] = pg.item()
+        if fields.get("entropy") is not None:
+            stats["entropy"] = float((w * fields["entropy"].detach()).sum())
+        if self.kl_in_loss:
+            kl = (w * self.kl(fields["logp"], fields["ref_logp"])).sum()
+            loss = loss + self.kl_ctrl.value * kl
+            stats["kl"] = kl.item()
+        for key, val in info.items():
+            if val.dtype == torch.bool:
+                stats[key] = float((w * val.float()).sum())
+        stats["ratio_max"] = float((info["ratio"] * m).max()) if "ratio" in info else 1.0
+        return loss, stats, info
+
+    def end_step(self, step: StepEnd, n_seq: int) -> dict:
+        """Once per step, with the metrics reduced over processes: the KL coefficient this step used and its
+        adaptation (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences), and the
+        stateful regularisers' updates."""
+        out = {}
+        if self.kl is not None:
+            out["kl_coef"] = self.kl_ctrl.value
+            current = step.metrics.get("kl_reward" if self.kl_placement == "reward" else "kl")
+            if current is not None:
+                self.kl_ctrl.update(current, n_seq)
+        out.update(stages.end_step(self.regularizers, step))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"kl": self.kl_ctrl.state_dict(), "regularizers": stages.state_of(self.regularizers)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.kl_ctrl.load_state_dict(state["kl"])
+            stages.load_state(self.regularizers, state.get("regularizers"))
