@@ -199,10 +199,20 @@ def test_none_nan_inf_and_non_numbers_fail_per_entry():
     assert out.first_failure["t_bad_values"].startswith("returned None on completion 'c1'")
 
 
-def test_wrong_length_is_counted_not_fatal():
-    out = score_batch(P, C, COLS, [spec("t_short"), spec("t_const")], workers=2, timeout=5.0)
-    assert torch.isnan(out.matrix[:, 0]).all() and out.failures == {"t_short": 6}
-    assert "returned 1 values for 6 completions" in out.first_failure["t_short"]
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_wrong_count_or_no_list_is_an_error_not_a_failure(chunk_size):
+    """A programming error stops the run (even without strict), naming the reward, expected and returned count."""
+    with pytest.raises(RewardError) as e:
+        score_batch(P, C, COLS, [spec("t_const"), spec("t_short")], workers=2, timeout=5.0, chunk_size=chunk_size)
+    n = 2 if chunk_size else 6
+    assert str(e.value).startswith(f"reward 't_short' returned 1 values for {n} completions")
+
+    @registry.register("reward", "t_no_return", source="test")
+    def t_no_return(prompts, completions):
+        [len(c) for c in completions]  # forgot the return
+
+    with pytest.raises(RewardError, match=r"^reward 't_no_return' returned NoneType, expected a list of 6 values"):
+        score_batch(P, C, COLS, [spec("t_no_return")])
 
 
 @pytest.mark.parametrize("name,params,fragment", [
