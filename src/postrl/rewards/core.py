@@ -428,8 +428,7 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
                     stop = f" (not isolated further: {extra[k]} extra calls this step)" if halves else ""
                     failed.append((k, a, b, f"raised {_exc(value)}{stop}"))
             elif len(value) != b - a:
-                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions; a reward "
-                                  "returns one value per completion (None marks a failed one)")
+                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions")
             else:
                 take(k, a, value)
         level = bisect
