@@ -199,10 +199,20 @@ def test_none_nan_inf_and_non_numbers_fail_per_entry():
     assert out.first_failure["t_bad_values"].startswith("returned None on completion 'c1'")
 
 
-def test_wrong_length_is_counted_not_fatal():
-    out = score_batch(P, C, COLS, [spec("t_short"), spec("t_const")], workers=2, timeout=5.0)
-    assert torch.isnan(out.matrix[:, 0]).all() and out.failures == {"t_short": 6}
-    assert "returned 1 values for 6 completions" in out.first_failure["t_short"]
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_wrong_count_or_no_list_is_an_error_not_a_failure(chunk_size):
+    """A programming error stops the run (even without strict), naming the reward, expected and returned count."""
+    with pytest.raises(RewardError) as e:
+        score_batch(P, C, COLS, [spec("t_const"), spec("t_short")], workers=2, timeout=5.0, chunk_size=chunk_size)
+    n = 2 if chunk_size else 6
+    assert str(e.value).startswith(f"reward 't_short' returned 1 values for {n} completions")
+
+    @registry.register("reward", "t_no_return", source="test")
+    def t_no_return(prompts, completions):
+        [len(c) for c in completions]  # forgot the return
+
+    with pytest.raises(RewardError, match=r"^reward 't_no_return' returned NoneType, expected a list of 6 values"):
+        score_batch(P, C, COLS, [spec("t_no_return")])
 
 
 @pytest.mark.parametrize("name,params,fragment", [
@@ -276,6 +286,157 @@ def test_context_only_for_rewards_that_declare_it():
     ctx = RewardContext(model="m", tokenizer="t")
     score_batch(P, C, COLS, [spec("t_ctx"), spec("t_const")], context=ctx)
     assert seen == [ctx]
+
+
+# ------------------------------------------------------------------------------------------------ isolating failures
+
+BAD_ROWS = (3, 4, 11)
+BAD_C = [f"bad{i}" if i in BAD_ROWS else f"c{i}" for i in range(16)]
+BAD_P = [f"p{i}" for i in range(16)]
+BAD_COLS = {"group_ids": [i // 2 for i in range(16)]}  # groups of 2 rows
+
+
+def _raising_on_bad(calls: list):
+    """A TRL-style batch function that raises when any of its completions contains 'bad' (else row i -> i)."""
+    def fn(prompts, completions, **kw):
+        calls.append(len(completions))
+        if any("bad" in c for c in completions):
+            raise ValueError("cannot parse " + next(c for c in completions if "bad" in c))
+        return [float(c[1:]) for c in completions]
+    return fn
+
+
+@pytest.mark.parametrize("chunk_size,extra", [
+    # whole batch: [0,16) -> 2 halves; both raise -> 4 quarters; [12,16) passes, 3 raise -> 6 pairs; [2,4), [4,6),
+    # [10,12) raise -> 6 single rows: 2 + 4 + 6 + 6 = 18 extra calls (bound 2 f log2 n = 24)
+    (None, 18),
+    # chunks [0,4) [4,8) [8,12) [12,16): each of the first three -> 2 pairs -> 2 rows: 3 x 4 = 12 extra calls
+    (4, 12),
+])
+def test_batch_reward_raising_on_some_rows_fails_only_those_rows(chunk_size, extra):
+    calls = []
+    out = score_batch(BAD_P, BAD_C, BAD_COLS, [spec("t_bad_rows"), spec("t_const")],
+                      built=[(_raising_on_bad(calls), {}), (registry.get("reward", "t_const"), {})],
+                      chunk_size=chunk_size, workers=3, timeout=5.0)
+    col = out.matrix[:, 0].tolist()
+    assert [i for i, v in enumerate(col) if math.isnan(v)] == list(BAD_ROWS)
+    assert [v for i, v in enumerate(col) if i not in BAD_ROWS] == [float(i) for i in range(16) if i not in BAD_ROWS]
+    assert out.matrix[:, 1].tolist() == [1.0] * 16
+    assert out.failures == {"t_bad_rows": 3} and out.failure_rate("t_bad_rows") == 3 / 16
+    assert out.first_failure["t_bad_rows"] == "raised ValueError: cannot parse bad3 on completion 'bad3' (prompt 'p3')"
+    first_calls = 16 // (chunk_size or 16)
+    assert out.isolation_calls == {"t_bad_rows": extra} and len(calls) == first_calls + extra
+
+
+def test_group_aware_reward_is_isolated_by_whole_groups():
+    seen = []
+
+    def grouped(prompts, completions, group_ids):
+        seen.append(list(group_ids))
+        if any("bad" in c for c in completions):
+            raise ValueError("bad group")
+        return [1.0] * len(completions)
+
+    out = score_batch(BAD_P, BAD_C, BAD_COLS, [spec("t_grouped")], built=[(grouped, {})])
+    col = out.matrix[:, 0].tolist()
+    assert [i for i, v in enumerate(col) if math.isnan(v)] == [2, 3, 4, 5, 10, 11]  # the groups of rows 3, 4, 11
+    assert out.failures == {"t_grouped": 6}
+    assert all(ids.count(g) == 2 for ids in seen for g in ids)  # every call saw whole groups
+
+
+def test_isolation_stops_at_its_call_budget_and_strict_names_the_raising_input():
+    calls = []
+    out = score_batch(BAD_P, BAD_C, BAD_COLS, [spec("t_bad_rows")], built=[(_raising_on_bad(calls), {})],
+                      isolate_calls=6)
+    # halves (2 calls), quarters (4 more = 6): [0,4), [4,8), [8,12) raise and are not split further, [12,16) passes
+    col = out.matrix[:, 0].tolist()
+    assert [i for i, v in enumerate(col) if math.isnan(v)] == list(range(12)) and col[12:] == [12.0, 13.0, 14.0, 15.0]
+    assert out.failures == {"t_bad_rows": 12} and len(calls) == 7
+    assert "(not isolated further: 6 extra calls this step)" in out.first_failure["t_bad_rows"]
+    with pytest.raises(RewardError, match=r"^reward 't_bad_rows' raised ValueError: cannot parse bad3 on completion "
+                                          r"'bad3' \(prompt 'p3'\)$"):
+        score_batch(BAD_P, BAD_C, BAD_COLS, [spec("t_bad_rows")], built=[(_raising_on_bad([]), {})], strict=True)
+
+
+def _verl_sync(data_source, solution_str, ground_truth, extra_info=None):
+    if "bad" in solution_str:
+        raise KeyError("no answer in " + solution_str)
+    return {"score": float(solution_str == ground_truth)}
+
+
+async def _verl_async(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(0)
+    return _verl_sync(data_source, solution_str, ground_truth, extra_info)
+
+
+@pytest.mark.parametrize("fn", [_verl_sync, _verl_async])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_verl_reward_raising_on_30_percent_fails_exactly_those_rows(fn, chunk_size):
+    bad = {1, 4, 7, 10, 13, 16}  # 6 of 20 rows
+    comps = [f"bad{i}" if i in bad else f"c{i}" for i in range(20)]
+    cols = {"group_ids": [i // 2 for i in range(20)], "answer": [f"c{i}" if i % 3 else "x" for i in range(20)]}
+    out = score_batch([f"p{i}" for i in range(20)], comps, cols, [spec("t_verl")], built=[(fn, {})],
+                      chunk_size=chunk_size, workers=2, timeout=5.0)
+    col = out.matrix[:, 0].tolist()
+    assert [i for i, v in enumerate(col) if math.isnan(v)] == sorted(bad)
+    assert [v for i, v in enumerate(col) if i not in bad] == [float(i % 3 != 0) for i in range(20) if i not in bad]
+    assert out.failures == {"t_verl": 6} and out.failure_rate("t_verl") == pytest.approx(0.3)
+    assert out.first_failure["t_verl"] == "failed with KeyError: 'no answer in bad1' on completion 'bad1' (prompt 'p1')"
+    assert out.isolation_calls == {}  # per-row calls fail alone: nothing to bisect
+
+
+def test_reward_failing_on_every_row_alarms_at_its_first_step():
+    from postrl.config import load_config
+    from postrl.diagnostics.monitors import Watchdog
+
+    out = score_batch(P, C, COLS, [spec("t_const"), spec("t_raise")])
+    row = {"step": 1, "reward/t_const/failure_rate": out.failure_rate("t_const"),
+           "reward/t_raise/failure_rate": out.failure_rate("t_raise"),
+           "reward/t_raise/first_failure": out.first_failure["t_raise"]}
+    cfg = load_config(None, []).model_dump(mode="json")
+    alarms = [a for a in Watchdog(cfg).step(row) if a.name == "reward_all_failed"]
+    assert len(alarms) == 1 and alarms[0].severity == "error" and alarms[0].step == 1
+    msg = alarms[0].message
+    assert msg.startswith("reward 't_raise' failed on 100% of the completions at step 1 (first failing input: "
+                          "raised RuntimeError: boom second line on completion 'c0' (prompt 'p0'))")
+    assert "t_const" not in msg
+    w = Watchdog(cfg)
+    assert not [a for a in w.step({"step": 1, "reward/x/failure_rate": 0.99}) if a.name == "reward_all_failed"]
+    assert [a.step for a in w.step({"step": 2, "reward/x/failure_rate": 1.0}) if a.name == "reward_all_failed"] == [2]
+    off = load_config(None, ["diagnostics.reward_all_failed.enabled=false"]).model_dump(mode="json")
+    assert not [a for a in Watchdog(off).step(row) if a.name == "reward_all_failed"]
+
+
+def test_completion_ids_and_trainer_state_reach_trl_style_functions():
+    named, loose = [], []
+
+    def trl_named(prompts, completions, completion_ids, trainer_state):
+        named.append((completion_ids, trainer_state))
+        return [float(len(ids)) for ids in completion_ids]
+
+    def trl_kwargs(prompts, completions, **kwargs):
+        loose.append(kwargs)
+        return [1.0] * len(completions)
+
+    def plain(prompts, completions, answer):  # takes neither: must not receive them
+        return [0.5] * len(completions)
+
+    comps = ["1", "2", "3", "4", "5", "x"]
+    cols = {**COLS, "answer": ["1", "2", "0", "4", "5", "6"], "task": ["arithmetic"] * 6}
+    ids = [[1], [1, 2], [3], [4, 5, 6], [7], [8, 9]]
+    state = {"global_step": 3, "epoch": 0.5}
+    built = [(trl_named, {}), (trl_kwargs, {}), (plain, {}), (registry.get("reward", "correct"), {}),
+             (_verl_sync, {})]
+    out = score_batch(P, comps, cols, [spec(n) for n in ("named", "kwargs", "plain", "correct", "verl")], built=built,
+                      chunk_size=2, completion_ids=ids, trainer_state=state)
+    assert not out.failures, out.first_failure
+    assert named == [(ids[0:2], state), (ids[2:4], state), (ids[4:6], state)]  # sliced per chunk, the state whole
+    assert [kw["completion_ids"] for kw in loose] == [ids[0:2], ids[2:4], ids[4:6]]
+    assert all(kw["trainer_state"] is state and kw["answer"] for kw in loose)
+    assert out.matrix.T.tolist() == [[1.0, 2.0, 1.0, 3.0, 1.0, 2.0], [1.0] * 6, [0.5] * 6,
+                                     [1.0, 1.0, 0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]
+    with pytest.raises(ValueError, match="5 completion_ids for 6 completions"):
+        score_batch(P, comps, cols, [spec("named")], built=built[:1], completion_ids=ids[:5])
 
 
 # ------------------------------------------------------------------------------------------------ label-free

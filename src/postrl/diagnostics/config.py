@@ -81,6 +81,11 @@ class KLBlowupConfig(_Section):
                               "the update (verl actor/ppo_kl) exceeds this")
 
 
+class RewardAllFailedConfig(_Section):
+    min_rate: float = Field(1.0, gt=0.0, le=1.0, description="alarm (error) at the first step where a reward source "
+                            "fails on at least this fraction of the scored batch (1.0: on every completion)")
+
+
 class NanGuardConfig(_Section):
     save_batches: bool = Field(True, description="save the batch of a skipped step to run_dir/bad_batches/ "
                                "(a reward source failing on more than reward.alarm_rate of a batch also alarms)")
@@ -132,6 +137,7 @@ class DiagnosticsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     enabled: bool = Field(True, description="compute alarms (metrics are always logged)")
+    reward_all_failed: RewardAllFailedConfig = Field(default_factory=RewardAllFailedConfig)
     zero_variance_groups: ZeroVarianceConfig = Field(default_factory=ZeroVarianceConfig)
     advantage_collapse: AdvantageCollapseConfig = Field(default_factory=AdvantageCollapseConfig)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)

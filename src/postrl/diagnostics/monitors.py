@@ -307,6 +307,34 @@ def kl_blowup(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"train.epochs (now {ctx.get('train.epochs')}), or keep optim.max_grad_norm set")
 
 
+def reward_all_failed(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Every reward source whose ``reward/<name>/failure_rate`` this step is at least ``min_rate`` (default 1.0:
+    it failed on every completion), named with its first failing input (``reward/<name>/first_failure``, a string
+    the trainer adds to the row) when the row has it. Fires at the first such step (patience 1)."""
+    cur = h[-1]
+    dead = []
+    for k in cur:
+        if k.startswith("reward/") and k.endswith("/failure_rate"):
+            v = _num(cur, k)
+            if v is not None and v >= p.min_rate:
+                dead.append((k[len("reward/"):-len("/failure_rate")], v))
+    if not dead:
+        return None
+    step = int(cur.get("step", len(h)))
+    parts = []
+    for name, v in dead:
+        first = cur.get(f"reward/{name}/first_failure")
+        parts.append(f"reward '{name}' failed on {v:.0%} of the completions at step {step}"
+                     + (f" (first failing input: {first})" if isinstance(first, str) and first else ""))
+    return Alarm("reward_all_failed", "; ".join(parts) + ": none of them reaches the advantage, the reward gives "
+                 "no learning signal",
+                 "the reward function raises (or returns None / NaN) on every input: a bug, a column it expects "
+                 "that the data does not have (e.g. answer), a wrong verifier for the task, or an unreachable "
+                 "service (judge, sandbox)",
+                 "run it on a few completions (`postrl probe-reward`), fix the function or the data columns; "
+                 "reward.strict=true stops the run at the first failing input", severity="error")
+
+
 def nan_guard(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
     step = int(cur.get("step", 0))
@@ -489,6 +517,7 @@ class MonitorSpec:
 
 
 MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
+    MonitorSpec("reward_all_failed", reward_all_failed, "a reward source failing on every completion of a step"),
     MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards"),
     MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
     MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),

@@ -105,11 +105,12 @@ def parse_number(s) -> float | None:
 def correct(prompts, completions, task=None, **columns):
     """1.0 when the row's task verifier accepts the completion, else 0.0 (None where a row has no verifier).
 
-    The verifier is the ``verify`` of the prompt source registered under the row's ``task`` column.
+    The verifier is the ``verify`` of the prompt source registered under the row's ``task`` column; the row holds
+    the per-completion columns (``trainer_state``, one dict for the batch, is not one).
     """
     from postrl.data import verify_row
 
-    keys = list(columns)
+    keys = [k for k in columns if k != "trainer_state"]
     out = []
     for i, c in enumerate(completions):
         row = {k: columns[k][i] for k in keys}

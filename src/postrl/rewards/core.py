@@ -5,9 +5,11 @@ Calling conventions (detected from the signature, user functions work unchanged)
 - TRL: ``f(prompts, completions, **columns) -> list[float | None]``, once per batch (or per chunk). Columns the
   function names (or all of them when it takes ``**kwargs``) are passed as keyword lists; ``group_ids`` is always
   one of them (completions of the same prompt share an id), ``steps`` (the completion split into reasoning
-  steps) only to a function that names it.
+  steps) only to a function that names it. As in TRL's GRPOTrainer, ``completion_ids`` (the completion's token
+  ids, a list of ints per completion) and ``trainer_state`` (one dict for the whole batch) are passed when the
+  caller of :func:`score_batch` gives them, to a function that names them or takes ``**kwargs``.
 - verl: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` once per completion; a dict result
-  contributes its ``"score"``.
+  contributes its ``"score"``. Each completion's call fails on its own: a call that raises fails that entry only.
 - ``async def`` functions of either kind are awaited; the per-completion calls of an async verl function run
   concurrently in one event loop.
 - A function that declares a ``context`` parameter receives a :class:`RewardContext` (the policy, tokenizer and
@@ -20,12 +22,21 @@ wall-clock ``timeout`` (a timed-out call is abandoned: its thread cannot be kill
 late result is ignored; an async call is cancelled). ``chunk_size`` splits the batch into chunks that end at group
 boundaries, so group-aware sources (majority vote, novelty) always see whole groups.
 
-Fault isolation: a call that raises, times out, or returns the wrong number of values fails all its entries; an
-entry that is None, NaN, inf, not a number, or (for a process reward) a step list of the wrong length fails that
-entry (a source may put an exception instance in an entry to say why it failed). Failed entries are NaN in the
-reward matrix; they are then excluded from the advantage computation (never read as 0), counted per source, and
-the first failing input is reported. ``strict=True`` raises a one-line :class:`RewardError` naming the reward and
-the input at the first failure instead.
+Fault isolation: a batch (or chunk) call that raises is called again on the two halves of its rows, and each half
+that raises again is halved in turn, down to single rows, so that only the inputs that make the function raise
+fail (bisection: with f failing rows among n, about 2 f log2(n / f) extra calls, at most 2 n - 2). A source that
+names ``group_ids`` is group-aware: it is split only at group boundaries and a group that raises fails whole.
+Each level of the bisection runs in parallel like the first call. At most ``isolate_calls`` extra calls are made
+per source and step; rows still unresolved then fail together. A call that times out fails all its entries (it is
+not retried). An entry that is None, NaN, inf, not a number, or (for a process reward) a step list of the wrong
+length fails that entry (a source may put an exception instance in an entry to say why it failed). Failed entries
+are NaN in the reward matrix; they are then excluded from the advantage computation (never read as 0), counted per
+source, and the first failing input (lowest row) is reported. ``strict=True`` raises a one-line
+:class:`RewardError` naming the reward and the input at the first failure instead.
+
+Contract errors stop the run whatever ``strict`` says (a programming error, not a data fault): a call that returns
+the wrong number of values, or something that is not a list of values, raises :class:`RewardError` naming the
+reward, the expected and the returned count.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,6 +58,7 @@ from postrl.errors import RewardError
 from postrl.pipeline import signature
 
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
+ISOLATE_CALLS = 256  # default bound on the extra calls that isolate the failing rows, per source and step
 
 
 @dataclass
@@ -101,23 +114,52 @@ async def _await_all(coros: list, timeout: float | None) -> list:
     return await asyncio.gather(*(one(c) for c in coros))
 
 
+async def _await_rows(calls: list[Callable[[], Any]], timeout: float | None) -> list:
+    """Await one coroutine per row concurrently; a row whose call raises (or times out) gives its exception."""
+    async def one(call):
+        try:
+            c = call()
+            return await (asyncio.wait_for(c, timeout) if timeout else c)
+        except Exception as e:  # noqa: BLE001 - one row's failure is that row's entry
+            return e
+
+    return await asyncio.gather(*(one(call) for call in calls))
+
+
 def _resolve(value: Any, timeout: float | None) -> Any:
     if inspect.isawaitable(value):
         return asyncio.run(_await_all([value], timeout))[0]
     return value
 
 
+def _row(call: Callable[[], Any], timeout: float | None) -> Any:
+    """One per-row call; its exception, if it raises, is the row's entry (a failure of that row only)."""
+    try:
+        return _resolve(call(), timeout)
+    except Exception as e:  # noqa: BLE001 - one row's failure is that row's entry
+        return e
+
+
+class _ContractError(TypeError):
+    """A reward source returned something that is not a list of values (a programming error, never isolated)."""
+
+
 def call_reward(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list], params: dict,
-                context: RewardContext | None = None, timeout: float | None = None) -> list:
+                context: RewardContext | None = None, timeout: float | None = None,
+                trainer_state: dict | None = None) -> list:
     """Call one reward source on a batch; returns its raw list of values (one per completion).
 
     ``timeout`` bounds each awaited coroutine of an async source (sync sources are bounded by the caller's
-    thread timeout).
+    thread timeout). A verl-style source is called once per completion and each call fails alone: its exception
+    becomes that completion's entry. ``trainer_state`` goes to a source that names it or takes ``**kwargs``.
+    Raises ``_ContractError`` when a batch source returns something other than a list of values.
     """
     names, var_kw = _accepts(fn)
     extra = dict(params)
     if context is not None and "context" in names:
         extra["context"] = context
+    if trainer_state is not None and (var_kw or "trainer_state" in names):
+        extra["trainer_state"] = trainer_state
     if _is_verl(fn):
         calls = []
         for i, c in enumerate(completions):
@@ -127,17 +169,18 @@ def call_reward(fn: Callable, prompts: list[str], completions: list[str], column
                 data_source=row.get("data_source", row.get("task", "")), solution_str=c, ground_truth=gt,
                 extra_info=row, **extra))
         if _is_async(fn):
-            out = asyncio.run(_await_all([call() for call in calls], timeout))
+            out = asyncio.run(_await_rows(calls, timeout))
         else:
-            out = [_resolve(call(), timeout) for call in calls]
-        return [r["score"] if isinstance(r, dict) else r for r in out]
+            out = [_row(call, timeout) for call in calls]
+        return [r.get("score", r) if isinstance(r, dict) else r for r in out]
     kwargs = {k: v for k, v in columns.items() if (var_kw and k != "steps") or k in names}
     kwargs.update(extra)
     res = _resolve(fn(prompts, completions, **kwargs), timeout)
     if isinstance(res, torch.Tensor):
         res = res.tolist()
-    if res is None or isinstance(res, (str, bytes, dict)) or not hasattr(res, "__len__"):
-        raise TypeError(f"expected a list of values, got {type(res).__name__}")
+    if res is None or isinstance(res, (str, bytes, dict)) or not isinstance(res, Sized):
+        raise _ContractError(f"returned {type(res).__name__}, expected a list of {len(completions)} values "
+                            "(one per completion; None marks a failed one)")
     return list(res)
 
 
@@ -264,6 +307,26 @@ def group_chunks(n: int, group_ids: list | None, chunk_size: int | None) -> list
     return out
 
 
+def split_rows(a: int, b: int, group_ids: list | None, whole_groups: bool) -> list[tuple[int, int]]:
+    """The two halves of rows [a, b) for isolating a failure: split at the middle row, or, with ``whole_groups``,
+    at the group boundary nearest it; [] when [a, b) is one unit (one row, or one group)."""
+    if b - a < 2:
+        return []
+    mid = (a + b) // 2
+    if not whole_groups or group_ids is None:
+        return [(a, mid), (mid, b)]
+    cuts = [i for i in range(a + 1, b) if group_ids[i] != group_ids[i - 1]]
+    if not cuts:
+        return []
+    c = min(cuts, key=lambda i: abs(i - mid))
+    return [(a, c), (c, b)]
+
+
+def _exc(e: BaseException) -> str:
+    text = _one_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 @dataclass
 class RewardOutcome:
     matrix: torch.Tensor  # [N, K], NaN where the entry failed
@@ -271,6 +334,7 @@ class RewardOutcome:
     first_failure: dict[str, str] = field(default_factory=dict)  # per source: the first failing input / error
     step_rewards: torch.Tensor | None = None  # [N, S] step scores of the process source, NaN padded
     step_source: str | None = None  # name of the source that returned step scores
+    isolation_calls: dict[str, int] = field(default_factory=dict)  # per source: extra calls isolating failures
 
     def failure_rate(self, name: str) -> float:
         n = self.matrix.shape[0]
@@ -280,56 +344,42 @@ class RewardOutcome:
 def score_batch(prompts: list[str], completions: list[str], columns: dict[str, list], specs: list, *,
                 context: RewardContext | None = None, strict: bool = False, timeout: float | None = None,
                 workers: int = 1, chunk_size: int | None = None,
-                built: list[tuple[Any, dict]] | None = None) -> RewardOutcome:
+                built: list[tuple[Any, dict]] | None = None, completion_ids: list[list[int]] | None = None,
+                trainer_state: dict | None = None, isolate_calls: int = ISOLATE_CALLS) -> RewardOutcome:
     """Score ``completions`` with every reward spec (objects with ``.name`` and ``.params``).
 
     Returns the reward matrix [N, K] (NaN marks a failed entry) with per-source failure counts and the first
-    failing input; see the module docstring for the fault rules. ``strict`` raises :class:`RewardError` at the
-    first failure (in source order, then row order). ``built``: one (callable, call params) per spec, made once
-    per run by the trainer (``postrl.shaping.build_stage``: a reward class is instantiated with its params and
-    keeps its state across steps); without it each spec's registered function is called with ``spec.params``.
+    failing input; see the module docstring for the fault rules (a call that raises is bisected to the rows that
+    raise, at most ``isolate_calls`` extra calls per source). ``strict`` raises :class:`RewardError` at the first
+    failure (in source order, then row order); a wrong number of values raises it always. ``built``: one
+    (callable, call params) per spec, made once per run by the trainer (``postrl.shaping.build_stage``: a reward
+    class is instantiated with its params and keeps its state across steps); without it each spec's registered
+    function is called with ``spec.params``. ``completion_ids`` (one list of token ids per completion, without
+    padding) becomes a column; ``trainer_state`` (a dict) is passed whole to every call (TRL's keyword arguments).
     """
     n = len(completions)
+    if completion_ids is not None:
+        if len(completion_ids) != n:
+            raise ValueError(f"score_batch: {len(completion_ids)} completion_ids for {n} completions")
+        columns = {**columns, "completion_ids": list(completion_ids)}
     vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
     out = RewardOutcome(torch.empty((n, len(specs))))
     if built is None:
         built = [(registry.get("reward", spec.name), spec.params) for spec in specs]
     fns = [fn for fn, _ in built]
     call_params = [params for _, params in built]
-    chunks = group_chunks(n, columns.get("group_ids"), chunk_size)
-    tasks, calls = [], []
-    for k, (fn, params) in enumerate(zip(fns, call_params)):
-        for a, b in chunks:
-            cols = {key: v[a:b] for key, v in columns.items()}
-            tasks.append((k, a, b))
-            calls.append(lambda fn=fn, a=a, b=b, cols=cols, params=params: call_reward(
-                fn, prompts[a:b], completions[a:b], cols, params, context, timeout))
-    results = run_parallel(calls, workers, timeout)
+    group_ids = columns.get("group_ids")
+    whole_groups = [wants(fn, "group_ids") for fn in fns]
     steps: dict[int, list[float]] = {}
+    failed: list[tuple[int, int, int, str]] = []  # (source, first row, end row, what): reported after every call
 
-    def fail(k: int, rows: range, what: str) -> None:
-        name = specs[k].name
-        i = rows[0]
-        msg = f"reward '{name}' {what} on completion {_short(completions[i])} (prompt {_short(prompts[i])})"
-        if strict:
-            raise RewardError(_one_line(msg))
-        out.failures[name] = out.failures.get(name, 0) + len(rows)
-        out.first_failure.setdefault(name, _one_line(f"{what} on completion {_short(completions[i])} "
-                                                     f"(prompt {_short(prompts[i])})"))
+    def call(k: int, a: int, b: int) -> Callable[[], list]:
+        cols = {key: v[a:b] for key, v in columns.items()}
+        return lambda: call_reward(fns[k], prompts[a:b], completions[a:b], cols, call_params[k], context, timeout,
+                                   trainer_state)
 
-    for (k, a, b), (status, value) in zip(tasks, results):
+    def take(k: int, a: int, value: list) -> None:
         name = specs[k].name
-        if status == "timeout":
-            fail(k, range(a, b), f"timed out after {timeout:g}s")
-            continue
-        if status == "error":
-            fail(k, range(a, b), f"raised {type(value).__name__}: {_one_line(value)}")
-            continue
-        if len(value) != b - a:
-            if strict:
-                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions")
-            fail(k, range(a, b), f"returned {len(value)} values for {b - a} completions")
-            continue
         for j, v in enumerate(value):
             i = a + j
             if isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 1):
@@ -341,22 +391,55 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
                 want = columns.get("steps")
                 sv = [_to_float(x) for x in v]
                 if want is not None and len(sv) != len(want[i]):
-                    fail(k, range(i, i + 1), f"returned {len(sv)} step scores for {len(want[i])} steps")
+                    failed.append((k, i, i + 1, f"returned {len(sv)} step scores for {len(want[i])} steps"))
                     continue
                 if not sv or any(math.isnan(x) for x in sv):
-                    fail(k, range(i, i + 1), f"returned step scores {_short(v)}")
+                    failed.append((k, i, i + 1, f"returned step scores {_short(v)}"))
                     continue
                 steps[i] = sv
                 vals[i][k] = sum(sv)
                 continue
             if isinstance(v, BaseException):  # a source may report why one entry failed
-                fail(k, range(i, i + 1), f"failed with {type(v).__name__}: {_one_line(v)}")
+                failed.append((k, i, i + 1, f"failed with {_exc(v)}"))
                 continue
             f = _to_float(v)
             if math.isnan(f):
-                fail(k, range(i, i + 1), f"returned {_short(v, 40)}")
+                failed.append((k, i, i + 1, f"returned {_short(v, 40)}"))
                 continue
             vals[i][k] = f
+
+    extra = [0] * len(specs)
+    level = [(k, a, b) for k in range(len(specs)) for a, b in group_chunks(n, group_ids, chunk_size)]
+    while level:  # the calls, then each level of the bisection of the calls that raised
+        results = run_parallel([call(k, a, b) for k, a, b in level], workers, timeout)
+        bisect = []
+        for (k, a, b), (status, value) in zip(level, results):
+            name = specs[k].name
+            if status == "timeout":
+                failed.append((k, a, b, f"timed out after {timeout:g}s"))
+            elif status == "error" and isinstance(value, _ContractError):
+                raise RewardError(f"reward '{name}' {value}")
+            elif status == "error":
+                halves = split_rows(a, b, group_ids, whole_groups[k])
+                if halves and extra[k] + len(halves) <= isolate_calls:
+                    extra[k] += len(halves)
+                    bisect += [(k, h0, h1) for h0, h1 in halves]
+                else:
+                    stop = f" (not isolated further: {extra[k]} extra calls this step)" if halves else ""
+                    failed.append((k, a, b, f"raised {_exc(value)}{stop}"))
+            elif len(value) != b - a:
+                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions")
+            else:
+                take(k, a, value)
+        level = bisect
+    for k, a, b, what in sorted(failed, key=lambda f: (f[0], f[1])):
+        name = specs[k].name
+        where = f"on completion {_short(completions[a])} (prompt {_short(prompts[a])})"
+        if strict:
+            raise RewardError(_one_line(f"reward '{name}' {what} {where}"))
+        out.failures[name] = out.failures.get(name, 0) + b - a
+        out.first_failure.setdefault(name, _one_line(f"{what} {where}"))
+    out.isolation_calls = {specs[k].name: c for k, c in enumerate(extra) if c}
     out.matrix = torch.tensor(vals, dtype=torch.float32).reshape(n, len(specs))
     if out.step_source is not None:
         S = max((len(v) for v in steps.values()), default=0)
