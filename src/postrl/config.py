@@ -92,7 +92,8 @@ class TaskConfig(StageSpec):
 class RolloutConfig(_Strict):
     backend: Literal["hf", "vllm"] = Field("hf", description="generation backend (hf: KV-cache sampler on CPU/GPU)")
     group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="G completions per prompt")
-    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS, description="completion length limit; longer ones are truncated")
+    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS,
+                                description="completion length limit; longer ones are truncated")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy); log-probs use it too")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1.0: off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
@@ -206,7 +207,8 @@ class OptimConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=1, description="RL steps (one rollout batch each)")
-    prompts_per_step: int = Field(32, ge=1, le=MAX_ROWS_PER_STEP, description="prompts per step over all processes; rows per step = prompts_per_step x rollout.group_size")
+    prompts_per_step: int = Field(32, ge=1, le=MAX_ROWS_PER_STEP, description="prompts per step over all processes; "
+                                  "rows per step = prompts_per_step x rollout.group_size")
     epochs: int = Field(1, ge=1, description="optimisation passes over each rollout batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
@@ -563,9 +565,10 @@ Every mistake below stops the run before it starts with one line naming the key 
   `optim.warmup_ratio` are exclusive (the ratio gives ceil(ratio x train.steps x train.epochs x
   train.mini_batches) warmup steps, as transformers' `warmup_ratio`); `train.mini_batches` at most the rows per step.
 - **Limits** on what would exhaust memory or never end: `rollout.group_size` <= {MAX_GROUP_SIZE}; rows per step
-  (`train.prompts_per_step` x `rollout.group_size`) <= {MAX_ROWS_PER_STEP}; `rollout.max_new_tokens` <= {MAX_NEW_TOKENS};
-  tokens per step (rows per step x `rollout.max_new_tokens`) <= {MAX_TOKENS_PER_STEP:,}; rows per evaluation
-  (`train.eval_size` x `train.eval_k`) <= {MAX_ROWS_PER_STEP}; `sft.batch_size` <= {MAX_ROWS_PER_STEP}.
+  (`train.prompts_per_step` x `rollout.group_size`) <= {MAX_ROWS_PER_STEP}; `rollout.max_new_tokens` <=
+  {MAX_NEW_TOKENS}; tokens per step (rows per step x `rollout.max_new_tokens`) <= {MAX_TOKENS_PER_STEP:,};
+  rows per evaluation (`train.eval_size` x `train.eval_k`) <= {MAX_ROWS_PER_STEP};
+  `sft.batch_size` <= {MAX_ROWS_PER_STEP}.
 - **Length stages.** `overlong_soft` (DAPO) punishes completions longer than `max_length - buffer` tokens; in a
   config `max_length` defaults to `rollout.max_new_tokens` and `buffer` to a fifth of it (DAPO's 20480 / 4096),
   and one that could never apply (`max_length - buffer >= rollout.max_new_tokens`) is an error.
@@ -577,7 +580,8 @@ and after training: by default the last 10% (`eval_fraction: 0.1`) of a fixed pe
 for every seed, so no run trains on them (at least one row when the file has two or more, and never all of them).
 `eval_path: held.jsonl` (`eval_split` for a dataset) evaluates on that file's rows instead and trains on every row
 of `path`; `eval_fraction: 0` holds no row out. `prompt_column` (default `prompt`) names the prompt; the other
-columns reach the rewards as keyword arguments (`columns` keeps a subset); `verifier` names a task whose verifier scores the rows (e.g. `arithmetic`, reading `answer`).
+columns reach the rewards as keyword arguments (`columns` keeps a subset); `verifier` names a task whose verifier
+scores the rows (e.g. `arithmetic`, reading `answer`).
 """
 
 
