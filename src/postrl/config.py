@@ -53,12 +53,12 @@ MAX_TOKENS_PER_STEP = 2**28  # rows per step x rollout.max_new_tokens (268,435,4
 
 # Strict types: a count is an int (not a bool, float or string), a switch is a bool (YAML's true/false/yes/no/on/off,
 # not 1 or "true"), a float may be given as an int. Command-line overrides are parsed as YAML first, so
-# `train.steps=3` is the int 3 and `reward.strict=yes` the bool True. No NaN or inf anywhere (Config._finite).
-_STRICT = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+# `train.steps=3` is the int 3 and `reward.strict=yes` the bool True. load_config validates every section strictly,
+# the ones defined elsewhere (diagnostics, logging) too. No NaN or inf anywhere (Config._check, _non_finite).
 
 
 class _Strict(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class StageSpec(BaseModel):
