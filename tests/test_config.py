@@ -4,9 +4,11 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
+from postrl import registry
 from postrl.cli import main
-from postrl.config import Config, load_config
+from postrl.config import Config, dump_yaml, load_config
 from postrl.errors import ConfigError
 
 
@@ -100,3 +102,173 @@ def test_changing_a_stage_name_drops_the_old_stage_params(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("task: {name: countdown, numbers: 4}\n")
     assert load_config(f).task.params == {"numbers": 4}
+
+
+# ------------------------------------------------------------------------------------------------ fuzzed inputs
+# Issue 21: inputs that were accepted (or reached torch and raised there); each must be one ConfigError naming the key.
+
+@registry.register("reward", "config_kw_param", source="test: a TRL-style reward with a parameter and **columns")
+def config_kw_param(prompts, completions, *, threshold: float = 0.5, **columns):
+    """1.0 when the completion is longer than ``threshold`` characters."""
+    return [float(len(c) > threshold) for c in completions]
+
+
+@registry.register("reward", "config_verl_kwargs", source="test: a verl compute_score taking reward_kwargs")
+def config_verl_kwargs(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """verl style: its **kwargs are parameters (verl's reward_kwargs)."""
+    return float(solution_str.strip() == str(ground_truth)) * kwargs.get("scale", 1.0)
+
+
+FUZZ = [
+    # ranges that reached torch.optim.AdamW
+    (["optim.eps=-1"], r"optim\.eps: input should be greater than 0 \(got -1\)"),
+    (["optim.eps=0"], r"optim\.eps: input should be greater than 0"),
+    (["optim.betas=[2, 2]"], r"optim\.betas: each beta must be in \[0, 1\), got \[2\.0, 2\.0\]"),
+    (["optim.betas=[0.9, 1.0]"], r"optim\.betas: each beta must be in \[0, 1\)"),
+    (["optim.betas=[-0.1, 0.9]"], r"optim\.betas: each beta must be in \[0, 1\)"),
+    (["optim.betas=[.nan, 0.9]"], r"optim\.betas"),
+    (["optim.lr=.inf"], r"optim\.lr: expected a finite number, got inf"),
+    (["optim.max_grad_norm=-1"], r"optim\.max_grad_norm: input should be greater than 0"),
+    # NaN / inf anywhere, stage parameters and sections defined elsewhere included
+    (["rollout.temperature=.inf"], r"rollout\.temperature: expected a finite number, got inf"),
+    (["rewards.0.weight=.nan"], r"rewards\.0\.weight: expected a finite number, got nan"),
+    (["regularizers=[{name: entropy_bonus, coef: .inf}]"], r"regularizers\.0\.coef: expected a finite number"),
+    (["advantage.eps=.nan"], r"advantage\.eps: expected a finite number, got nan"),
+    (["task.chatty=-.inf"], r"task\.chatty: expected a finite number, got -inf"),
+    (["reward.weights=[1.0, .nan]"], r"reward\.weights\.1: expected a finite number"),
+    (["kl.coef=.inf"], r"kl\.coef: expected a finite number"),
+    # booleans are not integers, integers and strings are not booleans
+    (["rollout.group_size=true"], r"rollout\.group_size: input should be a valid integer \(got True\)"),
+    (["train.steps=false"], r"train\.steps: input should be a valid integer \(got False\)"),
+    (["train.steps='3'"], r"train\.steps: input should be a valid integer \(got '3'\)"),
+    (["train.steps=3.0"], r"train\.steps: input should be a valid integer \(got 3\.0\)"),
+    (["reward.strict=1"], r"reward\.strict: input should be a valid boolean \(got 1\)"),
+    (["reward.strict='true'"], r"reward\.strict: input should be a valid boolean \(got 'true'\)"),
+    (["diagnostics.nan_guard.enabled=0"], r"diagnostics\.nan_guard\.enabled: input should be a valid boolean"),
+    (["sft.lr=true"], r"sft\.lr: input should be a valid number"),
+    # unknown keys under a reward entry (the reward then failed on every row)
+    (["rewards.0.bogus=1"], r"rewards\.0: unknown parameter 'bogus' for reward 'correct'; valid: \(none\)"),
+    (["rewards=[{name: correct}, {name: config_kw_param, treshold: 3}]"],
+     r"rewards\.1: unknown parameter 'treshold' for reward 'config_kw_param'; valid: threshold"),
+    # what would exhaust memory or never end
+    (["train.prompts_per_step=10000000"], r"train\.prompts_per_step: input should be less than or equal to 65536"),
+    (["rollout.group_size=100000"], r"rollout\.group_size: input should be less than or equal to 1024"),
+    (["train.prompts_per_step=4096", "rollout.group_size=32"],
+     r"train\.prompts_per_step: 4096 prompts x rollout\.group_size 32 = 131072 rows per step, more than 65536"),
+    (["rollout.max_new_tokens=10000000"], r"rollout\.max_new_tokens: input should be less than or equal to 131072"),
+    (["train.prompts_per_step=64", "rollout.group_size=1024", "rollout.max_new_tokens=8192"],
+     r"rollout\.max_new_tokens: 65536 rows per step x 8192 new tokens = 536870912 tokens per step, more than 268435456"),
+    (["train.eval_size=20000"], r"train\.eval_size: 20000 prompts x train\.eval_k 4 = 80000 rows per evaluation"),
+    (["sft.batch_size=100000"], r"sft\.batch_size: input should be less than or equal to 65536"),
+    (["train.mini_batches=300"], r"train\.mini_batches: 300 optimizer steps per epoch but only 256 rows per step"),
+    # warmup: one of steps or ratio
+    (["optim.warmup_ratio=0.1", "optim.warmup_steps=5"],
+     r"optim\.warmup_ratio: set either optim\.warmup_steps \(5\) or optim\.warmup_ratio \(0\.1\), not both"),
+    (["optim.warmup_ratio=1.5"], r"optim\.warmup_ratio: input should be less than or equal to 1"),
+    # a length stage that can never apply with the run's lengths
+    (["shaping=[{name: overlong_soft, max_length: 20480, buffer: 4096}, {name: weighted_sum}]"],
+     r"shaping\.0: overlong_soft never applies: it punishes completions longer than max_length - buffer = 16384 "
+     r"tokens and rollout\.max_new_tokens is 16"),
+    (["shaping=[{name: overlong_soft, buffer: 0}, {name: weighted_sum}]"],
+     r"shaping\.0\.buffer: expected an integer in \[1, max_length = 16\], got 0"),
+    (["shaping=[{name: overlong_soft, max_length: 16.5}, {name: weighted_sum}]"],
+     r"shaping\.0\.max_length: expected an integer >= 1, got 16\.5"),
+    # validators' own messages stay one line that starts with the key
+    (["rewards=[]"], r"^rewards: at least one reward source is required$"),
+    (["kl.controller=adaptive"], r"^kl\.controller=adaptive needs kl\.coef > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", FUZZ, ids=[" ".join(o) for o, _ in FUZZ])
+def test_fuzzed_overrides_give_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_fuzzed_yaml_files_give_one_line_naming_the_key(tmp_path):
+    cases = {
+        "rollout: {group_size: true}\n": r"rollout\.group_size: input should be a valid integer",
+        "rewards:\n  - {name: correct, bogus: 1}\n": r"rewards\.0: unknown parameter 'bogus'",
+        "optim: {betas: [0.9, 2]}\n": r"optim\.betas: each beta must be in \[0, 1\)",
+        "diagnostics: {length_drift: {max_growth: .inf}}\n": r"diagnostics\.length_drift\.max_growth: expected a finite",
+        "train: {prompts_per_step: 100000}\n": r"train\.prompts_per_step",
+    }
+    for i, (text, message) in enumerate(cases.items()):
+        f = tmp_path / f"run{i}.yaml"
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=message) as e:
+            load_config(f)
+        assert "\n" not in str(e.value)
+
+
+VALID = [
+    (["train.steps=3"], lambda c: c.train.steps == 3),
+    (["reward.strict=yes"], lambda c: c.reward.strict is True),  # YAML 1.1's yes is a boolean
+    (["reward.strict=false"], lambda c: c.reward.strict is False),
+    (["optim.lr=1"], lambda c: c.optim.lr == 1.0 and isinstance(c.optim.lr, float)),  # an int where a float goes
+    (["optim.betas=[0, 0.5]"], lambda c: c.optim.betas == (0.0, 0.5)),
+    (["optim.max_grad_norm=null"], lambda c: c.optim.max_grad_norm is None),
+    (["rollout.temperature=0"], lambda c: c.rollout.temperature == 0.0),
+    (["rollout.top_p=1"], lambda c: c.rollout.top_p == 1.0),
+    # the limits themselves are allowed: 64 x 1024 = 65536 rows, x 4096 tokens = 2**28
+    (["train.prompts_per_step=64", "rollout.group_size=1024", "rollout.max_new_tokens=4096"],
+     lambda c: c.train.prompts_per_step * c.rollout.group_size == 65536),
+    (["train.eval_size=16384", "train.eval_k=4"], lambda c: c.train.eval_size == 16384),
+    (["train.mini_batches=256"], lambda c: c.train.mini_batches == 256),
+    (["optim.warmup_ratio=0.1"], lambda c: c.optim.warmup_ratio == 0.1 and c.optim.warmup_steps == 0),
+    (["rewards=[{name: format, tags: [think, answer]}]"], lambda c: c.rewards[0].params == {"tags": ["think", "answer"]}),
+    (["rewards=[{name: config_kw_param, threshold: 3}]"], lambda c: c.rewards[0].params == {"threshold": 3}),
+    (["rewards=[{name: config_verl_kwargs, scale: 2.0}]"], lambda c: c.rewards[0].params == {"scale": 2.0}),
+    (["output_dir=runs/x", "seed=7"], lambda c: c.output_dir == "runs/x" and c.seed == 7),
+]
+
+
+@pytest.mark.parametrize("overrides, check", VALID, ids=[" ".join(o) for o, _ in VALID])
+def test_valid_inputs_still_load(overrides, check):
+    assert check(load_config(None, overrides))
+
+
+def test_cli_refuses_the_hang_and_the_silent_exit_at_once():
+    """The two inputs that hung (prompts_per_step=10000000) or exited silently (group_size=100000) before."""
+    for arg, key in (("train.prompts_per_step=10000000", "train.prompts_per_step"),
+                     ("rollout.group_size=100000", "rollout.group_size")):
+        r = subprocess.run([sys.executable, "-m", "postrl", "config", "show", arg], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and r.stdout == ""
+        assert r.stderr.startswith(f"postrl: error: {key}: ") and r.stderr.count("\n") == 1
+
+
+def test_strict_types_hold_for_models_built_in_code():
+    with pytest.raises(ValidationError):
+        Config(rollout={"group_size": True})
+    with pytest.raises(ValidationError):
+        Config(optim={"lr": float("nan")})
+    cfg = Config()
+    with pytest.raises(ValidationError):  # validate_assignment: the same rules on assignment
+        cfg.train.steps = True
+
+
+def test_warmup_ratio_resolves_to_optimizer_steps():
+    """ceil(ratio x total optimizer steps), total = steps x epochs x mini_batches (transformers' get_warmup_steps)."""
+    cfg = load_config(None, ["optim.warmup_ratio=0.1", "train.steps=60", "train.epochs=2", "train.mini_batches=3"])
+    total = cfg.train.steps * cfg.train.epochs * cfg.train.mini_batches
+    assert total == 360 and cfg.optim.warmup_for(total) == 36
+    assert cfg.optim.warmup_for(15) == 2  # ceil(1.5)
+    assert load_config(None, ["optim.warmup_ratio=0"]).optim.warmup_for(360) == 0
+    assert load_config(None, ["optim.warmup_steps=7"]).optim.warmup_for(360) == 7  # no ratio: the steps
+    assert load_config(None, []).optim.warmup_for(360) == 0
+
+
+def test_overlong_soft_lengths_follow_max_new_tokens():
+    """max_length defaults to rollout.max_new_tokens, buffer to a fifth of it (DAPO 20480 / 4096)."""
+    shaping = "shaping=[{name: overlong_soft}, {name: weighted_sum}]"
+    for new, (max_length, buffer) in ((16, (16, 3)), (20480, (20480, 4096)), (1, (1, 1)), (100, (100, 20))):
+        cfg = load_config(None, [shaping, f"rollout.max_new_tokens={new}", "train.prompts_per_step=8"])
+        assert cfg.shaping[0].params == {"max_length": max_length, "buffer": buffer}
+    cfg = load_config(None, ["shaping=[{name: overlong_soft, buffer: 8}, {name: weighted_sum}]",
+                             "rollout.max_new_tokens=64"])
+    assert cfg.shaping[0].params == {"max_length": 64, "buffer": 8}  # a given value is kept
+    # the resolved config is itself a valid config that resolves to the same (resume reads it back)
+    again = load_config(None, base=__import__("yaml").safe_load(dump_yaml(cfg)))
+    assert again.shaping[0].params == cfg.shaping[0].params

@@ -100,3 +100,24 @@ def test_cli_recipe_unknown_lists_valid_and_known_runs(model_dir, tmp_path, caps
     assert main(["train", "--recipe", "gspo", "--quiet", *tiny(model_dir, out, "gspo")]) == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["loss"]["name"] == "gspo" and saved["loss"]["agg"] == "sequence"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("max_new_tokens", [16, 256, 20480])
+def test_recipe_length_stages_apply_within_max_new_tokens(name, max_new_tokens):
+    """A length stage must be able to act on the completions the run can generate: overlong_soft punishes a
+    completion of rollout.max_new_tokens tokens (DAPO: -penalty at Lmax) and none of a fifth of that length (the
+    DAPO recipe once punished only beyond 16384 tokens while generating 16)."""
+    import torch
+
+    from postrl.shaping.length import overlong_soft
+
+    cfg = load_config(None, [f"rollout.max_new_tokens={max_new_tokens}", "train.prompts_per_step=8"],
+                      base=recipes.load(name))
+    for i, s in enumerate(cfg.shaping):
+        if s.name != "overlong_soft":
+            continue
+        lengths = torch.tensor([max_new_tokens // 5, max_new_tokens])
+        out = overlong_soft(torch.ones(2, 1), ["correct"], torch.ones(1), lengths, **s.params)
+        penalty = s.params.get("penalty", 1.0)
+        assert out["rewards"][:, 1].tolist() == [0.0, -penalty], (name, i, s.params)

@@ -12,12 +12,15 @@ stage function's keyword-only arguments.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from postrl.diagnostics.config import DiagnosticsConfig, LoggingConfig
 from postrl.errors import ConfigError
@@ -42,14 +45,26 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
+# Limits on what one step may ask for (generous for real use; far beyond them a run exhausts memory or never ends).
+MAX_GROUP_SIZE = 1024  # rollout.group_size
+MAX_ROWS_PER_STEP = 65536  # train.prompts_per_step x rollout.group_size; train.eval_size x train.eval_k; sft.batch_size
+MAX_NEW_TOKENS = 131072  # rollout.max_new_tokens
+MAX_TOKENS_PER_STEP = 2**28  # rows per step x rollout.max_new_tokens (268,435,456: 2 GiB of int64 token ids)
+
+# Strict types: a count is an int (not a bool, float or string), a switch is a bool (YAML's true/false/yes/no/on/off,
+# not 1 or "true"), a float may be given as an int. Command-line overrides are parsed as YAML first, so
+# `train.steps=3` is the int 3 and `reward.strict=yes` the bool True. load_config validates every section strictly,
+# the ones defined elsewhere (diagnostics, logging) too. No NaN or inf anywhere (Config._check, _non_finite).
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class StageSpec(BaseModel):
     """A named stage plus its parameters (any other key)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
 
     @property
@@ -76,8 +91,9 @@ class TaskConfig(StageSpec):
 
 class RolloutConfig(_Strict):
     backend: Literal["hf", "vllm"] = Field("hf", description="generation backend (hf: KV-cache sampler on CPU/GPU)")
-    group_size: int = Field(8, ge=1, description="G completions per prompt")
-    max_new_tokens: int = Field(16, ge=1, description="completion length limit; longer ones are truncated")
+    group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="G completions per prompt")
+    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS,
+                                description="completion length limit; longer ones are truncated")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy); log-probs use it too")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1.0: off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
@@ -157,16 +173,42 @@ class KLConfig(_Strict):
 class OptimConfig(_Strict):
     lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    eps: float = Field(1e-8, description="AdamW epsilon")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1)")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
+    warmup_ratio: float | None = Field(None, ge=0.0, le=1.0, description="linear warmup over this fraction of the "
+                                       "run's optimizer steps (train.steps x epochs x mini_batches), rounded up "
+                                       "(TRL/transformers warmup_ratio); exclusive with warmup_steps")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr after warmup")
-    max_grad_norm: float | None = Field(1.0, description="clip the global grad norm (None: no clipping)")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global grad norm (None: no clipping)")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_list(cls, v: Any) -> Any:
+        """YAML has no tuples: a two-item list is the pair."""
+        return tuple(v) if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "OptimConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas: each beta must be in [0, 1), got {list(self.betas)}")
+        if self.warmup_ratio is not None and self.warmup_steps > 0:
+            raise ValueError(f"optim.warmup_ratio: set either optim.warmup_steps ({self.warmup_steps}) or "
+                             f"optim.warmup_ratio ({self.warmup_ratio}), not both")
+        return self
+
+    def warmup_for(self, total: int) -> int:
+        """Warmup optimizer steps of a run of ``total`` optimizer steps: ``warmup_steps``, or
+        ``ceil(warmup_ratio * total)`` when the ratio is set (transformers ``TrainingArguments.get_warmup_steps``)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * total)
 
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=1, description="RL steps (one rollout batch each)")
-    prompts_per_step: int = Field(32, ge=1, description="prompts per step over all processes")
+    prompts_per_step: int = Field(32, ge=1, le=MAX_ROWS_PER_STEP, description="prompts per step over all processes; "
+                                  "rows per step = prompts_per_step x rollout.group_size")
     epochs: int = Field(1, ge=1, description="optimisation passes over each rollout batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
@@ -183,7 +225,7 @@ class TrainConfig(_Strict):
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps (0: only before and after)")
-    eval_size: int = Field(200, ge=1, description="held-out prompts per evaluation")
+    eval_size: int = Field(200, ge=1, le=MAX_ROWS_PER_STEP, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: on a CPU chosen per phase by a "
                                 "short measurement, postrl.perf, on a GPU torch's default; fix it for bitwise-reproducible runs)")
@@ -197,7 +239,7 @@ class SFTConfig(_Strict):
     """`postrl sft` and the built-in model's warm start."""
 
     steps: int = Field(800, ge=1, description="SFT steps (the built-in model trains this many on first use)")
-    batch_size: int = Field(64, ge=1, description="demonstrations per SFT step")
+    batch_size: int = Field(64, ge=1, le=MAX_ROWS_PER_STEP, description="demonstrations per SFT step")
     lr: float = Field(3e-3, gt=0.0, description="peak lr (warmup, then cosine to 10%)")
     warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
@@ -217,7 +259,10 @@ class Config(_Strict):
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward evaluation and fault handling")
     shaping: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="weighted_sum")],
-                                     description="reward transforms in order; one must produce the scalar reward")
+                                     description="reward transforms in order; one must produce the scalar reward. "
+                                     "overlong_soft's max_length defaults to rollout.max_new_tokens and its buffer "
+                                     "to a fifth of max_length (DAPO's 20480 / 4096); one that cannot apply below "
+                                     "max_new_tokens is an error")
     filters: list[StageSpec] = Field(default_factory=list, description="group/completion filters in order")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimator + params")
     loss: LossConfig = Field(default_factory=LossConfig, description="policy loss + params; agg: aggregation")
@@ -233,9 +278,73 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
+        bad = _non_finite(self.model_dump(), "")
+        if bad is not None:
+            raise ValueError(f"{bad[0]}: expected a finite number, got {bad[1]}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward source is required")
+        rows = self.train.prompts_per_step * self.rollout.group_size
+        if rows > MAX_ROWS_PER_STEP:
+            raise ValueError(f"train.prompts_per_step: {self.train.prompts_per_step} prompts x rollout.group_size "
+                             f"{self.rollout.group_size} = {rows} rows per step, more than {MAX_ROWS_PER_STEP}")
+        if rows * self.rollout.max_new_tokens > MAX_TOKENS_PER_STEP:
+            raise ValueError(f"rollout.max_new_tokens: {rows} rows per step x {self.rollout.max_new_tokens} new "
+                             f"tokens = {rows * self.rollout.max_new_tokens} tokens per step, more than "
+                             f"{MAX_TOKENS_PER_STEP}")
+        if self.train.mini_batches > rows:
+            raise ValueError(f"train.mini_batches: {self.train.mini_batches} optimizer steps per epoch but only "
+                             f"{rows} rows per step (each mini-batch needs at least one row)")
+        eval_rows = self.train.eval_size * self.train.eval_k
+        if eval_rows > MAX_ROWS_PER_STEP:
+            raise ValueError(f"train.eval_size: {self.train.eval_size} prompts x train.eval_k {self.train.eval_k} "
+                             f"= {eval_rows} rows per evaluation, more than {MAX_ROWS_PER_STEP}")
+        for i, s in enumerate(self.shaping):
+            if s.name == "overlong_soft":
+                _resolve_overlong_soft(s, f"shaping.{i}", self.rollout.max_new_tokens)
         return self
+
+
+def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
+    """(dotted key, value) of the first NaN or inf float in a nested dict / list / tuple, else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (key, value)
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _non_finite(v, f"{key}.{k}" if key else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+_OVERLONG_BUFFER_FRACTION = 4096 / 20480  # DAPO: buffer Lc = 4096 of Lmax = 20480 (a fifth)
+
+
+def _resolve_overlong_soft(spec: StageSpec, where: str, max_new_tokens: int) -> None:
+    """Fill in and check the lengths of an ``overlong_soft`` stage (postrl.shaping.length) against the run.
+
+    DAPO's Lmax is the maximum response length, so in a config ``max_length`` defaults to
+    ``rollout.max_new_tokens`` and ``buffer`` to a fifth of ``max_length`` (DAPO: 4096 of 20480), at least 1.
+    The punishment starts above ``max_length - buffer`` tokens; a stage that starts at or beyond
+    ``max_new_tokens`` can never apply and is an error, as is a buffer outside [1, max_length].
+    """
+    params = spec.params
+    max_length = params.get("max_length", max_new_tokens)
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        raise ValueError(f"{where}.max_length: expected an integer >= 1, got {max_length!r}")
+    buffer = params.get("buffer", max(1, round(max_length * _OVERLONG_BUFFER_FRACTION)))
+    if not isinstance(buffer, int) or isinstance(buffer, bool) or not 1 <= buffer <= max_length:
+        raise ValueError(f"{where}.buffer: expected an integer in [1, max_length = {max_length}], got {buffer!r}")
+    if max_length - buffer >= max_new_tokens:
+        raise ValueError(f"{where}: overlong_soft never applies: it punishes completions longer than max_length - "
+                         f"buffer = {max_length - buffer} tokens and rollout.max_new_tokens is {max_new_tokens} "
+                         f"(leave out {where}.max_length and {where}.buffer to derive them from max_new_tokens)")
+    setattr(spec, "max_length", max_length)
+    setattr(spec, "buffer", buffer)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,10 +393,14 @@ def _set_path(data: dict, path: list[str], value: Any, full: str) -> None:
 
 
 def _format_error(err: ValidationError) -> str:
+    """One line naming the key: pydantic's first error, or a validator's message (which names its keys itself)."""
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"]) or "config"
     if e["type"] == "extra_forbidden":
         return f"unknown key '{loc}'"
+    if e["type"] == "value_error":
+        text = str(e["ctx"]["error"])
+        return text if not e["loc"] or text.startswith(loc) else f"{loc}: {text}"
     got = e.get("input")
     got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return f"{loc}: {e['msg'].lower()} (got {got_s})"
@@ -342,7 +455,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data[keys[0]] = default_dict()[keys[0]]
         _set_path(data, keys, value, text)
     try:
-        cfg = Config.model_validate(data)
+        cfg = Config.model_validate(data, strict=True)  # strict in every section, the ones defined elsewhere too
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
     check_stages(cfg)
@@ -358,6 +471,7 @@ def check_stages(cfg: Config) -> None:
     for i, r in enumerate(cfg.rewards):
         registry.entry("reward", r.name)
         registry.check_params("reward", r.name, r.params, where=f"rewards.{i}")
+        _check_column_params(r.name, r.params, where=f"rewards.{i}")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.rewards):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} values but rewards lists "
                           f"{len(cfg.rewards)} sources; give one weight per reward source")
@@ -378,8 +492,97 @@ def check_stages(cfg: Config) -> None:
     load_source(cfg.task.model_dump())  # validates the task name and its parameters
 
 
+def _check_column_params(name: str, params: dict[str, Any], where: str) -> None:
+    """A TRL-style reward function's ``**kwargs`` receive the prompt rows' columns (postrl.rewards.core), so its
+    parameters are its keyword-only arguments alone; ``registry.check_params`` lets any key through to a function
+    with ``**kwargs``. Any other key would reach the function as a column and fail it on every row. A verl-style
+    ``compute_score``'s ``**kwargs`` do take parameters (verl's ``reward_kwargs``); a reward class takes its
+    parameters in ``__init__`` (checked by ``check_params``)."""
+    import inspect
+
+    from postrl import registry
+    from postrl.pipeline import signature
+    from postrl.rewards.core import _is_verl
+
+    fn = registry.get("reward", name)
+    if inspect.isclass(fn) or _is_verl(fn):
+        return
+    sig = signature(fn)
+    var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+    if not var_kw:
+        return
+    valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    for key in params:
+        if key not in valid:
+            raise ConfigError(f"{where}: unknown parameter '{key}' for reward '{name}'; valid: "
+                              f"{', '.join(valid) or '(none)'} (its **{var_kw[0]} receive the prompt rows' "
+                              f"columns; a parameter is a keyword-only argument)")
+
+
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_text(ann: Any) -> str:
+    """A field's type in words: ``int``, ``float or null``, ``"hf" / "vllm"``, ``list of str``, ``pair of float``."""
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Literal:
+        return " / ".join(json.dumps(a) for a in args)
+    if origin in (Union, UnionType):
+        return " or ".join("null" if a is type(None) else _type_text(a) for a in args)
+    if origin is list:
+        return f"list of {_type_text(args[0])}"
+    if origin is tuple:
+        return f"pair of {_type_text(args[0])}" if len(args) == 2 and args[0] == args[1] else "tuple"
+    if isinstance(ann, type) and issubclass(ann, StageSpec):
+        return "stage"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _range_text(f: Any) -> str:
+    """Type and bounds of a field, from its annotation and its ge / gt / le / lt constraints."""
+    bounds = []
+    for m in f.metadata:
+        for cls, attr, op in ((Ge, "ge", ">="), (Gt, "gt", ">"), (Le, "le", "<="), (Lt, "lt", "<")):
+            if isinstance(m, cls):
+                bounds.append(f"{op} {getattr(m, attr):g}")
+    return ", ".join([_type_text(f.annotation), *bounds])
+
+
+_RULES = f"""## Types, ranges and limits
+
+Every mistake below stops the run before it starts with one line naming the key (`postrl: error: ...`).
+
+- **Strict types.** A count takes an integer: not `true`, `3.0` or `"3"`. A switch takes a YAML boolean
+  (`true`/`false`, also YAML's `yes`/`no`/`on`/`off`): not `1` or `"true"`. A float may be written as an integer.
+  Command-line overrides are read as YAML first, so `train.steps=3` is the integer 3.
+- **Finite numbers.** No `.nan` or `.inf` anywhere in the config, stage parameters included.
+- **Unknown keys** are refused in every section. A stage's parameters are its keyword-only arguments
+  (`postrl methods`); a reward function whose `**kwargs` receive the prompt rows' columns (TRL style, e.g.
+  `correct`) takes no other key, while a verl-style `compute_score`'s `**kwargs` take its parameters (verl's
+  `reward_kwargs`).
+- **Ranges** are in the tables' range column. Besides: `optim.betas` each in [0, 1); `optim.warmup_steps` and
+  `optim.warmup_ratio` are exclusive (the ratio gives ceil(ratio x train.steps x train.epochs x
+  train.mini_batches) warmup steps, as transformers' `warmup_ratio`); `train.mini_batches` at most the rows per step.
+- **Limits** on what would exhaust memory or never end: `rollout.group_size` <= {MAX_GROUP_SIZE}; rows per step
+  (`train.prompts_per_step` x `rollout.group_size`) <= {MAX_ROWS_PER_STEP}; `rollout.max_new_tokens` <=
+  {MAX_NEW_TOKENS}; tokens per step (rows per step x `rollout.max_new_tokens`) <= {MAX_TOKENS_PER_STEP:,};
+  rows per evaluation (`train.eval_size` x `train.eval_k`) <= {MAX_ROWS_PER_STEP};
+  `sft.batch_size` <= {MAX_ROWS_PER_STEP}.
+- **Length stages.** `overlong_soft` (DAPO) punishes completions longer than `max_length - buffer` tokens; in a
+  config `max_length` defaults to `rollout.max_new_tokens` and `buffer` to a fifth of it (DAPO's 20480 / 4096),
+  and one that could never apply (`max_length - buffer >= rollout.max_new_tokens`) is an error.
+
+## Data files: the held-out split
+
+`task: {{name: file, path: data.jsonl}}` (or `name: dataset`) holds rows out for the evaluations before, during
+and after training: by default the last 10% (`eval_fraction: 0.1`) of a fixed permutation of the rows, the same
+for every seed, so no run trains on them (at least one row when the file has two or more, and never all of them).
+`eval_path: held.jsonl` (`eval_split` for a dataset) evaluates on that file's rows instead and trains on every row
+of `path`; `eval_fraction: 0` holds no row out. `prompt_column` (default `prompt`) names the prompt; the other
+columns reach the rewards as keyword arguments (`columns` keeps a subset); `verifier` names a task whose verifier
+scores the rows (e.g. `arithmetic`, reading `answer`).
+"""
 
 
 def reference_markdown() -> str:
@@ -388,7 +591,8 @@ def reference_markdown() -> str:
              "Generated by `postrl config reference` from `src/postrl/config.py`; do not edit by hand.", "",
              "Any key can be set in a YAML file or overridden on the command line as `section.key=value`.",
              "A stage section (`task`, `advantage`, `loss`, each entry of `rewards`, `shaping`, `filters`) takes "
-             "`name` plus the stage's own parameters; `postrl methods` lists the stages and their sources.", ""]
+             "`name` plus the stage's own parameters; `postrl methods` lists the stages and their sources.", "",
+             _RULES]
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         rows = []
@@ -401,10 +605,10 @@ def reference_markdown() -> str:
                 default = default.model_dump(mode="json")
             elif isinstance(default, list):
                 default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
-            rows.append(f"| `{prefix}{name}` | `{json.dumps(default)}` | {f.description or ''} |")
+            rows.append(f"| `{prefix}{name}` | `{json.dumps(default)}` | {_range_text(f)} | {f.description or ''} |")
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | meaning |",
-                          "|---|---|---|", *rows, ""])
+            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | range | meaning |",
+                          "|---|---|---|---|", *rows, ""])
         for name, f in model.model_fields.items():
             ann = f.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel) and not issubclass(ann, StageSpec):
