@@ -323,3 +323,41 @@ def test_rollout_options_train_end_to_end(model_dir, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["pg_loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert all(r["filter/curriculum/tracked"] > 0 for r in rows)
+
+
+def test_state_changes_once_per_step_under_dynamic_sampling_and_remax(model_dir, tmp_path, monkeypatch):
+    """adaptive_length_coef's lambda moves once per step, however many times the step scores: refill rounds of
+    dynamic_sampling and remax's greedy baselines call the stage; only the batches that train are observed."""
+    from postrl.shaping.length import AdaptiveLengthCoef
+
+    calls, observed, ends = [], [], []
+    real_call, real_obs, real_end = AdaptiveLengthCoef.__call__, AdaptiveLengthCoef.observe, AdaptiveLengthCoef.end_step
+
+    def call(self, rewards, reward_names, reward_weights, lengths):
+        calls.append(len(rewards))
+        return real_call(self, rewards, reward_names, reward_weights, lengths)
+
+    def observe(self, rewards, reward_names):
+        observed.append(len(rewards))
+        return real_obs(self, rewards, reward_names)
+
+    def end_step(self, step):
+        ends.append(self.lam)
+        return real_end(self, step)
+
+    monkeypatch.setattr(AdaptiveLengthCoef, "__call__", call)
+    monkeypatch.setattr(AdaptiveLengthCoef, "observe", observe)
+    monkeypatch.setattr(AdaptiveLengthCoef, "end_step", end_step)
+    out = tmp_path / "once"
+    cfg = load_config(None, small(model_dir, out, "rewards=[{name: filters_coin}]",
+                                  "shaping=[{name: adaptive_length_coef, source: filters_coin, lr: 0.5, "
+                                  "target_accuracy: 0.0}, {name: weighted_sum}]",
+                                  "filters=[{name: dynamic_sampling, reward: filters_coin, max_attempts: 5}]",
+                                  "advantage.name=remax"))
+    Trainer(cfg, out).train()
+    rounds = [json.loads(x)["filter/attempts"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(ends) == 2  # one state change per step...
+    assert max(rounds) >= 2 and len(calls) >= sum(rounds) + 2  # ...for many calls: refills and greedy baselines
+    assert len(observed) == sum(rounds) and set(observed) == {32}  # every training round observed, no baseline
+    lam = [json.loads(x)["shaping/adaptive_length_coef/lambda"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lam == [0.0, ends[1]] and ends[1] > 0  # the value each step used; moved by the step's accuracy > 0

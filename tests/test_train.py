@@ -4,6 +4,7 @@ CLI commands and their one-line errors. Every run uses a tiny model written with
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -177,6 +178,22 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
         assert torch.allclose(w1[k], w2[k], atol=1e-5), k
 
 
+def test_readme_multi_process_command(tmp_path):
+    """The README's command as a user types it, default config (built-in model, diagnostics on, prompts of
+    different lengths): `accelerate launch --cpu --num_processes 2 -m postrl train train.steps=3`. It used to die at
+    step 3 on rank 1 (a diagnostics buffer of the previous step's width, reset on the main process only), then to
+    hang (the processes chose different forward paths from their own data)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+           "--main_process_port", "29534", "-m", "postrl", "train", "train.steps=3"]
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "summary.json").read_text())["processes"] == 2
+    rows = metrics(run)
+    assert [m["step"] for m in rows] == [1, 2, 3] and all(math.isfinite(m["pg_loss"]) for m in rows)
+
+
 def test_accelerate_cpu_launch_hides_gpus(monkeypatch):
     """`accelerate launch --cpu` on a machine with a GPU: postrl hides the GPU from itself and its workers (seen on
     an H100: otherwise the gloo barrier of rank 1 asked for cuda:1, "invalid device ordinal"); without --cpu the
@@ -285,7 +302,7 @@ def test_clip_folded_into_the_fused_step_equals_clip_then_step(max_norm):
     """clip_into_step (the trainer's gradient clip as the fused AdamW's grad_scale) against torch's
     clip_grad_norm_ then the step: the same norm, the same parameters over three steps (up to float rounding when
     it clips; exactly when the norm is under max_norm)."""
-    from postrl.train.trainer import clip_into_step
+    from postrl.train.optim import clip_into_step
 
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))

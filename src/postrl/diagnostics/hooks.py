@@ -142,6 +142,11 @@ class Diagnostics:
         out["nan_guard/skipped"] = float(self.skipped)
         out["nan_guard/skipped_total"] = float(self.skipped_total)
         out.update(memory_metrics(self.device))
+        # the step's accumulators are spent on every process (the non-main ones never reach after_reduce): the next
+        # step's batch may be of another width
+        saved = self._saved
+        self._reset()
+        self._saved = saved
         return out
 
     def after_reduce(self, step: int, batch, metrics: dict, model=None, optimizer=None) -> dict:

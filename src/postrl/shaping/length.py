@@ -314,9 +314,10 @@ class AdaptiveLengthCoef(Stateful):
     def end_step(self, step: StepEnd) -> dict:
         right, known = self._seen
         self._seen = [0.0, 0.0]
+        used = {"lambda": self.lam}  # the value this step used
         if known:
             self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (right / known - self.target)))
-        return {"lambda": self.lam}
+        return used
 
 
 @register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "

@@ -28,6 +28,7 @@ _log = logging.getLogger("postrl.rewards")
 class Scorer:
     def __init__(self, cfg: Any, context: RewardContext, tokenizer: Any, log: Callable[[str], None] | None = None):
         self.cfg = cfg.reward
+        self.max_steps = cfg.train.steps
         self.specs = cfg.rewards
         self.rewards = stages.build_all("reward", cfg.rewards)
         self.shaping = stages.build_all("shaping", cfg.shaping)
@@ -51,7 +52,11 @@ class Scorer:
             columns["steps"] = [split_steps(c, rc.step_delimiter) for c in batch.completions]
         outcome = score_batch(batch.prompts, batch.completions, columns, self.specs,
                               built=[(s.fn, s.params) for s in self.rewards], context=self.context,
-                              strict=rc.strict, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size)
+                              strict=rc.strict, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size,
+                              completion_ids=[ids[:n].tolist() for ids, n in zip(batch.completion_ids,
+                                                                                 batch.lengths.long().tolist())],
+                              trainer_state={"global_step": int(batch.extra.get("step", 0)),
+                                             "max_steps": self.max_steps})
         batch.reward_names = [r.name for r in self.specs]
         batch.rewards = outcome.matrix
         batch.reward_weights = self.weights

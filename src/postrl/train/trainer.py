@@ -41,36 +41,10 @@ from postrl.rollout.base import SamplingParams
 from postrl.rollout.decoder import decode_library
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
+from postrl.train.optim import clip_into_step, make_scheduler
 from postrl.train import sampling
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
-
-def make_scheduler(optimizer, warmup: int, total: int, schedule: str):
-    """Linear warmup over ``warmup`` optimizer steps, then constant / linear decay to 0 / cosine decay to 0."""
-
-    def factor(s: int) -> float:
-        if warmup and s < warmup:
-            return (s + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        frac = min(1.0, (s - warmup) / max(1, total - warmup))
-        return 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def clip_into_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` folded into the next step of a fused Adam/AdamW
-    ``optimizer``: returns the gradients' total 2-norm ``n`` and sets the optimizer's ``grad_scale`` to
-    ``max(1, (n + 1e-6) / max_norm)``, by which the fused kernel divides each gradient as it reads it. The step is
-    that of clipping (``g * min(1, max_norm / (n + 1e-6))``) up to float rounding, without a pass that rewrites the
-    gradients (1M parameters on a 2-core Zen 5: the clip 0.22 vs 0.13 ms, with the step 0.56-0.62 vs 0.52 ms).
-    The caller sets ``grad_scale`` back to None after the step; a non-finite ``n`` is the caller's to handle (the
-    step must not run)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
-    return norm
-
 
 def resolve_model_path(cfg: Config, log: Callable[[str], None] = print) -> Path:
     if cfg.model.path == "builtin":
@@ -158,7 +132,7 @@ class Trainer:
             lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
             fused=True)  # one kernel per parameter group (CPU and CUDA); the same update as the per-tensor loop
         total = cfg.train.steps * cfg.train.epochs * cfg.train.mini_batches
-        self.scheduler = make_scheduler(self.optimizer, cfg.optim.warmup_steps, total, cfg.optim.schedule)
+        self.scheduler = make_scheduler(self.optimizer, cfg.optim.warmup_for(total), total, cfg.optim.schedule)
         self.model, self.optimizer = self.acc.prepare(model, self.optimizer)
         self.params = list(self.model.parameters())
         from accelerate.utils import DistributedType
@@ -301,11 +275,14 @@ class Trainer:
                   entropy_grad: bool = False, with_logits: bool = False):
         """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
         dev = self.acc.device
-        groups = batch.group_ids[idx] if self.cfg.train.share_prompt else None
+        # under DDP every process must run the same forwards (a shared prompt is a second forward, the fused path
+        # none of DDP's; both are chosen from the data, which differs between processes): the model's one forward
+        solo = self.world == 1
+        groups = batch.group_ids[idx] if self.cfg.train.share_prompt and solo else None
         out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
                                   with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=groups, fused=self.cfg.train.fused)
+                                  groups=groups, fused=self.cfg.train.fused and solo)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
@@ -434,6 +411,9 @@ class Trainer:
             metrics.update(stages.end_step(group, end))
         metrics["step"] = step + 1
         if self.main:
+            for name, rate in info["failure_rate"].items():  # a string: after the reduce, on the main process
+                if rate > 0:
+                    metrics[f"reward/{name}/first_failure"] = info["first_failure"][name]
             metrics = self.diag.after_reduce(step, batch, metrics, self.policy, self.optimizer)
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
