@@ -63,7 +63,10 @@ def _render(d: dict) -> None:
     if not d["parameters"]:
         con.print("parameters: none", highlight=False)
         return
-    t = Table(header_style="bold", title=f"parameters ({d['kind']}s: {{name: {d['name']}, params: {{...}}}})")
+    first = next((p["name"] for p in d["parameters"] if not p["name"].startswith("**")), "KEY")
+    con.print(f"parameters (in a config, beside the name: {{name: {d['name']}, {first}: ...}}):", markup=False,
+              highlight=False)
+    t = Table(header_style="bold")
     for c in ("parameter", "type", "default"):
         t.add_column(c)
     for p in d["parameters"]:
