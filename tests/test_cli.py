@@ -288,8 +288,6 @@ def test_stage_parameters_of_every_registered_stage_match_its_signature():
 
 
 def test_methods_name_of_a_class_stage_and_errors(capsys):
-    from postrl.cli.methods import run  # noqa: F401 (the command module)
-
     cls = next(e for e in registry.all_entries() if isinstance(e.fn, type) and stage_parameters(e.fn))
     assert main(["methods", cls.name, "--kind", cls.kind, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
