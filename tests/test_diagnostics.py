@@ -144,7 +144,7 @@ def test_group_metrics_hand_computed():
     valid = torch.ones(9, dtype=torch.bool)
     adv = grpo(reward, gid, valid)
     m = group_metrics(reward, rewards, gid, valid, adv, correct)
-    assert m["zero_variance_groups"] == pytest.approx(1 / 3)  # group 1 has 0.5, 0, 0.5: not zero variance
+    assert m["zero_variance_groups/frac"] == pytest.approx(1 / 3)  # group 1 has 0.5, 0, 0.5: not zero variance
     assert m["zero_variance_groups/all_correct"] == pytest.approx(1 / 3)
     assert m["zero_variance_groups/all_wrong"] == pytest.approx(0.0)
     assert m["pass@1"] == pytest.approx((1 + 0 + 2 / 3) / 3)
@@ -191,7 +191,7 @@ def test_batch_metrics_hand_computed():
     lp = [-0.1, -3.0, -0.5, -4.0, -0.2, -0.3, -1.0, -2.5]
     assert m["tokens/logprob_mean"] == pytest.approx(sum(lp) / 8)
     assert m["tokens/low_prob_frac"] == pytest.approx(3 / 8)  # below log(0.1) = -2.30
-    assert m["length/mean"] == pytest.approx(2.0) and m["truncated"] == pytest.approx(0.25)
+    assert m["length/mean"] == pytest.approx(2.0) and m["truncated/frac"] == pytest.approx(0.25)
 
 
 def test_advantage_collapse_counts_merged_reward_combinations():
@@ -222,7 +222,7 @@ def test_length_reward_corr_is_within_group():
     assert math.isnan(length_metrics(lens, tr, torch.ones(6), valid, gid)["length/reward_corr"])
     m = length_metrics(lens, torch.tensor([0, 0, 1, 0, 0, 1], dtype=torch.bool), torch.tensor([1., 1, 0, 1, 1, 0]),
                        valid, gid)
-    assert m["truncated"] == pytest.approx(1 / 3) and m["truncated/reward_mean"] == 0.0
+    assert m["truncated/frac"] == pytest.approx(1 / 3) and m["truncated/reward_mean"] == 0.0
     assert m["finished/reward_mean"] == 1.0 and m["length/terminated_mean"] == pytest.approx(6.0)
 
 
@@ -281,7 +281,7 @@ def _healthy_history(n: int = 30) -> list[dict]:
     for s in range(1, n + 1):
         out.append({"step": s, "reward/mean": 0.3 + 0.01 * s, "accuracy": 0.2 + 0.01 * s, "entropy": 1.0 - 0.005 * s,
                     "tokens/low_prob_frac": 0.2, "length/mean": 3.0 + 0.02 * s, "length/reward_corr": 0.1,
-                    "truncated": 0.02, "zero_variance_groups": 0.3, "zero_variance_groups/all_correct": 0.1,
+                    "truncated/frac": 0.02, "zero_variance_groups/frac": 0.3, "zero_variance_groups/all_correct": 0.1,
                     "zero_variance_groups/all_wrong": 0.2, "advantages/collapse": 0.0, "reward/group_std": 0.3,
                     "grad_norm": 1.0 + 0.1 * (s % 3), "pass@1": 0.2 + 0.01 * s, "pass@8": 0.6, "kl": 0.01,
                     "ppo_kl": 0.001, "ratio/max": 1.3, "clip_low": 0.01, "clip_high": 0.02,
@@ -314,12 +314,12 @@ def _broken(name: str) -> list[dict]:
         elif name == "pass_at_k":
             m["pass@8"] = 0.0
         elif name == "zero_variance_groups":
-            m.update({"zero_variance_groups": 0.95, "zero_variance_groups/all_wrong": 0.9,
+            m.update({"zero_variance_groups/frac": 0.95, "zero_variance_groups/all_wrong": 0.9,
                       "zero_variance_groups/all_correct": 0.05, "accuracy": 0.01, "reward/mean": 0.21})
         elif name == "advantage_collapse":
             m["advantages/collapse"] = 0.5
         elif name == "truncation":
-            m.update({"truncated": 0.96, "truncated/reward_mean": 0.0, "finished/reward_mean": 0.41})
+            m.update({"truncated/frac": 0.96, "truncated/reward_mean": 0.0, "finished/reward_mean": 0.41})
         elif name == "clip_fractions":
             m.update({"clip_low": 0.05, "clip_high": 0.3})
         elif name == "logprob_mismatch":
@@ -412,8 +412,8 @@ def test_healthy_run_logs_every_metric_and_raises_no_alarm(runs):
     assert summary["alarms"] == {}
     last = ms[-1]
     for key in ("reward/correct/std", "zero_variance_groups/all_wrong", "advantages/distinct_frac",
-                "advantages/collapse", "length/terminated_mean", "truncated", "entropy", "tokens/low_prob_frac",
-                "ratio/mean", "ratio/min", "ppo_kl", "grad_norm/max", "mismatch/logp_abs_mean", "mismatch/kl",
+                "advantages/collapse", "length/terminated_mean", "truncated/frac", "entropy", "tokens/low_prob_frac",
+                "ratio/mean", "ratio/min", "ppo_kl", "grad_norm_max", "mismatch/logp_abs_mean", "mismatch/kl",
                 "throughput/generation", "throughput/reward", "throughput/update", "memory/rss_peak_gb", "pass@8"):
         assert key in last, key
     assert last["throughput/generation"] > 0 and last["memory/rss_peak_gb"] > 0.05
@@ -636,6 +636,45 @@ def test_sinks_from_config_in_a_run(models, tmp_path):
     assert "eval/accuracy" in acc.Tags()["scalars"]
     with pytest.raises(Exception, match="logging.sinks"):
         load_config(None, ["logging.sinks=[comet]"])
+
+
+def _prefix_clashes(keys) -> list[tuple[str, str]]:
+    """Pairs (a, b) where key a is also the '/'-prefix of key b (a file and a folder of the same name for MLflow's
+    file store and TensorBoard's tag folders)."""
+    ks = sorted(keys)
+    return [(a, b) for a in ks for b in ks if b.startswith(a + "/")]
+
+
+def test_no_metric_key_is_a_prefix_of_another(runs):
+    run = runs("healthy")  # every batch metric, the update's, the stability probe's, throughput and memory
+    keys = {k for m in rows(run) for k in m} - {"step", "alarms"}
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    keys |= {f"eval/{k}" for e in evals for k in e if k not in ("step", "tag", "n")}  # what the sinks get
+    assert {"truncated/frac", "truncated/reward_mean", "zero_variance_groups/frac", "grad_norm_max",
+            "stability/sharpness", "eval/accuracy"} <= keys
+    assert _prefix_clashes(keys) == []
+
+
+def test_mlflow_sink_in_a_real_run(models, tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "ml"
+    cfg = load_config(None, [f"model.path={models['sft']}", f"output_dir={out}", *BASE, "train.steps=2",
+                             "logging.sinks=[mlflow]"])
+    Trainer(cfg, out).train()
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("postrl").experiment_id])
+    assert run.info.status == "FINISHED"
+    logged = rows(out)
+    for key in ("truncated/frac", "zero_variance_groups/frac", "zero_variance_groups/all_wrong", "reward/mean",
+                "grad_norm", "grad_norm_max"):
+        hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [m.step for m in hist] == [1, 2], key
+        assert [m.value for m in hist] == pytest.approx([r[key] for r in logged]), key
+    finite = [r["step"] for r in logged if math.isfinite(r["truncated/reward_mean"])]  # NaN is not logged
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "truncated/reward_mean")] == finite
+    assert client.get_metric_history(run.info.run_id, "eval/accuracy")
 
 
 def test_config_yaml_records_diagnostics(runs):

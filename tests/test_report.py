@@ -33,13 +33,13 @@ def make_run(path: Path, overrides: list[str], *, steps: int = 12, truncation: f
         r = 0.2 + reward_slope * s
         lines.append({"step": s, "reward/mean": r, "reward/std": 0.3, "reward/correct/mean": r / 1.2,
                       "reward/format/mean": 0.9, "accuracy": r / 1.2, "pass@1": r / 1.2, "pass@8": 0.7,
-                      "length/mean": 3.0, "length/min": 1.0, "length/max": 6.0, "truncated": truncation,
+                      "length/mean": 3.0, "length/min": 1.0, "length/max": 6.0, "truncated/frac": truncation,
                       "truncated/reward_mean": 0.0, "finished/reward_mean": r, "entropy": 1.0 - 0.02 * s,
                       "tokens/low_prob_frac": 0.2, "kl": 0.002 * s, "ppo_kl": 0.001, "clip_low": 0.01,
-                      "clip_high": 0.02, "ratio/max": 1.2, "zero_variance_groups": 0.3,
+                      "clip_high": 0.02, "ratio/max": 1.2, "zero_variance_groups/frac": 0.3,
                       "zero_variance_groups/all_wrong": 0.2, "zero_variance_groups/all_correct": 0.1,
                       "advantages/distinct_frac": 0.3, "reward/group_std": 0.3, "grad_norm": 0.5,
-                      "grad_norm/max": 0.7, "mismatch/kl": 1e-6, "throughput/generation": 3000.0,
+                      "grad_norm_max": 0.7, "mismatch/kl": 1e-6, "throughput/generation": 3000.0,
                       "throughput/update": 8000.0, "memory/rss_peak_gb": 0.5, "alarms": []})
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     evals = [{"step": 0, "tag": "before", "accuracy": 0.2, "pass@1": 0.2, "pass@4": 0.5, "n": 16}]

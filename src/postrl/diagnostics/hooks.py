@@ -138,7 +138,7 @@ class Diagnostics:
         trainer_lp = batch.old_logprobs if batch.old_logprobs is not None else self._trainer_lp
         if trainer_lp is not None:
             out.update(mismatch_metrics(trainer_lp, batch.sampler_logprobs, batch.completion_mask))
-        out["grad_norm/max"] = self._gn_max if self._gn_max > -math.inf else nan
+        out["grad_norm_max"] = self._gn_max if self._gn_max > -math.inf else nan
         out["nan_guard/skipped"] = float(self.skipped)
         out["nan_guard/skipped_total"] = float(self.skipped_total)
         out.update(memory_metrics(self.device))

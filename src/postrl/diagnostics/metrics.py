@@ -71,8 +71,8 @@ def group_metrics(reward: torch.Tensor, rewards: torch.Tensor | None, group_ids:
                   completion_mask: torch.Tensor | None = None) -> dict[str, float]:
     """Learning-signal statistics per group.
 
-    - ``zero_variance_groups``: fraction of groups whose valid rewards are all equal (or with < 2 valid rows);
-      split into ``/all_correct`` and ``/all_wrong`` when a verifier column ``correct`` [N] (1 = correct) exists.
+    - ``zero_variance_groups/frac``: fraction of groups whose valid rewards are all equal (or with < 2 valid rows);
+      split into ``zero_variance_groups/all_correct`` and ``/all_wrong`` when a verifier column ``correct`` [N] (1 = correct) exists.
     - ``advantages/distinct_frac``: mean over groups of (distinct advantage values) / (valid rows).
     - ``rewards/distinct_frac``: same for distinct reward vectors (rows of the [N, K] matrix).
     - ``advantages/collapse``: mean over groups with >= 2 distinct reward vectors of
@@ -95,7 +95,7 @@ def group_metrics(reward: torch.Tensor, rewards: torch.Tensor | None, group_ids:
     cnt = _group_sum(inv, ng, v.astype(np.float64))
     with np.errstate(invalid="ignore"):
         zero = (cnt < 2) | ((big - small) <= 1e-12)
-    m["zero_variance_groups"] = float(zero.mean())
+    m["zero_variance_groups/frac"] = float(zero.mean())
     # within-group std
     mean = _group_sum(inv, ng, rv) / np.maximum(cnt, 1)
     dev = np.where(v, rv - mean[inv], 0.0)
@@ -157,7 +157,7 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor, reward: torch
     v = _np(valid, bool) & np.isfinite(r)
     m = {"length/mean": _mean(lens), "length/min": float(lens.min()) if lens.size else _NAN,
          "length/max": float(lens.max()) if lens.size else _NAN,
-         "length/terminated_mean": _mean(lens[~tr]), "truncated": _mean(tr.astype(np.float64)),
+         "length/terminated_mean": _mean(lens[~tr]), "truncated/frac": _mean(tr.astype(np.float64)),
          "truncated/reward_mean": _mean(r[v & tr]),
          "finished/reward_mean": _mean(r[v & ~tr])}
     inv, ng = _group_index(group_ids)

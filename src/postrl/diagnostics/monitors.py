@@ -99,7 +99,7 @@ def _pass_k_key(m: dict) -> str | None:
 
 def zero_variance_groups(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
-    z = _num(cur, "zero_variance_groups")
+    z = _num(cur, "zero_variance_groups/frac")
     if z is None or z < p.max_frac:
         return None
     ac, aw = _num(cur, "zero_variance_groups/all_correct"), _num(cur, "zero_variance_groups/all_wrong")
@@ -147,7 +147,7 @@ def advantage_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
 
 def truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
-    t = _num(cur, "truncated")
+    t = _num(cur, "truncated/frac")
     if t is None or t < p.max_frac:
         return None
     L = ctx.get("rollout.max_new_tokens", "?")

@@ -53,7 +53,7 @@ class ConsoleReporter:
         clip = (m.get("clip_low") or 0.0) + (m.get("clip_high") or 0.0)
         return ([str(m["step"]), _fmt(m.get("reward/mean"))]
                 + [_fmt(m.get(f"reward/{n}/mean")) for n in self.reward_names]
-                + [_fmt(m.get("accuracy"), ".2f"), _fmt(m.get("length/mean"), ".1f"), _fmt(m.get("truncated"), ".2f"),
+                + [_fmt(m.get("accuracy"), ".2f"), _fmt(m.get("length/mean"), ".1f"), _fmt(m.get("truncated/frac"), ".2f"),
                    _fmt(m.get("entropy")), _fmt(m.get("kl"), ".4f"), _fmt(clip, ".3f"),
                    _fmt(m.get("time/tokens_per_s"), ".0f"), _alarm_names(m)])
 

@@ -11,7 +11,7 @@ smoothing), process reward models with Monte-Carlo step labels, and their evalua
 * :mod:`~postrl.reward_models.backbones` -- ``AutoModel`` folders, ``tiny:<size>`` Llamas, ``bag:<dim>``.
 
 CLI: ``postrl rm train``, ``postrl rm eval``, ``postrl prm train``, ``postrl calibrate``
-(:mod:`~postrl.reward_models.cli`). Names are imported lazily so that the CLI starts without torch.
+(:mod:`postrl.cli.rm`, :mod:`postrl.cli.prm`, :mod:`postrl.cli.calibrate`). Names are imported lazily so that the CLI starts without torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""``postrl eval``: held-out accuracy, pass@k and length of a model or run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from postrl.cli.common import add_import_paths, format_metrics, resolve_model_folder
+from postrl.errors import ConfigError
+
+
+def run(args) -> int:
+    from postrl.config import load_config, read_yaml
+    from postrl.data import load_source
+    from postrl.evaluate import evaluate
+    from postrl.models import load_model_and_tokenizer
+    from postrl.rollout.hf import HFGenerator
+
+    add_import_paths()
+    model_path = resolve_model_folder(args.target, "")
+    base = read_yaml(Path(args.target) / "config.yaml") if (Path(args.target) / "config.yaml").is_file() else None
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.insert(0, f"task={{name: {args.task}}}")
+    cfg = load_config(None, overrides, base=base)
+    source = load_source(cfg.task.model_dump())
+    model, tokenizer = load_model_and_tokenizer(model_path, cfg.model.dtype)
+    rows = source.eval_rows(args.n, cfg.seed)
+    try:
+        gen = HFGenerator(model, tokenizer, decode=cfg.rollout.decode)
+    except ValueError as e:
+        raise ConfigError(f"rollout.decode: {e}") from None
+    res = evaluate(gen, tokenizer, source, rows,
+                   max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
+                   temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
+                   stop=cfg.rollout.stop)
+    res = {"model": str(model_path), "task": cfg.task.name, **res}
+    print(json.dumps(res) if args.json else format_metrics(res))
+    return 0
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("eval", help="held-out accuracy, pass@k and length of a model or run")
+    e.add_argument("target", metavar="MODEL_OR_RUN")
+    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    e.add_argument("--task", help="task name (default: the run's task, or arithmetic)")
+    e.add_argument("--n", type=int, default=200, help="held-out prompts")
+    e.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k")
+    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=run)

@@ -1,0 +1,116 @@
+"""``postrl methods [NAME]``: the registered stages; with NAME, one stage's description, source and parameters.
+
+A stage's parameters are its keyword-only arguments (after ``*``; a class stage: those of ``__init__``), the
+whole schema that ``registry.check_params`` validates a config against; each is listed with its annotation and
+default (``required`` when it has none).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from postrl.cli.common import add_import_paths
+from postrl.errors import PostrlError
+
+
+def stage_parameters(fn) -> list[dict]:
+    """[{name, type, default, required}] of the stage ``fn``'s keyword-only parameters, in declaration order;
+    a ``**kwargs`` catch-all is listed as ``**name`` with type ``any keyword``."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    out = []
+    for p in inspect.signature(target).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            out.append({"name": f"**{p.name}", "type": "any keyword", "default": None, "required": False})
+        elif p.kind is p.KEYWORD_ONLY:
+            ann = p.annotation
+            typ = "" if ann is p.empty else ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+            req = p.default is p.empty
+            out.append({"name": p.name, "type": typ, "default": None if req else p.default, "required": req})
+    return out
+
+
+def _entries(name: str, kind: str | None) -> list:
+    from postrl import registry
+
+    if ":" in name:  # a user's stage by import path, resolved like a config's
+        return [registry.entry(kind or "reward", name)]
+    found = [e for e in registry.all_entries() if e.name == name and (kind is None or e.kind == kind)]
+    if not found:
+        where = f" of kind '{kind}'" if kind else ""
+        raise PostrlError(f"no stage '{name}'{where}; `postrl methods` lists them (or give an import path "
+                          "'module:function')")
+    return found
+
+
+def _describe(e) -> dict:
+    fn = e.fn
+    mod = getattr(fn, "__module__", None) or type(fn).__module__
+    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return {"kind": e.kind, "name": e.name, "description": inspect.getdoc(fn) or e.description,
+            "source": e.source, "defined_in": f"{mod}:{qual}", "parameters": stage_parameters(fn)}
+
+
+def _render(d: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"[bold]{d['kind']} {d['name']}[/]  ({d['defined_in']})", highlight=False)
+    if d["source"]:
+        con.print(f"source: {d['source']}", markup=False, highlight=False)
+    con.print(d["description"] or "(no description)", markup=False, highlight=False)
+    if not d["parameters"]:
+        con.print("parameters: none", highlight=False)
+        return
+    first = next((p["name"] for p in d["parameters"] if not p["name"].startswith("**")), "KEY")
+    con.print(f"parameters (in a config, beside the name: {{name: {d['name']}, {first}: ...}}):", markup=False,
+              highlight=False)
+    t = Table(header_style="bold")
+    for c in ("parameter", "type", "default"):
+        t.add_column(c)
+    for p in d["parameters"]:
+        t.add_row(p["name"], p["type"], "required" if p["required"] else repr(p["default"]))
+    con.print(t)
+
+
+def run(args) -> int:
+    from postrl import registry
+
+    if args.kind is not None and args.kind not in registry.KINDS:
+        raise PostrlError(f"--kind '{args.kind}': valid kinds: {', '.join(registry.KINDS)}")
+    if args.name is not None:
+        add_import_paths()
+        found = [_describe(e) for e in _entries(args.name, args.kind)]
+        if args.json:
+            print(json.dumps(found if len(found) > 1 else found[0], indent=1, default=repr))
+        else:
+            for d in found:
+                _render(d)
+        return 0
+    entries = [e for e in registry.all_entries() if args.kind is None or e.kind == args.kind]
+    if args.json:
+        print(json.dumps([{"kind": e.kind, "name": e.name, "description": e.description, "source": e.source}
+                          for e in entries], indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(header_style="bold")
+    for c in ("kind", "name", "description", "source"):
+        t.add_column(c)
+    for e in entries:
+        t.add_row(e.kind, e.name, e.description, e.source)
+    Console().print(t)
+    return 0
+
+
+def add_parser(sub) -> None:
+    m = sub.add_parser("methods", help="list registered stages; NAME: one stage's parameters, types and defaults",
+                       description="Without NAME: every registered stage with its description and source. With "
+                       "NAME (a registered name, or an import path module:function): its full description, source, "
+                       "and each parameter (the keys of its 'params' in a config) with type and default.")
+    m.add_argument("name", nargs="?", metavar="NAME", help="one stage (all kinds that have it, unless --kind)")
+    m.add_argument("--kind", help="only this stage kind")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=run)

@@ -1,0 +1,152 @@
+"""``postrl rm train|eval``: reward models (Bradley-Terry and variants) on preference pairs.
+
+Heavy imports (torch, transformers) happen inside the commands, so ``postrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from postrl.cli.common import format_metrics, holdout_split, log
+from postrl.errors import ConfigError
+
+RM_EPILOG = """examples:
+  postrl rm train prefs.jsonl --backbone models/base --out rm/             Bradley-Terry, any AutoModel folder
+  postrl rm train prefs.jsonl --backbone tiny:nano --rationality annotator --out rm/
+  postrl rm train prefs.jsonl --backbone models/base --heads 4 --out rm-ens/     (or --seeds 4)
+  postrl rm train prefs.jsonl --backbone models/base --odin --out rm-odin/
+  postrl rm eval rm/ test.jsonl --compare rm-odin/
+"""
+
+
+def scalar_scores(model, prompts, completions, aggregate: str = "mean", batch_size: int = 32):
+    """One score per completion: the model's single head, or its ensemble aggregated (mean | min | uwo)."""
+    from postrl.reward_models import aggregate_ensemble
+
+    s = model.score(prompts, completions, batch_size)
+    return aggregate_ensemble(s, aggregate) if s.shape[1] > 1 else s[:, 0]
+
+
+def _pair_metrics(model, pairs, batch_size: int = 32) -> dict:
+    from postrl.reward_models import pairwise_accuracy, preference_ece
+
+    n = len(pairs)
+    s = scalar_scores(model, [p.prompt for p in pairs] * 2, [p.chosen for p in pairs] + [p.rejected for p in pairs],
+                      batch_size=batch_size)
+    return {"pairs": n, "pairwise_accuracy": pairwise_accuracy(s[:n], s[n:]),
+            "preference_ece": preference_ece(s[:n], s[n:])}
+
+
+def run_train(args) -> int:
+    from postrl.reward_models import RMTrainConfig, fit_reward_model, read_preferences
+
+    pairs = read_preferences(args.data)
+    if args.eval:
+        train, held = pairs, read_preferences(args.eval)
+    else:
+        train, held = holdout_split(pairs, args.eval_fraction, args.seed)
+    if args.odin and args.heads != 1:
+        raise ConfigError("--odin uses its own two heads (length, quality); drop --heads")
+    cfg = RMTrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                        margin=args.margin, rationality=args.rationality, rationality_lr=args.rationality_lr,
+                        odin_length_weight=args.odin_length_weight, odin_ortho_weight=args.odin_ortho_weight,
+                        smoothing=args.smoothing, seed=args.seed)
+    cfg.check()
+    log(f"rm train: {len(train)} pairs ({len(held)} held out), backbone {args.backbone}")
+    model = fit_reward_model(args.backbone, train, cfg, kind="odin" if args.odin else "bt", num_heads=args.heads,
+                             seeds=args.seeds, max_length=args.max_length, device=args.device, log=log)
+    if held:
+        m = _pair_metrics(model, held)
+        model.meta["eval"] = m
+        log("held out: " + format_metrics(m))
+    if getattr(model, "rationality", None):
+        log("rationality betas: " + json.dumps({k: round(v, 4) for k, v in model.rationality_table().items()}))
+    model.save_pretrained(args.out)
+    log(f"saved {args.out}")
+    return 0
+
+
+def run_eval(args) -> int:
+    from postrl.reward_models import best_of_many_accuracy, load_reward_model, read_preferences, starc_distance
+    from postrl.reward_models import pairwise_accuracy, preference_ece
+
+    model = load_reward_model(args.model, device=args.device)
+    rows = read_preferences(args.data, allow_lists=True)
+    prompts, comps = [], []
+    for p, rejected in rows:
+        for c in [p.chosen, *rejected]:
+            prompts.append(p.prompt)
+            comps.append(c)
+    s = scalar_scores(model, prompts, comps, args.aggregate, args.batch_size).double()
+    correct, wrong, sc, sr = [], [], [], []
+    pos = 0
+    for p, rejected in rows:
+        correct.append(float(s[pos]))
+        w = s[pos + 1: pos + 1 + len(rejected)].tolist()
+        wrong.append(w)
+        sc.extend([float(s[pos])] * len(w))
+        sr.extend(w)
+        pos += 1 + len(rejected)
+    res = {"model": str(args.model), "rows": len(rows), "pairs": len(sr),
+           "pairwise_accuracy": pairwise_accuracy(sc, sr),
+           "one_vs_many_accuracy": best_of_many_accuracy(correct, wrong),
+           "preference_ece": preference_ece(sc, sr, beta=args.beta, n_bins=args.bins)}
+    if args.compare:
+        other = load_reward_model(args.compare, device=args.device)
+        s2 = scalar_scores(other, prompts, comps, args.aggregate, args.batch_size)
+        res["compare"] = str(args.compare)
+        res["starc_distance"] = starc_distance(s, s2, list(prompts))
+    print(json.dumps(res) if args.json else format_metrics(res))
+    return 0
+
+
+def train_options(p: argparse.ArgumentParser, lr: float) -> None:
+    """Options every reward-model training command takes (backbone, output, optimisation, encoding)."""
+    p.add_argument("--backbone", required=True, help="AutoModel folder (save_pretrained), or tiny:<size> / bag:<dim>")
+    p.add_argument("--out", required=True, help="folder to save the reward model into")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--max-length", type=int, default=1024, help="tokens kept (from the right) per text")
+    p.add_argument("--chat-template", choices=["auto", "none"], default="auto",
+                   help="encode prompts with the tokenizer's chat template (auto) or as plain text")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+
+
+def add_parser(sub) -> None:
+    rm = sub.add_parser("rm", help="reward models: train (Bradley-Terry and variants), eval",
+                        epilog=RM_EPILOG, formatter_class=argparse.RawTextHelpFormatter)
+    rsub = rm.add_subparsers(dest="rm_command", metavar="SUBCOMMAND")
+    t = rsub.add_parser("train", help="train a reward model on preference pairs (prompt, chosen, rejected)")
+    t.add_argument("data", help="JSONL/JSON/CSV/parquet: prompt, chosen, rejected[, annotator, context, margin]")
+    train_options(t, 1e-5)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--heads", type=int, default=1, help="K heads on one backbone (an ensemble when K > 1)")
+    t.add_argument("--seeds", type=int, default=1, help="K independently trained models (an ensemble of seeds)")
+    t.add_argument("--margin", action="store_true", help="Llama-2 margin loss with the 'margin' column")
+    t.add_argument("--rationality", choices=["global", "annotator", "context"], default=None,
+                   help="learn beta in P = sigmoid(beta (r_c - r_r)): one, per annotator, or per context")
+    t.add_argument("--rationality-lr", type=float, default=1e-2)
+    t.add_argument("--odin", action="store_true", help="ODIN: length head + length-decorrelated quality head")
+    t.add_argument("--odin-length-weight", type=float, default=1.0)
+    t.add_argument("--odin-ortho-weight", type=float, default=1.0)
+    t.add_argument("--smoothing", type=float, default=None, metavar="BETA",
+                   help="iterative data smoothing: y <- (1-BETA) y + BETA p_model (e.g. 0.5)")
+    t.add_argument("--eval", default=None, help="held-out preference file (default: --eval-fraction of DATA)")
+    t.add_argument("--eval-fraction", type=float, default=0.1)
+    t.set_defaults(fn=run_train)
+
+    e = rsub.add_parser("eval", help="pairwise / one-vs-many accuracy, preference ECE, STARC distance")
+    e.add_argument("model", help="reward model folder")
+    e.add_argument("data", help="preference file; 'rejected' may be a list (one correct vs many wrong)")
+    e.add_argument("--compare", default=None, help="second reward model: STARC-style distance to it")
+    e.add_argument("--aggregate", choices=["mean", "min", "uwo"], default="mean", help="ensemble scalar")
+    e.add_argument("--beta", type=float, default=1.0, help="P(c > r) = sigmoid(beta (r_c - r_r)) for the ECE")
+    e.add_argument("--bins", type=int, default=10)
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=run_eval)
+    rm.set_defaults(fn=lambda a: (rm.print_help(), 2)[1])
