@@ -61,10 +61,10 @@ def test_api_doc_names_every_public_name():
     assert missing == []
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range(4))
 def test_api_doc_examples_run(i, tmp_path, monkeypatch, capsys):
     blocks = _python_blocks()
-    assert len(blocks) == 3  # a new example gets its own parameter above
+    assert len(blocks) == 4  # a new example gets its own parameter above
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[i], f"docs/api.md[python block {i}]", "exec"), {"__name__": f"api_doc_{i}"})
     out = capsys.readouterr().out

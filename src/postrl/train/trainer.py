@@ -12,6 +12,7 @@ process takes its share of the step's prompts, gradients are averaged, metrics r
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from postrl.evaluate import evaluate
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
-from postrl.models import completion_logprobs, load_model_and_tokenizer, matmul
+from postrl.models import completion_logprobs, load_model_and_tokenizer, matmul, prepare_tokenizer
 from postrl.perf import ThreadPolicy, keep_freed_memory
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
@@ -70,11 +71,16 @@ def _jsonl_truncate(path: Path, max_step: int) -> None:
     os.replace(tmp, path)
 
 
+_MIXED = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+
+
 class Trainer:
     """Runs ``cfg.train.steps`` RL steps and writes the run directory."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
-                 reporter: Any | None = None):
+                 reporter: Any | None = None, model: Any = None, tokenizer: Any = None):
+        """``model`` / ``tokenizer``: a causal LM object and its tokenizer to train instead of loading
+        ``cfg.model.path`` (the reference model, when one is needed, is a frozen copy of it)."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
@@ -82,7 +88,9 @@ class Trainer:
         self.run_dir = Path(run_dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(),
+        # model.dtype bfloat16 / float16: float32 master weights (the optimizer's), the model's forward under
+        # autocast (accelerate's mixed precision); float32: no autocast
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=_MIXED[cfg.model.dtype],
                                kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.main = self.acc.is_main_process
@@ -93,15 +101,21 @@ class Trainer:
         log = reporter.log if reporter is not None else print
         self.log = log if self.main else (lambda s: None)
         self.source = load_source(cfg.task.model_dump())
-        path = resolve_model_path(cfg, log=self.log)
-        self.model_path = path
-        model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
+        if model is None:
+            self.model_path = resolve_model_path(cfg, log=self.log)
+            model, self.tokenizer = load_model_and_tokenizer(self.model_path, "float32")
+        elif tokenizer is None:
+            raise PostrlError("Trainer(model=...): give its tokenizer too (tokenizer=...)")
+        else:
+            self.model_path, self.tokenizer = None, tokenizer
+            prepare_tokenizer(tokenizer)
         model.config.use_cache = False
         if self.acc.device.type == "cpu":
             if cfg.train.keep_freed_memory:
                 keep_freed_memory()  # glibc: reuse freed buffers instead of page-faulting new ones (postrl.perf)
             # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
-            self.matmul = matmul.choose(cfg.train.matmul, model)
+            # (under mixed precision torch's own products, which autocast casts)
+            self.matmul = matmul.choose(cfg.train.matmul if self.acc.mixed_precision == "no" else "torch", model)
             matmul.use_onednn(model, self.matmul == "onednn")
             try:  # the library of the decode steps (postrl.rollout.decoder)
                 decode = decode_library(model, cfg.rollout.decode)
@@ -118,7 +132,8 @@ class Trainer:
             self._warn(self.objective.warning)
         self.ref_model = None
         if "ref_logp" in self.objective.reads:
-            self.ref_model, _ = load_model_and_tokenizer(path, cfg.model.dtype)
+            self.ref_model = copy.deepcopy(model) if self.model_path is None else \
+                load_model_and_tokenizer(self.model_path, "float32")[0]
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
             matmul.use_onednn(self.ref_model, self.matmul == "onednn")
         self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
@@ -189,8 +204,7 @@ class Trainer:
         return self._unwrapped[1]
 
     def _warn(self, msg: str) -> None:
-        warnings.warn(msg, stacklevel=3)
-        self.log(f"warning: {msg}")
+        warnings.warn(msg, stacklevel=3)  # the command line prints it as one "warning: ..." line
 
     def _make_backend(self):
         if self.cfg.rollout.backend == "vllm":
@@ -276,8 +290,9 @@ class Trainer:
         """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
         dev = self.acc.device
         # under DDP every process must run the same forwards (a shared prompt is a second forward, the fused path
-        # none of DDP's; both are chosen from the data, which differs between processes): the model's one forward
-        solo = self.world == 1
+        # none of DDP's; both are chosen from the data, which differs between processes): the model's one forward.
+        # Under mixed precision the model's own forward too (the fused path computes in float32)
+        solo = self.world == 1 and self.acc.mixed_precision == "no"
         groups = batch.group_ids[idx] if self.cfg.train.share_prompt and solo else None
         out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
@@ -479,7 +494,7 @@ class Trainer:
         self.backend.close()  # helper generation processes (rollout.processes)
         self.save(cfg.train.steps)
         summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
-                   "model_path": str(self.model_path), "run_dir": str(self.run_dir),
+                   "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
                    "processes": self.world}
         if self.main:
             summary["alarms"] = self.diag.finish()  # diagnostics: every alarm raised, with first/last step
