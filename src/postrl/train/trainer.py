@@ -42,6 +42,7 @@ from postrl.rollout.base import SamplingParams
 from postrl.rollout.decoder import decode_library
 from postrl.shaping import build_stage, load_stages_state, stages_state
 from postrl.train import checkpoint as ckpt
+from postrl.train import run_state
 from postrl.data.rollout_options import ExpandContext
 from postrl.train import stage_ops
 
@@ -192,10 +193,13 @@ class Trainer:
         self.backend.start_helpers()  # rollout.processes > 1: helper processes start in the background
         self.start_step = 0
         self.eval_before: dict | None = None
+        self._lock = None  # run_state.RunLock of the main process: one process writes a run directory
+        self._eval_after: dict | None = None  # the final evaluation already logged (a resume at the last step)
+        self._finished: dict | None = None  # summary.json of a finished run that was resumed: nothing to do
         if resume:
             self._resume()
         elif self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = run_state.RunLock(self.run_dir)
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 (self.run_dir / name).write_text("")
@@ -234,19 +238,45 @@ class Trainer:
         return [(fn, params, r.name) for (fn, params), r in zip(self.reward_fns, self.reward_specs)]
 
     def _resume(self) -> None:
-        last = ckpt.latest_checkpoint(self.run_dir)
+        """Continue from the newest usable checkpoint (newer unusable ones are moved aside, saying so); decide
+        ``train.steps`` (run_state.resume_steps) and whether the run already finished (then ``train`` does
+        nothing); cut the logs back to the checkpoint's step."""
+        say = (self.reporter.log if self.reporter is not None else print) if self.main else (lambda s: None)
+        if self.main:
+            self._lock = run_state.RunLock(self.run_dir)
+        last, skipped = ckpt.resumable_checkpoint(self.run_dir)
         if last is None:
+            if skipped:
+                raise PostrlError(f"--resume {self.run_dir}: no usable checkpoint: " + "; ".join(
+                    f"{p.name}/{problem}" for p, problem in skipped))
             raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in {self.run_dir / 'checkpoints'}")
+        step = int(json.loads((last / ckpt.STATE_FILE).read_text())["step"])
+        steps = run_state.resume_steps(self.run_dir, self.cfg.train.steps, step, say=say)
+        if steps != self.cfg.train.steps:  # the scheduler's horizon follows (before its state is loaded)
+            self.cfg.train.steps = steps
+            self.scheduler = make_scheduler(self.optimizer.optimizer, self.cfg.optim.warmup_steps,
+                                            steps * self.cfg.train.epochs * self.cfg.train.mini_batches,
+                                            self.cfg.optim.schedule)
+        self.acc.wait_for_everyone()  # every process has read config.yaml and chosen the same checkpoint
+        if self.main:
+            for path, problem in skipped:
+                moved = ckpt.quarantine_checkpoint(path)
+                say(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
+            run_state.record_config(self.run_dir, self.cfg)
         state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
-        self.start_step = int(state["step"])
+        self.start_step = step
         self._resumed_state = state
         self.eval_before = state.get("eval_before")
+        # a run resumed at its last step: the final evaluation a killed process already logged is reused, and a
+        # finished run has nothing to do
+        self._eval_after = run_state.after_eval(self.run_dir, steps) if step == steps else None
+        self._finished = run_state.finished_summary(self.run_dir, steps) if step == steps else None
         load_stages_state(self._reward_stages(), state.get("rewards"))
         load_stages_state(self.shaping, state.get("shaping"))
         load_stages_state(self.filters, state.get("filters"))
         load_stages_state([(self.advantage_fn, {}, self.cfg.advantage.name)], state.get("advantage"))
         self._load_loss_state(state.get("losses"))
-        if self.main:
+        if self.main and self._finished is None:
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 _jsonl_truncate(self.run_dir / name, self.start_step)
 
@@ -770,29 +800,64 @@ class Trainer:
         return metrics
 
     def train(self) -> dict:
+        """Run the steps from ``start_step`` to ``train.steps``, then the final evaluation, checkpoint, ``final/``
+        model folder and summary.json. SIGTERM / Ctrl-C stop at the end of the current step with a checkpoint
+        and status.json (run_state.StopSignals); the run directory's lock is released on the way out."""
         cfg = self.cfg
-        if self.eval_before is None:
-            self.eval_before = self.evaluate("before", 0)
-        if self.reporter is not None:
-            self.reporter.start(cfg.train.steps, self.start_step, self.eval_before)
-        for step in range(self.start_step, cfg.train.steps):
-            metrics = self.train_step(step)
-            if self.reporter is not None:
-                self.reporter.step(metrics)
-            done = step + 1
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                self.evaluate("periodic", done)
-            if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
-                self.save(done)
-        after = self.evaluate("after", cfg.train.steps)
-        self.backend.close()  # helper generation processes (rollout.processes)
-        self.save(cfg.train.steps)
-        summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
-                   "model_path": str(self.model_path), "run_dir": str(self.run_dir),
-                   "processes": self.world}
-        if self.main:
-            summary["alarms"] = self.diag.finish()  # diagnostics: every alarm raised, with first/last step
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self._finished is not None:  # resumed a finished run
+            if self.main:
+                (self.reporter.log if self.reporter is not None else print)(
+                    f"{self.run_dir}: the run already finished at step {cfg.train.steps}: nothing to do "
+                    f"(give train.steps=N to train further)")
+            if self._lock is not None:
+                self._lock.release()
+            return self._finished
+        done = self.start_step
+        stop = run_state.StopSignals(announce=self.main)
+        try:
+            with stop:
+                if self.main:
+                    run_state.clear_status(self.run_dir)
+                if self.eval_before is None:
+                    self.eval_before = self.evaluate("before", 0)
+                if self.reporter is not None:
+                    self.reporter.start(cfg.train.steps, self.start_step, self.eval_before)
+                saved = self.start_step  # the step of the latest checkpoint
+                for step in range(self.start_step, cfg.train.steps):
+                    metrics = self.train_step(step)
+                    if self.reporter is not None:
+                        self.reporter.step(metrics)
+                    done = step + 1
+                    if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                        self.evaluate("periodic", done)
+                    if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
+                        self.save(done)
+                        saved = done
+                    signum = stop.requested(self.acc)
+                    if signum:
+                        if saved != done:
+                            self.save(done)
+                        raise stop.stop(self.run_dir, done, signum, self.main)
+                after = self._eval_after or self.evaluate("after", cfg.train.steps)
+                self.backend.close()  # helper generation processes (rollout.processes)
+                if saved != cfg.train.steps:
+                    self.save(cfg.train.steps)
+                if self.main:
+                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer)
+                summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
+                           "model_path": str(self.model_path), "run_dir": str(self.run_dir),
+                           "final_model": str(self.run_dir / ckpt.FINAL_DIR), "processes": self.world}
+                if self.main:
+                    summary["alarms"] = self.diag.finish()  # diagnostics: every alarm raised, with first/last step
+                    run_state.write_json_atomic(self.run_dir / "summary.json", summary)
+        except BaseException as exc:
+            self.backend.close()
+            if self.main and run_state.read_status(self.run_dir) is None:
+                run_state.record_end(self.run_dir, done, exc, stop)
+            raise
+        finally:
+            if self._lock is not None:
+                self._lock.release()
         if self.reporter is not None:
             self.reporter.finish(summary)
         return summary
