@@ -172,15 +172,15 @@ def _exit_for(signum: int) -> BaseException:
 class StopSignals:
     """Context manager over a training loop: the first SIGTERM / SIGINT sets ``signum`` (the loop checks
     :meth:`requested` at the end of each step, saves a checkpoint and leaves through :meth:`stop`); a second one
-    raises at once (KeyboardInterrupt / SystemExit(143)) and sets ``aborted``. Handlers are installed only in the
+    raises at once (KeyboardInterrupt / SystemExit(143)) and sets ``aborted`` to it. Handlers are installed only in the
     main thread (Python delivers signals there) and restored on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, announce: bool = True):
         self.announce = announce
-        self.signum = 0
-        self.aborted = False
+        self.signum = 0  # the first signal
+        self.aborted = 0  # the second one
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -197,7 +197,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum:
-            self.aborted = True
+            self.aborted = signum
             raise _exit_for(signum)
         self.signum = signum
         if self.announce:  # os.write: no buffered stream is re-entered from a handler
@@ -229,7 +229,7 @@ class StopSignals:
 def record_end(run_dir: Path, step: int, exc: BaseException, stop: StopSignals) -> None:
     """``status.json`` for a process that leaves training through ``exc`` without a clean stop."""
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        sig = signal.Signals(stop.signum).name if stop.signum else "SIGINT"
+        sig = signal.Signals(stop.aborted).name if stop.aborted else "SIGINT"
         write_status(run_dir, "aborted", step, signal=sig)
     else:
         text = " ".join(str(exc).split())[:300]
