@@ -188,10 +188,10 @@ def checkpoint_problem(ckpt: str | os.PathLike,
         return f"{STATE_FILE} says step {step}, the folder is {ckpt.name}"
     try:
         files = _weight_files(ckpt)
-    except PostrlError as exc:
-        return str(exc)
+    except PostrlError:
+        return f"{WEIGHTS_INDEX_FILE} is unreadable"
     if files is None:
-        return f"no {WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE})"
+        return f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing"
     for f in files:
         problem = _safetensors_problem(f)
         if problem is not None:

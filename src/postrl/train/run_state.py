@@ -85,8 +85,11 @@ class RunLock:
             finally:
                 os.close(fd)  # closing the last descriptor drops the flock
 
-    def __del__(self):
-        self.release()
+    def __del__(self):  # a trainer dropped without finishing train(): its share of the lock goes with it
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be half torn down; the OS unlocks
+            pass
 
 
 def read_holder(run_dir: str | os.PathLike) -> dict | None:

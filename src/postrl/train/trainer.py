@@ -203,6 +203,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 (self.run_dir / name).write_text("")
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # of an earlier run in this folder
         # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         from postrl.diagnostics.hooks import Diagnostics
 
