@@ -273,3 +273,21 @@ def test_final_model_folder_loads_and_generates_as_the_trained_policy(ref):
         gb = b.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert torch.equal(ga, gb)
     assert not any(p.name.startswith(".final") for p in ref.iterdir())  # no temporary folder left
+
+
+def test_doctor_tells_a_killed_run_from_a_running_one(ref, tmp_path):
+    """A lock file that still names a process which no longer exists (SIGKILL: no clean-up) is a killed run, even
+    when its metrics were written a second ago; the same file naming a live process is a running one."""
+    import socket
+
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    (run / "summary.json").unlink()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                              "started": "2026-01-01T00:00:00+0000"}))
+    d = diagnose(run)
+    assert d.status == "stopped" and d.detail.startswith(f"killed: pid {dead.pid} on {socket.gethostname()}")
+    (run / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "x"}))
+    assert diagnose(run).status == "running"
