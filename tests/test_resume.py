@@ -3,7 +3,6 @@ a kill after the last step, and the final model folder. Each resumed run is comp
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -19,9 +18,8 @@ import yaml
 
 from postrl.config import load_config
 from postrl.diagnostics.doctor import diagnose
-from postrl.errors import PostrlError
 from postrl.train.trainer import Trainer
-from test_train import crash_in_step, metrics, model_dir, run_inprocess, small  # noqa: F401 - model_dir: fixture
+from test_train import metrics, model_dir, run_inprocess, small  # noqa: F401 - model_dir: the fixture
 
 STEPS_DIR = "checkpoints"
 
