@@ -269,3 +269,148 @@ def test_model_saved_in_original_layout_still_loads(tmp_path):
     load_checkpoint(path, other)
     for k, v in other.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+# --------------------------------------------------------------------------------------- validation and fallback
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garbage(path):
+    path.write_bytes(os.urandom(4096))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _state(**fields):
+    def edit(ckpt):
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        state.pop("step")
+        state.update(fields)
+        (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    return edit
+
+
+CORRUPTIONS = {
+    "weights truncated": (lambda c: _truncate(c / "model.safetensors"), "model.safetensors"),
+    "weights garbage": (lambda c: _garbage(c / "model.safetensors"), "model.safetensors"),
+    "weights empty": (lambda c: _empty(c / "model.safetensors"), "model.safetensors"),
+    "weights padded": (lambda c: (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()
+                                                                        + b"\0" * 16), "model.safetensors"),
+    "state without step": (_state(), "trainer_state.json"),
+    "state step a string": (_state(step="4"), "trainer_state.json"),
+    "state step a float": (_state(step=4.5), "trainer_state.json"),
+    "state step a bool": (_state(step=True), "trainer_state.json"),
+    "state step of another folder": (_state(step=3), "trainer_state.json"),
+    "state not json": (lambda c: (c / "trainer_state.json").write_text('{"step": 4'), "trainer_state.json"),
+    "optimizer truncated": (lambda c: _truncate(c / "optimizer.pt"), "optimizer.pt"),
+    "rng garbage": (lambda c: _garbage(c / "rng.pt"), "rng.pt"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_latest_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, tok, kind):
+    """Each corruption of the newest checkpoint is found without loading it (checkpoint_problem names the file);
+    resumable_checkpoint / latest_checkpoint fall back to the previous checkpoint, which then loads."""
+    corrupt, culprit = CORRUPTIONS[kind]
+    model, opt, sched = _setup(tok)
+    good = save_checkpoint(tmp_path, 3, model, tok, opt, sched, {"v": 3})
+    _train_step(model, opt, sched, _batch(tok, 0))
+    bad = save_checkpoint(tmp_path, 4, model, tok, opt, sched, {"v": 4})
+    assert ckpt_mod.checkpoint_problem(bad) is None and ckpt_mod.checkpoint_problem(good) is None
+    corrupt(bad)
+
+    problem = ckpt_mod.checkpoint_problem(bad)
+    assert problem is not None and problem.startswith(culprit) and "\n" not in problem
+    found, skipped = ckpt_mod.resumable_checkpoint(tmp_path)
+    assert found == good and skipped == [(bad, problem)]
+    if culprit in ("optimizer.pt", "rng.pt"):  # the weights alone are fine: usable by from_pretrained
+        assert latest_checkpoint(tmp_path) == bad
+    else:
+        assert latest_checkpoint(tmp_path) == good
+    other, opt2, sched2 = _setup(tok, seed=1)
+    assert load_checkpoint(found, other, opt2, sched2)["v"] == 3
+
+
+def test_no_good_checkpoint_and_quarantine(tmp_path, tok):
+    model, opt, sched = _setup(tok)
+    a = save_checkpoint(tmp_path, 1, model, tok, opt, sched, {})
+    b = save_checkpoint(tmp_path, 2, model, tok, opt, sched, {})
+    _empty(b / "model.safetensors")
+    _state(step="1")(a)
+    found, skipped = ckpt_mod.resumable_checkpoint(tmp_path)
+    assert found is None and [p for p, _ in skipped] == [b, a]
+
+    moved = ckpt_mod.quarantine_checkpoint(b)
+    assert moved.name == "step-00000002.corrupt" and (moved / "trainer_state.json").is_file() and not b.exists()
+    # a quarantined folder is no checkpoint: not resumed from, not pruned, not cleaned up
+    save_checkpoint(tmp_path, 3, model, tok, opt, sched, {}, keep_last=1)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002.corrupt", "step-00000003"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-00000003"
+
+
+def test_final_model_folder_is_written_atomically(tmp_path, tok, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    first, _, _ = _setup(tok, seed=0)
+    final = ckpt_mod.save_final_model(tmp_path, first, tok)
+    assert final == tmp_path / "final"
+    second, _, _ = _setup(tok, seed=1)
+    ids = tok("3+4=7", return_tensors="pt").input_ids
+
+    def logits(m):
+        m.eval()
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+
+    # a failure in the middle of the second save (tokenizer written after the weights) leaves the first whole
+    monkeypatch.setattr(tok, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        ckpt_mod.save_final_model(tmp_path, second, tok)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["final"]  # no temporary folder left
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(final)), logits(first))
+
+    ckpt_mod.save_final_model(tmp_path, second, tok)  # replaces it
+    assert os.listdir(tmp_path) == ["final"]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(final)), logits(second))
+    assert AutoTokenizer.from_pretrained(final)("3+4=7").input_ids == ids[0].tolist()
+
+
+# --------------------------------------------------------------------------------------- run directory lock
+
+
+def test_run_lock_names_its_holder_and_a_dead_holder_does_not_block(tmp_path):
+    import socket
+    import sys
+
+    from postrl.train.run_state import RunLock, holder_alive, read_holder
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom postrl.train.run_state import RunLock\n"
+        f"lock = RunLock({str(tmp_path)!r})\nprint('locked', flush=True)\ntime.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(PostrlError) as info:
+            RunLock(tmp_path)
+        msg = str(info.value)
+        assert f"is in use by pid {holder.pid} on {socket.gethostname()} (started 20" in msg and "\n" not in msg
+        assert read_holder(tmp_path)["pid"] == holder.pid and holder_alive(read_holder(tmp_path)) is True
+    finally:
+        holder.kill()  # SIGKILL: no clean-up; the kernel drops the flock
+        holder.wait()
+    assert holder_alive(read_holder(tmp_path)) is False  # the file still names the killed holder
+    lock = RunLock(tmp_path)
+    assert read_holder(tmp_path)["pid"] == os.getpid()
+    again = RunLock(tmp_path)  # trainers in one process share the lock
+    again.release()
+    assert read_holder(tmp_path)["pid"] == os.getpid()
+    lock.release()
+    assert read_holder(tmp_path) is None and (tmp_path / "run.lock").read_text() == ""
+    lock.release()  # idempotent

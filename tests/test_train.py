@@ -192,6 +192,27 @@ def test_bfloat16_trains_with_float32_master_weights(model_dir, tmp_path):
     assert all(math.isfinite(m["pg_loss"]) and math.isfinite(m["grad_norm"]) for m in rows)
 
 
+def test_eval_without_a_verifier_uses_the_configured_rewards(model_dir, tmp_path):
+    """A file task without a verifier and a user reward: held-out prompts are scored by the run's rewards (it read
+    'accuracy 0.000 -> 0.000' before, every completion counted wrong), and the summary says so."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(40)))
+    (tmp_path / "short_rewards.py").write_text(
+        "def short(prompts, completions, **columns):\n"
+        "    return [1.0 if len(c) <= 3 else 0.25 for c in completions]\n")
+    out = tmp_path / "run"
+    r = cli("train", *small(model_dir, out, "task={name: file, path: " + str(data) + "}",
+                            "rewards=[{name: 'short_rewards:short', weight: 2.0}]"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for ev in (summary["before"], summary["after"]):
+        assert ev["scored_by"] == "rewards"
+        assert ev["reward"] == pytest.approx(2.0 * (0.25 + 0.75 * ev["accuracy"]))  # weighted; 1 = full reward
+    said = " ".join(r.stdout.split())
+    assert "held-out before RL (scored by the configured rewards: the task has no verifier)" in said
+    assert "scored by the configured rewards (the task has no verifier)" in said
+
+
 def test_readme_multi_process_command(tmp_path):
     """The README's command as a user types it, default config (built-in model, diagnostics on, prompts of
     different lengths): `accelerate launch --cpu --num_processes 2 -m postrl train train.steps=3`. It used to die at

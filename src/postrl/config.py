@@ -80,8 +80,8 @@ class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="precision of the training forward: bfloat16 / float16 keep float32 master weights "
-        "(the optimizer's) and run the model's forward under autocast (accelerate mixed precision)")
+        "float32", description="precision of the training forward: bfloat16 keeps float32 master weights (the "
+        "optimizer's) and runs the update's forward under bf16 autocast; float16 is refused (no loss scaling)")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )

@@ -1,5 +1,10 @@
 """``postrl doctor RUN``: read any run directory (finished, crashed or still running) and say what went wrong.
 
+Where a run stands comes from the files the trainer keeps (``postrl.train.run_state``): a live process holding
+``run.lock`` is running; summary.json is a finished run; status.json says how a process stopped (a signal, with a
+checkpoint of its last step) or failed; a lock file left by a dead process is a run killed without clean-up. A
+run directory without these (another host, an older postrl) falls back on how recently metrics.jsonl changed.
+
 The diagnosis lists where the run stands (steps done / planned, last checkpoint, evaluation before / after) and
 every alarm the monitors raise over its logged metrics, most likely problem first: alarms are ranked by
 severity, then by causal order (a non-finite loss, a sampler that is not the trainer and truncated completions
@@ -23,6 +28,7 @@ class Diagnosis:
     status: str  # finished | running | stopped
     alarms: list[dict]  # ranked, most likely problem first
     notes: list[str] = field(default_factory=list)
+    detail: str | None = None  # how it is running / how it stopped, when the run directory says
 
     @property
     def primary(self) -> dict | None:
@@ -31,7 +37,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         r = self.run
         ck = r.checkpoints()
-        return {"run": str(r.path), "status": self.status, "steps_done": r.steps_done,
+        return {"run": str(r.path), "status": self.status, "detail": self.detail, "steps_done": r.steps_done,
                 "steps_planned": r.steps_planned, "last_checkpoint": str(ck[-1][1]) if ck else None,
                 "eval_before": _eval(r, first=True), "eval_latest": _eval(r, first=False),
                 "alarms": self.alarms, "primary": self.primary["name"] if self.primary else None,
@@ -46,11 +52,7 @@ def _eval(run: Run, first: bool) -> dict | None:
 
 def diagnose(path: str | Path) -> Diagnosis:
     run = load_run(path)
-    if run.finished:
-        status = "finished"
-    else:
-        age = run.seconds_since_write()
-        status = "running" if age is not None and age < RUNNING_SECONDS else "stopped"
+    status, detail = _where(run)
     _, _, summary = run.alarms()
     ranked = sorted(summary.values(), key=lambda a: (*sort_key(a), -a["steps"]))
     notes = []
@@ -65,21 +67,46 @@ def diagnose(path: str | Path) -> Diagnosis:
         k = max(1, min(5, len(ys) // 4))
         a, b = sum(ys[:k]) / k, sum(ys[-k:]) / k
         notes.append(f"training reward {a:.3f} -> {b:.3f} (mean of the first / last {k} steps)")
-    return Diagnosis(run, status, ranked, notes)
+    for q in run.quarantined():
+        notes.append(f"checkpoint {q.name} was unusable on resume and moved aside")
+    return Diagnosis(run, status, ranked, notes, detail)
+
+
+def _where(run: Run) -> tuple[str, str | None]:
+    """(finished | running | stopped, detail): see the module docstring for the order of the evidence."""
+    from postrl.train.run_state import describe_holder, describe_status, holder_alive
+
+    holder = run.holder()
+    alive = holder_alive(holder) if holder is not None else None
+    if alive:
+        return "running", f"{describe_holder(holder)} holds the run"
+    if run.finished:
+        return "finished", None
+    end = run.end_status()
+    if end is not None:
+        return "stopped", describe_status(end)
+    if alive is False:
+        return "stopped", (f"killed: {describe_holder(holder)} ended without cleaning up (SIGKILL, out of memory, "
+                           f"power loss?)")
+    age = run.seconds_since_write()
+    return ("running" if age is not None and age < RUNNING_SECONDS else "stopped"), None
 
 
 def render(d: Diagnosis, console=None) -> None:
     """Print the diagnosis with rich."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
     con = console or Console()
     r = d.run
     planned = r.steps_planned
-    where = {"finished": "[green]finished[/]", "running": "[yellow]running[/] (metrics written "
-             f"{r.seconds_since_write() or 0:.0f}s ago)",
-             "stopped": "[red]stopped before the end[/] (crashed or killed; no summary.json)"}[d.status]
+    where = {"finished": "[green]finished[/]",
+             "running": f"[yellow]running[/] ({escape(d.detail or 'no summary.json yet')}; metrics written "
+                        f"{r.seconds_since_write() or 0:.0f}s ago)",
+             "stopped": f"[red]stopped before the end[/] ({escape(d.detail or 'crashed or killed; no summary.json')})"
+             }[d.status]
     ck = r.checkpoints()
     lines = [f"run        {r.path}", f"status     {where}",
              f"steps      {r.steps_done} / {planned if planned is not None else '?'}",

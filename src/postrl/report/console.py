@@ -94,14 +94,18 @@ class ConsoleReporter:
         b, a = summary.get("before") or {}, summary["after"]
         t = Table(title="held-out evaluation (greedy accuracy; pass@k from sampled completions)", header_style="bold")
         t.add_column("")
-        keys = [k for k in a if k not in ("step", "tag", "n")]
+        keys = [k for k in a if k not in ("step", "tag", "n", "scored_by")]
         for k in keys:
             t.add_column(k, justify="right")
         if b:
             t.add_row("before RL", *[_fmt(b.get(k)) for k in keys])
         t.add_row("after RL", *[_fmt(a.get(k)) for k in keys])
         self.console.print(t)
-        if b:
+        if b and a.get("scored_by") == "rewards":
+            self.console.print(f"reward {b['reward']:.3f} -> {a['reward']:.3f} ({a['reward'] - b['reward']:+.3f}) on "
+                               f"{a['n']} held-out prompts, scored by the configured rewards (the task has no "
+                               f"verifier)")
+        elif b:
             self.console.print(f"accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
                                f"({a['accuracy'] - b['accuracy']:+.3f}) on {a['n']} held-out prompts")
         final = summary.get("alarms") or {}
@@ -123,4 +127,5 @@ def _alarm_names(m: dict) -> str:
 
 def _eval_line(tag: str, res: dict) -> str:
     parts = [f"{k}={_fmt(v)}" for k, v in res.items() if k not in ("step", "tag") and isinstance(v, float)]
-    return f"{tag}: " + "  ".join(parts)
+    how = " (scored by the configured rewards: the task has no verifier)" if res.get("scored_by") == "rewards" else ""
+    return f"{tag}{how}: " + "  ".join(parts)

@@ -1,8 +1,9 @@
 """Reading a run directory (finished, crashed or still being written) without changing it.
 
 A run directory holds config.yaml, metrics.jsonl (one line per step, with its ``alarms``), samples.jsonl,
-eval.jsonl, summary.json (only once finished), checkpoints/step-N/ and bad_batches/. Lines cut by a crash or
-by a writer in progress are skipped.
+eval.jsonl, summary.json (only once finished), checkpoints/step-N/, final/ (the trained model), bad_batches/,
+run.lock (the process writing it) and status.json (how a process that did not finish ended); see
+``postrl.train.run_state``. Lines cut by a crash or by a writer in progress are skipped.
 """
 
 from __future__ import annotations
@@ -59,7 +60,28 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return self.summary is not None
+        """summary.json is there and covers the planned steps (a run extended after it finished is not)."""
+        if self.summary is None:
+            return False
+        done, planned = self.summary.get("steps"), self.steps_planned
+        return not (isinstance(done, int) and planned is not None and done < planned)
+
+    def holder(self) -> dict | None:
+        """The process that holds (or, killed, last held) the run's lock: {pid, host, started}, or None."""
+        from postrl.train.run_state import read_holder
+
+        return read_holder(self.path)
+
+    def end_status(self) -> dict | None:
+        """status.json: how the last process ended without finishing (stopped / aborted / failed), or None."""
+        from postrl.train.run_state import read_status
+
+        return read_status(self.path)
+
+    def quarantined(self) -> list[Path]:
+        """Checkpoints found unusable on resume and moved aside (``step-N.corrupt``)."""
+        root = self.path / "checkpoints"
+        return sorted(root.glob("step-*.corrupt*")) if root.is_dir() else []
 
     def seconds_since_write(self) -> float | None:
         f = self.path / "metrics.jsonl"

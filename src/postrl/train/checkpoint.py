@@ -21,6 +21,13 @@ that is unavailable the old folder is renamed aside to ``.step-NNNNNNNN.old-<pid
 short window is repaired by the next :func:`latest_checkpoint` / :func:`save_checkpoint` (the aside folder is
 renamed back).
 
+Validation: a ``step-*`` folder is resumed from only when :func:`checkpoint_problem` finds nothing wrong (a
+state with an integer step, whole safetensors and torch.save files); :func:`resumable_checkpoint` returns the
+newest such folder and the newer ones it skipped, which the trainer moves aside (:func:`quarantine_checkpoint`).
+
+At the end of training the policy and tokenizer also go to ``run_dir/final/`` (:func:`save_final_model`, the same
+atomic write), a plain Hugging Face model folder.
+
 Only the process that calls :func:`save_checkpoint` has its RNG state recorded; in multi-process training call
 it on the main process only.
 """
@@ -52,6 +59,7 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+FINAL_DIR = "final"
 
 # A temporary folder whose writer is still alive is left alone unless nothing in it changed for this long
 # (covers a pid reused by another process, e.g. after a container restart).
@@ -129,16 +137,102 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (``step-*`` folder with ``trainer_state.json``) under ``run_dir``, or None.
+    """The newest usable checkpoint (``step-*`` folder with a valid ``trainer_state.json`` and whole weight files,
+    see :func:`checkpoint_problem`) under ``run_dir``, or None.
 
     Temporary folders of unfinished saves are ignored.
     """
+    return resumable_checkpoint(run_dir, require=())[0]
+
+
+def resumable_checkpoint(run_dir: str | os.PathLike,
+                         require: tuple[str, ...] = (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE),
+                         ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint without a problem, or None; [(newer checkpoint, its problem)] skipped on the way).
+
+    ``require``: the files besides the state and weights that the caller will load (checked as well)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
-        return None
+        return None, []
     _recover_aside(root)
-    complete = _complete_checkpoints(root)
-    return complete[-1][1] if complete else None
+    skipped = []
+    for _step, path in reversed(_complete_checkpoints(root)):
+        problem = checkpoint_problem(path, require)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def checkpoint_problem(ckpt: str | os.PathLike,
+                       require: tuple[str, ...] = (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE)) -> str | None:
+    """Why ``ckpt`` cannot be loaded (one line naming the file), or None. Cheap: nothing is deserialised.
+
+    - ``trainer_state.json``: a JSON object whose ``step`` is a non-negative int equal to the folder's step;
+    - every weight file (``model.safetensors`` or the shards of its index): a whole safetensors file (an 8-byte
+      little-endian header length n, a JSON header of n bytes, tensors whose ``data_offsets`` end exactly at the
+      end of the file), which a truncated, empty or overwritten file is not;
+    - each file of ``require`` (optimizer.pt, scheduler.pt, rng.pt): a readable zip archive, torch.save's format
+      (a truncated one has lost its central directory).
+    """
+    ckpt = Path(ckpt)
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE} is unreadable: {_one_line(exc)}"
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"{STATE_FILE} has no integer 'step' (got {step!r})"
+    m = _STEP_RE.match(ckpt.name)
+    if m and int(m.group(1)) != step:
+        return f"{STATE_FILE} says step {step}, the folder is {ckpt.name}"
+    try:
+        files = _weight_files(ckpt)
+    except PostrlError:
+        return f"{WEIGHTS_INDEX_FILE} is unreadable"
+    if files is None:
+        return f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing"
+    for f in files:
+        problem = _safetensors_problem(f)
+        if problem is not None:
+            return f"{f.name} {problem}"
+    for name in require:
+        problem = _zip_problem(ckpt / name)
+        if problem is not None:
+            return f"{name} {problem}"
+    return None
+
+
+def quarantine_checkpoint(path: Path) -> Path:
+    """Rename an unusable ``step-N`` folder to ``step-N.corrupt`` (kept for inspection, no longer a checkpoint:
+    not resumed from, not counted by ``keep_last``, not listed by ``postrl doctor``); return the new path."""
+    target = path.with_name(f"{path.name}.corrupt")
+    if target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+def save_final_model(run_dir: str | os.PathLike, model, tokenizer) -> Path:
+    """Write the trained policy and its tokenizer to ``run_dir/final/`` (``save_pretrained``: loadable by
+    ``from_pretrained``) atomically, like a checkpoint: into a hidden temporary folder, fsynced, then renamed
+    (an existing ``final/`` is swapped out in one rename)."""
+    final = Path(run_dir) / FINAL_DIR
+    tmp = final.with_name(f".{FINAL_DIR}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        _save_model(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def load_checkpoint(
@@ -419,6 +513,49 @@ def _weight_files(ckpt: Path) -> list[Path] | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PostrlError(f"checkpoint {ckpt}: cannot read {WEIGHTS_INDEX_FILE}: {exc}") from None
     return [ckpt / n for n in names]
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, or None (the header and the file size are checked)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size:
+                return f"is not a whole safetensors file ({size} bytes)"
+            header = json.loads(f.read(n).decode("utf-8"))
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as exc:
+        return f"has an unreadable header: {_one_line(exc)}"
+    if not isinstance(header, dict):
+        return "has an unreadable header"
+    ends = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        off = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(off, list) and len(off) == 2 and all(isinstance(o, int) for o in off)
+                and 0 <= off[0] <= off[1]):
+            return f"has an unreadable header (tensor {name!r})"
+        ends.append(off[1])
+    if max(ends, default=0) != size - 8 - n:
+        return f"is truncated or padded: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}"
+    return None
+
+
+def _zip_problem(path: Path) -> str | None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"is not a whole torch.save file: {_one_line(exc)}"
+    return None
 
 
 def _tied_aliases(model) -> dict[str, set[str]]:

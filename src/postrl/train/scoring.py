@@ -28,7 +28,7 @@ _log = logging.getLogger("postrl.rewards")
 class Scorer:
     def __init__(self, cfg: Any, context: RewardContext, tokenizer: Any, log: Callable[[str], None] | None = None):
         self.cfg = cfg.reward
-        self.max_steps = cfg.train.steps
+        self.train_cfg = cfg.train  # (train.steps may grow on a resume)
         self.specs = cfg.rewards
         self.rewards = stages.build_all("reward", cfg.rewards)
         self.shaping = stages.build_all("shaping", cfg.shaping)
@@ -56,7 +56,7 @@ class Scorer:
                               completion_ids=[ids[:n].tolist() for ids, n in zip(batch.completion_ids,
                                                                                  batch.lengths.long().tolist())],
                               trainer_state={"global_step": int(batch.extra.get("step", 0)),
-                                             "max_steps": self.max_steps})
+                                             "max_steps": self.train_cfg.steps})
         batch.reward_names = [r.name for r in self.specs]
         batch.rewards = outcome.matrix
         batch.reward_weights = self.weights
@@ -89,6 +89,15 @@ class Scorer:
                 if self.log is not None:
                     self.log(f"warning: {msg}")
         return {"failures": outcome.failures, "first_failure": outcome.first_failure, "failure_rate": rates}
+
+    def weighted(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+        """sum_k w_k r_k of the reward sources (no shaping) per completion, NaN where one failed: the held-out
+        evaluation's score when the task has no verifier."""
+        columns = {k: [r.get(k) for r in rows] for k in {k for r in rows for k in r if k != "prompt"}}
+        rc = self.cfg
+        out = score_batch(prompts, completions, columns, self.specs, built=[(s.fn, s.params) for s in self.rewards],
+                          context=self.context, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size)
+        return (out.matrix * self.weights).sum(-1).tolist()
 
     def end_step(self, step: StepEnd) -> dict:
         return stages.end_step(self.stages, step)

@@ -46,6 +46,7 @@ from postrl.train.optim import clip_into_step, make_scheduler
 from postrl.train import sampling
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
+from postrl.train import run_state
 
 def resolve_model_path(cfg: Config, log: Callable[[str], None] = print) -> Path:
     if cfg.model.path == "builtin":
@@ -71,9 +72,6 @@ def _jsonl_truncate(path: Path, max_step: int) -> None:
     os.replace(tmp, path)
 
 
-_MIXED = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
-
-
 class Trainer:
     """Runs ``cfg.train.steps`` RL steps and writes the run directory."""
 
@@ -88,10 +86,13 @@ class Trainer:
         self.run_dir = Path(run_dir)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        # model.dtype bfloat16 / float16: float32 master weights (the optimizer's), the model's forward under
-        # autocast (accelerate's mixed precision); float32: no autocast
-        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=_MIXED[cfg.model.dtype],
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(),
                                kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
+        # model.dtype=bfloat16: float32 master weights (the optimizer's) and the model's forward under bf16 autocast
+        if cfg.model.dtype == "float16":
+            raise ConfigError("model.dtype=float16 needs loss scaling, which postrl's trainer does not do; use "
+                              "bfloat16 (float32 master weights, bf16 autocast)")
+        self.mixed = cfg.model.dtype == "bfloat16"
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.main = self.acc.is_main_process
         if cfg.train.prompts_per_step % self.world:
@@ -115,7 +116,7 @@ class Trainer:
                 keep_freed_memory()  # glibc: reuse freed buffers instead of page-faulting new ones (postrl.perf)
             # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
             # (under mixed precision torch's own products, which autocast casts)
-            self.matmul = matmul.choose(cfg.train.matmul if self.acc.mixed_precision == "no" else "torch", model)
+            self.matmul = matmul.choose("torch" if self.mixed else cfg.train.matmul, model)
             matmul.use_onednn(model, self.matmul == "onednn")
             try:  # the library of the decode steps (postrl.rollout.decoder)
                 decode = decode_library(model, cfg.rollout.decode)
@@ -179,13 +180,17 @@ class Trainer:
                 self.log(f"warning: {caps['warning']}")
         self.start_step = 0
         self.eval_before: dict | None = None
+        self._lock = None  # run_state.RunLock of the main process: one process writes a run directory
+        self._eval_after: dict | None = None  # the final evaluation already logged (a resume at the last step)
+        self._finished: dict | None = None  # summary.json of a finished run that was resumed: nothing to do
         if resume:
             self._resume()
         elif self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = run_state.RunLock(self.run_dir)
             (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 (self.run_dir / name).write_text("")
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # of an earlier run in this folder
         # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         from postrl.diagnostics.hooks import Diagnostics
 
@@ -228,17 +233,43 @@ class Trainer:
                 "advantage": [self.advantage]}
 
     def _resume(self) -> None:
-        last = ckpt.latest_checkpoint(self.run_dir)
+        """Continue from the newest usable checkpoint (newer unusable ones are moved aside, saying so); decide
+        ``train.steps`` (run_state.resume_steps) and whether the run already finished (then ``train`` does
+        nothing); cut the logs back to the checkpoint's step."""
+        say = (self.reporter.log if self.reporter is not None else print) if self.main else (lambda s: None)
+        if self.main:
+            self._lock = run_state.RunLock(self.run_dir)
+        last, skipped = ckpt.resumable_checkpoint(self.run_dir)
         if last is None:
+            if skipped:
+                raise PostrlError(f"--resume {self.run_dir}: no usable checkpoint: " + "; ".join(
+                    f"{p.name}/{problem}" for p, problem in skipped))
             raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in {self.run_dir / 'checkpoints'}")
+        step = int(json.loads((last / ckpt.STATE_FILE).read_text())["step"])
+        steps = run_state.resume_steps(self.run_dir, self.cfg.train.steps, step, say=say)
+        if steps != self.cfg.train.steps:  # the scheduler's horizon follows (before its state is loaded)
+            self.cfg.train.steps = steps
+            total = steps * self.cfg.train.epochs * self.cfg.train.mini_batches
+            self.scheduler = make_scheduler(self.optimizer.optimizer, self.cfg.optim.warmup_for(total), total,
+                                            self.cfg.optim.schedule)
+        self.acc.wait_for_everyone()  # every process has read config.yaml and chosen the same checkpoint
+        if self.main:
+            for path, problem in skipped:
+                moved = ckpt.quarantine_checkpoint(path)
+                say(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
+            run_state.record_config(self.run_dir, self.cfg)
         state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
-        self.start_step = int(state["step"])
+        self.start_step = step
         self._resumed_state = state
         self.eval_before = state.get("eval_before")
+        # a run resumed at its last step: the final evaluation a killed process already logged is reused, and a
+        # finished run has nothing to do
+        self._eval_after = run_state.after_eval(self.run_dir, steps) if step == steps else None
+        self._finished = run_state.finished_summary(self.run_dir, steps) if step == steps else None
         for section, group in self.stateful.items():
             stages.load_state(group, state.get(section))
         self.objective.load_state_dict(state.get("losses"))
-        if self.main:
+        if self.main and self._finished is None:
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 _jsonl_truncate(self.run_dir / name, self.start_step)
 
@@ -292,12 +323,13 @@ class Trainer:
         # under DDP every process must run the same forwards (a shared prompt is a second forward, the fused path
         # none of DDP's; both are chosen from the data, which differs between processes): the model's one forward.
         # Under mixed precision the model's own forward too (the fused path computes in float32)
-        solo = self.world == 1 and self.acc.mixed_precision == "no"
+        solo = self.world == 1 and not self.mixed
         groups = batch.group_ids[idx] if self.cfg.train.share_prompt and solo else None
-        out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
-                                  batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=groups, fused=self.cfg.train.fused and solo)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
+            out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
+                                      batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                      return_logits=with_logits, groups=groups, fused=self.cfg.train.fused and solo)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
@@ -457,7 +489,7 @@ class Trainer:
         rows = self.source.eval_rows(cfg.train.eval_size, cfg.seed)
         res = evaluate(self.backend, self.tokenizer, self.source, rows, max_new_tokens=cfg.rollout.max_new_tokens,
                        k=cfg.train.eval_k, temperature=cfg.rollout.temperature or 1.0, seed=_seed(cfg.seed, "eval"),
-                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop)
+                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted)
         res = {"step": step, "tag": tag, **res}
         if self.main:
             with open(self.run_dir / "eval.jsonl", "a") as f:
@@ -476,29 +508,64 @@ class Trainer:
         self.acc.wait_for_everyone()
 
     def train(self) -> dict:
+        """Run the steps from ``start_step`` to ``train.steps``, then the final evaluation, checkpoint, ``final/``
+        model folder and summary.json. SIGTERM / Ctrl-C stop at the end of the current step with a checkpoint
+        and status.json (run_state.StopSignals); the run directory's lock is released on the way out."""
         cfg = self.cfg
-        if self.eval_before is None:
-            self.eval_before = self.evaluate("before", 0)
-        if self.reporter is not None:
-            self.reporter.start(cfg.train.steps, self.start_step, self.eval_before)
-        for step in range(self.start_step, cfg.train.steps):
-            metrics = self.train_step(step)
-            if self.reporter is not None:
-                self.reporter.step(metrics)
-            done = step + 1
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
-                self.evaluate("periodic", done)
-            if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
-                self.save(done)
-        after = self.evaluate("after", cfg.train.steps)
-        self.backend.close()  # helper generation processes (rollout.processes)
-        self.save(cfg.train.steps)
-        summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
-                   "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
-                   "processes": self.world}
-        if self.main:
-            summary["alarms"] = self.diag.finish()  # diagnostics: every alarm raised, with first/last step
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self._finished is not None:  # resumed a finished run
+            if self.main:
+                (self.reporter.log if self.reporter is not None else print)(
+                    f"{self.run_dir}: the run already finished at step {cfg.train.steps}: nothing to do "
+                    f"(give train.steps=N to train further)")
+            if self._lock is not None:
+                self._lock.release()
+            return self._finished
+        done = self.start_step
+        stop = run_state.StopSignals(announce=self.main)
+        try:
+            with stop:
+                if self.main:
+                    run_state.clear_status(self.run_dir)
+                if self.eval_before is None:
+                    self.eval_before = self.evaluate("before", 0)
+                if self.reporter is not None:
+                    self.reporter.start(cfg.train.steps, self.start_step, self.eval_before)
+                saved = self.start_step  # the step of the latest checkpoint
+                for step in range(self.start_step, cfg.train.steps):
+                    metrics = self.train_step(step)
+                    if self.reporter is not None:
+                        self.reporter.step(metrics)
+                    done = step + 1
+                    if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                        self.evaluate("periodic", done)
+                    if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
+                        self.save(done)
+                        saved = done
+                    signum = stop.requested(self.acc)
+                    if signum:
+                        if saved != done:
+                            self.save(done)
+                        raise stop.stop(self.run_dir, done, signum, self.main)
+                after = self._eval_after or self.evaluate("after", cfg.train.steps)
+                self.backend.close()  # helper generation processes (rollout.processes)
+                if saved != cfg.train.steps:
+                    self.save(cfg.train.steps)
+                if self.main:
+                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer)
+                summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
+                           "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
+                           "final_model": str(self.run_dir / ckpt.FINAL_DIR), "processes": self.world}
+                if self.main:
+                    summary["alarms"] = self.diag.finish()  # diagnostics: every alarm raised, with first/last step
+                    run_state.write_json_atomic(self.run_dir / "summary.json", summary)
+        except BaseException as exc:
+            self.backend.close()
+            if self.main and run_state.read_status(self.run_dir) is None:
+                run_state.record_end(self.run_dir, done, exc, stop)
+            raise
+        finally:
+            if self._lock is not None:
+                self._lock.release()
         if self.reporter is not None:
             self.reporter.finish(summary)
         return summary
