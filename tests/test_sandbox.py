@@ -211,7 +211,7 @@ EXPECT = {  # name -> (allowed statuses, words expected in the reason)
     "syntax_error": ({"failed"}, "syntax error"),
     "import_exit": ({"failed"}, "exit"),
     "import_os_exit": ({"failed"}, "ended the process"),
-    "forge_marker": ({"failed"}, "not defined"),
+    "forge_marker": ({"failed"}, "not defined|garbage"),
     "fork_bomb": ({"timeout", "killed"}, "limit"),
     "infinite_loop": ({"timeout"}, "limit"),
     "sleeper": ({"timeout"}, "limit"),

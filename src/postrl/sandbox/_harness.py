@@ -1105,6 +1105,138 @@ def _checker(h, kind, units, start, wfd, token):
     os._exit(0)
 
 
+_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS = {"RDONLY": 1, "NOSUID": 2, "NODEV": 4, "NOEXEC": 8, "REMOUNT": 32, "NOATIME": 1024, "NODIRATIME": 2048,
+       "BIND": 4096, "REC": 16384, "PRIVATE": 1 << 18, "RELATIME": 1 << 21}
+_ST_TO_MS = ((1, "RDONLY"), (2, "NOSUID"), (4, "NODEV"), (8, "NOEXEC"), (1024, "NOATIME"), (2048, "NODIRATIME"),
+             (4096, "RELATIME"))
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
+_PR_SET_PDEATHSIG = 1
+
+
+def _sys(rv, what):
+    if rv != 0:
+        import ctypes
+
+        e = ctypes.get_errno()
+        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
+
+
+def _mount(src, dst, fstype, flags, data=None):
+    libc = _libc()
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _sys(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), "mount %s on %s" % (src or fstype, dst))
+
+
+def _bind_ro(src, dst):
+    """Bind ``src`` read-only at ``dst`` (keeping the flags the kernel locks in a user namespace)."""
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    _mount(src, dst, None, _MS["BIND"] | _MS["REC"])
+    st = os.statvfs(dst).f_flag
+    flags = _MS["BIND"] | _MS["REMOUNT"] | _MS["RDONLY"]
+    for bit, name in _ST_TO_MS:
+        if st & bit:
+            flags |= _MS[name]
+    _mount(None, dst, None, flags)
+
+
+def _confine(c, report_fd):
+    """Namespaces mode (no bubblewrap): enter new user, mount, pid, network, ipc and uts namespaces and a fresh
+    root, the way bubblewrap does it, with only the kernel (``unshare``, ``mount``, ``pivot_root``).
+
+    The calling process stays outside as the waiter (it exits with the sandbox's status; when it is killed, the
+    sandbox's init gets SIGKILL and the kernel kills everything in the pid namespace). The child becomes pid 1 of
+    the new namespace and builds the root: an empty read-only tmpfs with read-only binds of ``c["binds"]``, a
+    fresh /proc, a minimal /dev, and tmpfs of ``c["disk_bytes"]`` each for /box, /tmp and /dev/shm; the host's root
+    is detached. Then it forbids nested user namespaces and drops every capability. Returns in the child only.
+    """
+    import ctypes
+
+    libc = _libc()
+    if libc is None:
+        raise RuntimeError("namespaces mode needs ctypes")
+    uid, gid = os.geteuid(), os.getegid()
+    _sys(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+                      | _CLONE_NEWCGROUP), "unshare")
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+        try:
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+        except FileNotFoundError:
+            pass
+    pid = os.fork()
+    if pid:
+        os.close(0)
+        os.close(report_fd)
+        while True:
+            try:
+                _, st = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        code, sig = _status(st)
+        os._exit(128 + sig if sig is not None else code)
+    _prctl(_PR_SET_PDEATHSIG, SIG["KILL"])
+    root = c["root"]
+    size = "size=%d" % int(c["disk_bytes"])
+    nosuid = _MS["NOSUID"] | _MS["NODEV"]
+    _mount("none", "/", None, _MS["REC"] | _MS["PRIVATE"])
+    _mount("tmpfs", root, "tmpfs", nosuid, "mode=0755,size=1m")
+    for src, dst in c["binds"]:
+        _bind_ro(src, root + dst)
+    for link, target in c["symlinks"]:
+        os.symlink(target, root + link)
+    os.makedirs(root + "/dev")
+    _mount("tmpfs", root + "/dev", "tmpfs", _MS["NOSUID"], "mode=0755,size=64k")
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(root + "/dev/" + name, "a").close()
+        _mount("/dev/" + name, root + "/dev/" + name, None, _MS["BIND"])
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    for d, mode in (("/dev/shm", "1777"), ("/tmp", "1777"), ("/box", "0777")):
+        os.makedirs(root + d, exist_ok=True)
+        _mount("tmpfs", root + d, "tmpfs", nosuid, "mode=%s,%s" % (mode, size))
+    os.makedirs(root + "/proc")
+    _mount("proc", root + "/proc", "proc", nosuid | _MS["NOEXEC"])
+    os.chdir(root)
+    os.mkdir(".old")
+    import platform
+
+    nr = _SYS_PIVOT_ROOT.get(platform.machine())
+    if nr is None:
+        raise RuntimeError("pivot_root: unknown system call number on %s" % platform.machine())
+    _sys(libc.syscall(nr, b".", b".old"), "pivot_root")
+    os.chdir("/")
+    _sys(libc.umount2(b"/.old", 2), "detach the host's root")
+    os.rmdir("/.old")
+    _mount(None, "/", None, _MS["BIND"] | _MS["REMOUNT"] | _MS["RDONLY"] | nosuid)
+    try:
+        libc.sethostname(b"sandbox", 7)
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:
+            f.write("0")
+    except OSError:
+        pass
+    for cap in range(64):
+        if _prctl(_PR_CAPBSET_DROP, cap) != 0 and cap > 40:
+            break
+
+    class _Hdr(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class _Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    data = (_Data * 2)()
+    _sys(libc.capset(ctypes.byref(_Hdr(0x20080522, 0)), data), "drop capabilities")
+
+
 def _reaper(report_fd, uid):
     """Fallback mode only (no pid namespace): fork; the parent stays behind as the run's reaper.
 
@@ -1151,6 +1283,8 @@ def main(report_fd):
     os.set_inheritable(report_fd, False)
     spec = marshal.loads(_read_exact(0, int(_read_line(0))))
     SIG.update(spec.get("signals") or {})
+    if spec.get("confine"):
+        _confine(spec["confine"], report_fd)
     if spec.get("reaper"):
         _reaper(report_fd, spec.get("uid"))
     _harden(spec)
