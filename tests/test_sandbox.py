@@ -23,7 +23,7 @@ try:
     CAPS = capabilities()
 except PostrlError as e:  # pragma: no cover - a machine where no sandbox works at all
     pytest.skip(f"no code sandbox on this machine: {e}", allow_module_level=True)
-BWRAP = CAPS["mode"] == "bwrap"
+NAMESPACES = CAPS["mode"] in ("bwrap", "namespaces")
 TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
 GOOD = "```python\ndef add(a, b):\n    return a + b\n```"
 SECRET_ENV = "POSTRL_SANDBOX_TEST_SECRET"
@@ -124,7 +124,7 @@ def test_capabilities_say_what_is_enforced():
     for key in ("mode", "isolated", "limits", "not_isolated", "notes"):
         assert key in CAPS
     assert set(CAPS["isolated"]) >= {"network", "filesystem_read", "filesystem_write", "processes", "environment"}
-    if BWRAP:
+    if NAMESPACES:
         assert all(CAPS["isolated"].values()) and CAPS["limits"]["processes"] != ""
     else:
         assert not CAPS["isolated"]["network"]

@@ -645,18 +645,25 @@ def _run_main(code):
 _SERVER_SRC = r'''
 import marshal, os, sys
 def _serve(rfd, wfd, module):
+    def bye():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(0)
     def readmsg():
         head = b""
         while not head.endswith(b"\n"):
             c = os.read(rfd, 1)
             if not c:
-                os._exit(0)
+                bye()
             head += c
         n, buf = int(head), b""
         while len(buf) < n:
             c = os.read(rfd, n - len(buf))
             if not c:
-                os._exit(0)
+                bye()
             buf += c
         return marshal.loads(buf)
     def send(x):
@@ -717,15 +724,15 @@ def _serve(rfd, wfd, module):
         exec(compile(code, module + ".py", "exec", dont_inherit=True), mod.__dict__)
     except MemoryError:
         send(("E", "memory", "MemoryError while loading the program"))
-        os._exit(0)
+        bye()
     except SystemExit as e:
         send(("E", "exit", "the program called exit(%r) while loading" % (e.code,)))
-        os._exit(0)
+        bye()
     except BaseException as e:
         import traceback
         traceback.print_exc()
         send(("E", "import", "%s: %s" % (type(e).__name__, e)))
-        os._exit(0)
+        bye()
     names = []
     for k, v in list(mod.__dict__.items()):
         if not k.startswith("__"):
@@ -784,11 +791,19 @@ class _Channel:
         self.status = None
 
     def close(self):
+        """End the conversation: the program sees EOF, flushes its output and exits (killed after 0.2 s)."""
         for fd in (self.w, self.r):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        end = time.time() + 0.2
+        while self.status is None and time.time() < end:
+            wp, st = os.waitpid(self.pid, os.WNOHANG)
+            if wp:
+                self.status = st
+            else:
+                time.sleep(0.002)
         self.h.kill_group(self.pid)
         self.reap()
 
