@@ -319,3 +319,249 @@ def test_cli_prints_one_json_object(tmp_path, capsys):
     assert main(["sandbox", str(tmp_path / "missing.py")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"postrl: error: program '{tmp_path / 'missing.py'}': no such file"
+
+
+# ------------------------------------------------------------------------------------------------ probes under attack
+# Each probe is a hostile program run in every isolating mode this machine offers: bubblewrap where it works, and
+# the namespaces mode (no bubblewrap) wherever the kernel lets an unprivileged process create namespaces, checked
+# here with util-linux's own `unshare`, independently of the code under test.
+
+
+def _kernel_has_namespaces() -> bool:
+    import shutil
+    import subprocess
+
+    if not shutil.which("unshare"):
+        return False
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--net",
+                               "--ipc", "true"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _isolating_modes() -> list[str]:
+    modes = []
+    if core._bwrap_binary():
+        try:
+            capabilities("bwrap")
+            modes.append("bwrap")
+        except PostrlError:
+            pass
+    if _kernel_has_namespaces():
+        modes.append("namespaces")  # must work here: a failure to start is a test failure, not a skip
+    return modes
+
+
+ISOLATING = _isolating_modes()
+needs_namespaces = pytest.mark.skipif(not ISOLATING, reason="this kernel offers no namespaces and no bubblewrap")
+
+
+@needs_namespaces
+def test_auto_mode_isolates_when_the_kernel_allows_it():
+    assert capabilities("auto")["mode"] == ISOLATING[0]
+    assert all(capabilities("auto")["isolated"].values())
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_no_network_to_the_host(mode, tmp_path):
+    """TCP and UDP on the host's 127.0.0.1, a UNIX socket by path and an abstract one: none is reachable."""
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(4)
+    tcp.settimeout(0.2)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    os.chmod(tmp_path, 0o777)
+    path = str(tmp_path / "host.sock")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(path)
+    os.chmod(path, 0o777)
+    unix.listen(4)
+    unix.settimeout(0.2)
+    abstract_name = "\0postrl-test-" + uuid.uuid4().hex
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(abstract_name)
+    abstract.listen(4)
+    abstract.settimeout(0.2)
+    prog = f"""
+import socket
+def attempt(what, fn):
+    try:
+        fn()
+        print(what, 'REACHED')
+    except OSError as e:
+        print(what, 'blocked', type(e).__name__)
+def tcp():
+    socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), timeout=1).sendall(b'leak')
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))
+def unix(name):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(1)
+    s.connect(name)
+    s.sendall(b'leak')
+attempt('tcp', tcp)
+attempt('udp', udp)
+attempt('unix', lambda: unix({path!r}))
+attempt('abstract', lambda: unix({abstract_name!r}))
+"""
+    try:
+        r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+        got = []
+        for name, srv in (("tcp", tcp), ("unix", unix), ("abstract", abstract)):
+            try:
+                srv.accept()[0].close()
+                got.append(name)
+            except socket.timeout:
+                pass
+        try:
+            udp.recvfrom(16)
+            got.append("udp")
+        except socket.timeout:
+            pass
+    finally:
+        for s in (tcp, udp, unix, abstract):
+            s.close()
+    assert got == [], (got, r.stdout)
+    assert "REACHED" not in r.stdout, r.stdout
+    assert r.stdout.count("blocked") == 4, (r.status, r.stdout, r.stderr)
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_host_files_and_processes_cannot_be_read(mode):
+    """A world-readable file in the host's /tmp and another process's command line stay out of reach."""
+    import subprocess
+    import tempfile
+
+    secret = "SECRET-" + uuid.uuid4().hex
+    fd, path = tempfile.mkstemp(prefix="postrl-probe-", dir="/tmp")
+    os.write(fd, secret.encode())
+    os.close(fd)
+    os.chmod(path, 0o644)
+    victim = subprocess.Popen(["sleep", "30", secret])
+    prog = f"""
+import os
+found = []
+try:
+    found.append(open({path!r}).read())
+except OSError as e:
+    print('file blocked', type(e).__name__)
+for pid in os.listdir('/proc'):
+    if pid.isdigit():
+        try:
+            found.append(open('/proc/%s/cmdline' % pid, 'rb').read().decode(errors='replace'))
+        except OSError:
+            pass
+print('PIDS', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+print('FOUND', [x for x in found if 'SECRET' in x])
+"""
+    try:
+        r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+    finally:
+        victim.kill()
+        victim.wait()
+        os.unlink(path)
+    assert r.status == "ok", (r.reason, r.stderr)
+    assert secret not in r.stdout and "FOUND []" in r.stdout, r.stdout
+    assert "file blocked" in r.stdout
+    pids = eval(r.stdout.split("PIDS ")[1].splitlines()[0])  # noqa: S307 - our own program's output
+    assert victim.pid not in pids and os.getpid() not in pids and max(pids) < 100, pids
+
+
+def _sysv_keys() -> set:
+    keys = set()
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                keys |= {(kind, ln.split()[0]) for ln in f.readlines()[1:] if ln.strip()}
+        except OSError:
+            pass
+    return keys
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_nothing_is_written_to_the_host(mode):
+    """Files in the host's /tmp, /var/tmp, /run/lock and /dev/shm, SysV shared memory, message queues and
+    semaphores: nothing is left behind; and writes outside the private folder stay within the disk limit."""
+    tag = "postrl-probe-" + uuid.uuid4().hex
+    places = ["/tmp", "/var/tmp", "/run/lock", "/dev/shm"]
+    before = _sysv_keys()
+    prog = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+key = 0x5eed0000 + os.getpid() % 1000
+print('shm', libc.shmget(key, 4096, 0o1666), 'msg', libc.msgget(key + 1, 0o1666), 'sem', libc.semget(key + 2, 1, 0o1666))
+total = 0
+for d in {places!r}:
+    try:
+        with open(os.path.join(d, {tag!r}), 'wb') as f:
+            for _ in range(40):
+                f.write(b'x' * (1 << 20))
+                f.flush()
+                total += 1 << 20
+    except OSError as e:
+        print(d, type(e).__name__)
+print('WROTE_MB', total >> 20)
+"""
+    limits = Limits(timeout=8.0, disk_mb=4, memory_mb=128)
+    try:
+        r = run(prog, limits=limits, mode=mode)
+        left = [os.path.join(d, tag) for d in places if os.path.exists(os.path.join(d, tag))]
+    finally:
+        for d in places:
+            try:
+                os.unlink(os.path.join(d, tag))
+            except OSError:
+                pass
+    assert left == [], left
+    assert _sysv_keys() - before == set()
+    wrote = int(r.stdout.split("WROTE_MB ")[1].split()[0])
+    # at most /tmp and /dev/shm (RLIMIT_FSIZE per file, tmpfs size per folder): never 4 x 40 MB
+    assert wrote <= 2 * limits.disk_mb, (wrote, r.stdout)
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_memory_limit_covers_the_whole_program(mode):
+    """Forked processes share one memory budget: with a cgroup (memory_mb + the supervisor's slack) for the whole
+    run; without one, the stated per-process bound (memory_mb x processes)."""
+    caps = capabilities(mode)
+    prog = """
+import os, select, time
+r, w = os.pipe()
+for _ in range(6):
+    try:
+        if os.fork() == 0:
+            os.close(r)
+            x = b'y' * (90 << 20)
+            os.write(w, b'1')
+            time.sleep(6)
+            os._exit(0)
+    except OSError:
+        pass
+os.close(w)
+held, end = 0, time.time() + 4
+while time.time() < end:
+    if select.select([r], [], [], 0.2)[0]:
+        b = os.read(r, 1)
+        if not b:
+            break
+        held += 1
+        print('HELD', held, flush=True)
+"""
+    lim = Limits(timeout=10.0, memory_mb=128, processes=8)
+    r = run(prog, limits=lim, mode=mode)
+    held = max([int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("HELD")] or [0])
+    if caps["cgroup"]:
+        assert held * 90 <= lim.memory_mb + core._CGROUP_SLACK_MB, (held, r.stdout)
+        assert r.status == "memory" and "whole program" in r.reason, (r.status, r.reason)
+        assert "cgroup" in caps["limits"]["memory"]
+    else:
+        assert held * 90 <= lim.memory_mb * lim.processes
+        assert "memory_mb x processes" in caps["limits"]["memory"]

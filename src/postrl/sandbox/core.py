@@ -507,7 +507,8 @@ def _bwrap_argv(caps: dict, python: str, disk_bytes: int, report_fd: int, info_f
         a += ["--ro-bind", caps["harness_dir"], _HARNESS_MOUNT]
     a += ["--proc", "/proc", "--dev", "/dev"]
     size = ["--size", str(disk_bytes)] if caps["sized"] else []
-    a += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "0777", *size, "--tmpfs", _BOX]
+    a += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "0777", *size, "--tmpfs", _BOX,
+          "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
     a += ["--chdir", _BOX, "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG",
           "C.UTF-8", "--setenv", "HOME", _BOX, "--setenv", "TMPDIR", "/tmp", "--info-fd", str(info_fd)]
     return a
@@ -823,7 +824,7 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
     res = SandboxResult(status="error", stdout=stdout, stderr=stderr, time=elapsed, mode=caps["mode"],
                         truncated=overflow is not None, uid=uid, total=len(units))
     _interpret(res, report, mode, units, limits, p.returncode, timed_out, overflow)
-    if oom and res.status != "ok":
+    if oom:
         res.status = "memory"
         res.reason = (f"memory limit of {limits.memory_mb} MB for the whole program exceeded (the kernel killed "
                       f"{oom} process{'es' if oom > 1 else ''})" + (f"; {res.reason}" if res.reason else ""))
