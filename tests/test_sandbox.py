@@ -565,3 +565,20 @@ while time.time() < end:
     else:
         assert held * 90 <= lim.memory_mb * lim.processes
         assert "memory_mb x processes" in caps["limits"]["memory"]
+
+
+def test_cli_test_file_imports_the_program_by_its_file_name(tmp_path, capsys):
+    """docs/sandbox.md: a test file reaches prog.py's names directly, as `from prog import ...` or as
+    `from solution import ...`."""
+    import json
+
+    from postrl.cli import main
+
+    prog = tmp_path / "prog.py"
+    prog.write_text("def add(a, b):\n    return a + b\n")
+    tests = tmp_path / "test_prog.py"
+    tests.write_text("from prog import add\nimport solution\n\ndef test_a():\n    assert add(1, 2) == 3\n\n"
+                     "def test_b():\n    assert solution.add(2, 2) == 4\n")
+    assert main(["sandbox", str(prog), "--tests", str(tests), "--timeout", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["status"], d["passed"], d["total"]) == ("ok", 2, 2), d

@@ -1019,7 +1019,7 @@ def _signame(sig: int) -> str:
 
 
 def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limits | None = None,
-        mode: str | None = None, site: bool = False) -> SandboxResult:
+        mode: str | None = None, site: bool = False, module: str = "solution") -> SandboxResult:
     """Run ``code`` in the sandbox; with ``tests`` (see :mod:`postrl.sandbox.testspec`), run it against them.
 
     Without tests: ``status`` is ok (exit code 0), failed (non-zero exit), timeout (wall or CPU limit), memory
@@ -1028,9 +1028,13 @@ def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limit
     (syntax error, exception or exit while loading); timeout / memory / output_limit / killed when a test or the
     run hit that limit. ``passed``/``total`` count tests; "no tests collected" is 0/0, status failed.
     ``site=True`` lets the program import the sandbox interpreter's site-packages (default: standard library).
+    Test code sees the program's top-level names directly and as the module ``solution``; ``module`` names it a
+    second time (``postrl sandbox prog.py`` passes ``prog``, so a test file can ``from prog import add``).
     """
     if not isinstance(code, str):
         raise ConfigError(f"sandbox: code must be a string, got {type(code).__name__}")
+    if not (isinstance(module, str) and module.isidentifier()):
+        raise ConfigError(f"sandbox: module must be a Python identifier, got {module!r}")
     caps = capabilities(mode)
     limits = limits or Limits()
     t0 = time.monotonic()
@@ -1051,6 +1055,8 @@ def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limit
                                         for u in spec["units"]],
                                  stages={"parsed": False, "loaded": False, "imports_ok": False, "errors": n,
                                          "ran": 0, "load_status": "syntax"})
+    if spec is not None:
+        spec = dict(spec, module=module)
     res = _execute(caps, code, spec, stdin, limits, site=site)
     res.stages["parsed"] = True if spec is not None else _parses(code)
     return res
