@@ -12,19 +12,23 @@ subprocess: interpreter start-up is most of a sandbox run's cost). It
    - ``run``: a forked child executes the program as ``__main__`` (stdout/stderr go straight to the host);
    - ``stdio``: one fresh ``python main.py`` per case (exec'd, so it holds none of the expected outputs); the
      harness itself compares the output;
-   - ``asserts`` / ``calls``: a forked child executes the program as module ``solution`` and then the tests in
-     order, reporting each result on a private pipe; the harness (not the child) was told how many tests there
-     are, so a child that exits early, at import or mid-way, leaves the remaining tests failed, never passed;
-     a test that crashes or (with a per-test timeout) hangs fails alone and the rest run in a fresh child;
+   - ``asserts`` / ``calls``: a forked checker runs the tests in order and reports each result on a private pipe;
+     the program runs in a separate, fresh interpreter (``_SERVER_SRC``, exec'd, so it holds none of the tests or
+     expected values) as module ``solution``, and the tests reach its names through remote handles: a call, an
+     attribute read or an iteration is a request, and the answer is plain data of exact built-in types (or
+     another handle, which equals only itself). The harness (not the checker) was told how many tests there
+     are, so a checker that dies leaves the remaining tests failed, never passed; a program process that ends
+     mid-test fails that test and the next one gets a fresh program process; a test that (with a per-test
+     timeout) hangs fails alone and the rest run in a fresh checker;
 
 3. reads the nonce only after every child has been started, and writes ONE JSON report, tagged with it, on
    REPORT_FD (a descriptor no program process holds). The host accepts nothing else as a result; text the program
    prints, whatever it looks like, is just output.
 
-Limits of the in-process test kinds: the test code runs in the program's own interpreter (that is what calling
-its functions means), so a program that deliberately rewrites objects in its own memory can still lie about the
-tests it is tested by (e.g. an object whose ``__eq__`` always answers True passes ``assert f(x) == y``). ``calls``
-tests reject results that are not plain data; ``stdio`` tests are compared outside the program.
+Nothing the program does to its own interpreter reaches a verdict: rebinding builtins, walking frames to the
+reporting code, or objects with overridden comparison (an object that is not plain data comes back as a handle,
+which compares equal to nothing but itself). What the tests cannot do through handles: mutate an argument in place
+and look at it afterwards (arguments are copies), or pass functions to the program (only plain data and handles).
 """
 
 import errno

@@ -11,20 +11,35 @@ Isolation (chosen once per process by :func:`capabilities`, which probes the mac
   own. Started as root, bubblewrap keeps no capability but setuid/setgid, and the harness drops at once to a uid
   unique to the run (so RLIMIT_NPROC counts only this run's processes and nothing outside is readable through
   permissions); started as another user, bubblewrap uses a user namespace (RLIMIT_NPROC then counts per user
-  namespace, kernel >= 5.14).
-- ``fallback`` (no usable bubblewrap): rlimits + ``setsid`` + a scrubbed environment + a private temporary
+  namespace, kernel >= 5.14). ``/dev/shm`` is a third sized tmpfs.
+- ``namespaces`` (no usable bubblewrap, but the kernel lets this process create a user namespace): the harness
+  builds the same isolation itself (``_harness._confine``): new user (the caller's uid mapped to root inside), mount,
+  pid, network, ipc, uts and cgroup namespaces; a root of read-only binds of ``/usr`` (and the ``/bin``, ``/lib*``
+  links), the Python installation and ``/etc/ld.so.cache``; a fresh ``/proc``; a minimal ``/dev``; ``/box``,
+  ``/tmp`` and ``/dev/shm`` as tmpfs of ``disk_mb`` each; ``pivot_root`` into it and the host's root detached; the
+  root read-only, nested user namespaces forbidden and every capability dropped before the program runs. The
+  harness's first process waits outside; when the host kills it, the namespace's init dies and the kernel kills
+  everything inside.
+- ``fallback`` (neither): rlimits + ``setsid`` + a scrubbed environment + a private temporary
   directory as working directory and HOME (its size polled against ``disk_mb``), no namespaces, a reaper process
   that kills and reaps everything the run leaves. NOT isolated then: the network, reading files outside
-  the sandbox, the visibility of other processes (and, unless started as root, which drops to a unique uid,
-  signalling the user's other processes and writing the user's files). Said once, at start-up, as a warning.
+  the sandbox, the visibility of other processes, SysV IPC, writes to world-writable directories (and, unless
+  started as root, which drops to a unique uid, signalling the user's other processes and writing the user's
+  files). Said once, at start-up, as a warning (``capabilities()["not_isolated"]`` lists each).
 
 Limits in every mode (:class:`Limits`): wall time (enforced by the host, which kills the whole sandbox), CPU seconds
-(RLIMIT_CPU, per process), memory (RLIMIT_AS, per process), processes (RLIMIT_NPROC), output (the host stops
-reading and kills the sandbox past ``output_bytes`` on stdout or stderr), disk (tmpfs size in ``bwrap`` mode,
-RLIMIT_FSIZE per file in both), open files. The environment holds only PATH, LANG, HOME, TMPDIR (and PWD).
+(RLIMIT_CPU, per process), memory, processes, output (the host stops reading and kills the sandbox past
+``output_bytes`` on stdout or stderr), disk (tmpfs size with namespaces, RLIMIT_FSIZE per file in every mode), open
+files. Memory and processes of the whole run: where this process can create a cgroup (root, or a delegated cgroup
+v2), every run gets one (memory ``memory_mb`` + 32 MB for the supervisor, RAM + swap + tmpfs; ``pids.max``
+``processes`` + 4), joined by the launcher before anything starts; an OOM kill in it makes the status ``memory``.
+Without a cgroup the bound is per process (RLIMIT_AS, RLIMIT_NPROC): the whole run may hold up to
+``memory_mb x processes``, and ``capabilities()`` says so. The environment holds only PATH, LANG, HOME, TMPDIR (and
+PWD).
 
 The program never reports its own result: a harness (``_harness.py``) supervises it inside the sandbox and writes
-one JSON report, tagged with a random nonce, on a descriptor the program does not hold.
+one JSON report, tagged with a random nonce, on a descriptor the program does not hold. Test code runs in a checker
+process; the program runs in its own fresh interpreter and only hands back plain data (see ``_harness``).
 """
 
 from __future__ import annotations
@@ -64,7 +79,8 @@ class Limits:
     """Resource limits of one sandboxed run.
 
     ``timeout``: wall seconds for the whole run (all tests together), host-enforced. ``cpu``: CPU seconds per
-    process (default: ``timeout``). ``memory_mb``: address space per process. ``processes``: processes and
+    process (default: ``timeout``). ``memory_mb``: address space per process, and (where a cgroup can be
+    made) the memory of the whole run together, plus 32 MB for the supervisor. ``processes``: processes and
     threads the program may have, itself included. ``output_bytes``: per stream (stdout, stderr); more kills the
     run (status ``output_limit``); also the cap on one test's stdout. ``disk_mb``: size of each writable tmpfs and
     the largest file. ``open_files``: descriptors per process. ``test_timeout``: wall seconds per test (default: none,
@@ -179,12 +195,13 @@ def _bwrap_binary() -> str | None:
 
 
 def capabilities(mode: str | None = None) -> dict:
-    """What this machine enforces, probed once per mode (``POSTRL_SANDBOX`` = auto | bwrap | fallback).
+    """What this machine enforces, probed once per mode (``POSTRL_SANDBOX`` = auto | bwrap | namespaces | fallback).
 
     Returns ``{"mode", "variant", "python", "isolated": {network, filesystem_read, filesystem_write, processes,
-    ipc, environment}, "limits": {limit: how it is enforced}, "not_isolated": [..], "notes": [..]}``. ``auto``
-    uses bubblewrap when it works and falls back otherwise (logging one warning naming what is then not
-    isolated); ``bwrap`` raises :class:`PostrlError` when bubblewrap does not work here.
+    ipc, environment}, "limits": {limit: how it is enforced}, "not_isolated": [..], "notes": [..], "cgroup"}``.
+    ``auto`` uses bubblewrap when it works, else namespaces when the kernel allows them, else falls back (logging
+    one warning naming what is then not isolated); ``bwrap`` and ``namespaces`` raise :class:`PostrlError` when
+    they do not work here.
     """
     mode = mode or os.environ.get("POSTRL_SANDBOX", "auto") or "auto"
     if mode not in MODES:
@@ -447,19 +464,25 @@ def _with_cgroup(caps: dict, bases: dict | None) -> dict:
 
 
 def _fallback_caps(python: str, root: bool, errors: list) -> dict:
-    not_isolated = ["network", "filesystem reads outside the sandbox (anything readable by "
+    not_isolated = ["network (the host's loopback and beyond, UNIX sockets by path and abstract)",
+                    "filesystem reads outside the sandbox (anything readable by "
                     + ("an unknown uid: world-readable files" if root else "this user") + ")",
-                    "process visibility (other processes are listed in /proc)"]
+                    "process visibility (other processes and their command lines are listed in /proc)",
+                    "IPC (SysV shared memory, message queues, semaphores: created on the host and can outlive "
+                    "the run)",
+                    "disk: RLIMIT_FSIZE per file and the private folder's size; nothing bounds the total written "
+                    "elsewhere"]
     if root:
-        not_isolated.append("writes to world-writable places outside the sandbox (e.g. /tmp, /dev/shm)")
+        not_isolated.append("writes to world-writable places outside the sandbox (/tmp, /var/tmp, /dev/shm, "
+                            "/run/lock; top-level leftovers of the run's uid in /tmp, /var/tmp, /dev/shm are removed)")
     else:
         not_isolated += ["writes to this user's files outside the sandbox",
                          "signals: the program can kill any process of this user",
                          "process count: approximate (RLIMIT_NPROC counts all of the user's processes)",
                          "clean-up: a program that double-forks into a new session after its supervisor died "
                          "can outlive the run"]
-    why = ("bubblewrap unusable: " + "; ".join(errors)) if errors else \
-        "bubblewrap not requested (POSTRL_SANDBOX=fallback)"
+    why = ("neither bubblewrap nor namespaces usable: " + "; ".join(errors)) if errors else \
+        "namespaces not requested (POSTRL_SANDBOX=fallback)"
     return {
         "mode": "fallback", "variant": "root-uid" if root else "same-uid", "bwrap": None, "python": python,
         "sized": False, "unique_uid": root, "kill_all": root,
