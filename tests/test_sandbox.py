@@ -583,3 +583,25 @@ def test_cli_test_file_imports_the_program_by_its_file_name(tmp_path, capsys):
     assert main(["sandbox", str(prog), "--tests", str(tests), "--timeout", "8"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["status"], d["passed"], d["total"]) == ("ok", 2, 2), d
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_sandbox_root_is_not_the_hosts_root(mode):
+    """Root inside a user namespace that maps to the host's root passes /proc/sys permission checks by uid alone
+    and is exempt from RLIMIT_NPROC: the sandbox's uid must map to some other uid, and kernel settings stay
+    read-only to it."""
+    prog = """
+uid_map = open('/proc/self/uid_map').read().split()
+print('OUTSIDE', uid_map[1])
+try:
+    open('/proc/sys/kernel/hostname', 'w').write('pwned')
+    print('sysctl WRITTEN')
+except OSError as e:
+    print('sysctl blocked', type(e).__name__)
+"""
+    r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+    assert r.status == "ok", (r.reason, r.stderr)
+    assert "sysctl blocked" in r.stdout, r.stdout
+    outside = int(r.stdout.split("OUTSIDE ")[1].split()[0])
+    assert outside != 0 or mode == "bwrap" and capabilities(mode)["unique_uid"], r.stdout

@@ -1148,9 +1148,9 @@ def _mount(src, dst, fstype, flags, data=None):
     _sys(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)), "mount %s on %s" % (src or fstype, dst))
 
 
-def _bind_ro(src, dst):
+def _bind_ro(src, dst, is_dir):
     """Bind ``src`` read-only at ``dst`` (keeping the flags the kernel locks in a user namespace)."""
-    if os.path.isdir(src):
+    if is_dir:
         os.makedirs(dst, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -1164,50 +1164,17 @@ def _bind_ro(src, dst):
     _mount(None, dst, None, flags)
 
 
-def _confine(c, report_fd):
-    """Namespaces mode (no bubblewrap): enter new user, mount, pid, network, ipc and uts namespaces and a fresh
-    root, the way bubblewrap does it, with only the kernel (``unshare``, ``mount``, ``pivot_root``).
-
-    The calling process stays outside as the waiter (it exits with the sandbox's status; when it is killed, the
-    sandbox's init gets SIGKILL and the kernel kills everything in the pid namespace). The child becomes pid 1 of
-    the new namespace and builds the root: an empty read-only tmpfs with read-only binds of ``c["binds"]``, a
-    fresh /proc, a minimal /dev, and tmpfs of ``c["disk_bytes"]`` each for /box, /tmp and /dev/shm; the host's root
-    is detached. Then it forbids nested user namespaces and drops every capability. Returns in the child only.
-    """
-    import ctypes
-
-    libc = _libc()
-    if libc is None:
-        raise RuntimeError("namespaces mode needs ctypes")
-    uid, gid = os.geteuid(), os.getegid()
-    _sys(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-                      | _CLONE_NEWCGROUP), "unshare")
-    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
-        try:
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-        except FileNotFoundError:
-            pass
-    pid = os.fork()
-    if pid:
-        os.close(0)
-        os.close(report_fd)
-        while True:
-            try:
-                _, st = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        code, sig = _status(st)
-        os._exit(128 + sig if sig is not None else code)
-    _prctl(_PR_SET_PDEATHSIG, SIG["KILL"])
+def _build_root(c, libc):
+    """Build the sandbox's root in the current (new, private) mount namespace and ``pivot_root`` into it: an empty
+    tmpfs with read-only binds of ``c["binds"]``, a minimal /dev, tmpfs of ``c["disk_bytes"]`` each for /box, /tmp
+    and /dev/shm, a /proc; the host's root detached, the new root read-only."""
     root = c["root"]
     size = "size=%d" % int(c["disk_bytes"])
     nosuid = _MS["NOSUID"] | _MS["NODEV"]
     _mount("none", "/", None, _MS["REC"] | _MS["PRIVATE"])
     _mount("tmpfs", root, "tmpfs", nosuid, "mode=0755,size=1m")
     for src, dst in c["binds"]:
-        _bind_ro(src, root + dst)
+        _bind_ro(src, root + dst, os.path.isdir(src))
     for link, target in c["symlinks"]:
         os.symlink(target, root + link)
     os.makedirs(root + "/dev")
@@ -1235,6 +1202,67 @@ def _confine(c, report_fd):
     _sys(libc.umount2(b"/.old", 2), "detach the host's root")
     os.rmdir("/.old")
     _mount(None, "/", None, _MS["BIND"] | _MS["REMOUNT"] | _MS["RDONLY"] | nosuid)
+
+
+def _confine(c, report_fd):
+    """Namespaces mode (no bubblewrap): new user, mount, pid, network, ipc, uts and cgroup namespaces and a fresh
+    read-only root (:func:`_build_root`), the way bubblewrap does it, with only the kernel (``unshare``, ``mount``,
+    ``pivot_root``).
+
+    The calling process stays outside the pid namespace as the waiter (it exits with the sandbox's status; when it
+    is killed, the sandbox's init gets SIGKILL and the kernel kills everything in the pid namespace). The child is
+    pid 1 of the new namespace; it mounts a /proc of that namespace, forbids nested user namespaces and drops every
+    capability. Returns in the child only.
+
+    Started as root, the root is built first, as root, in a private mount namespace; then the process drops to
+    ``c["uid"]`` (unique to the run) and enters the other namespaces, whose root maps to that uid. Root inside must
+    not be the host's root, which passes permission checks on /proc/sys and /proc/sysrq-trigger by uid alone and is
+    exempt from RLIMIT_NPROC; and the new uid could not walk to a Python installation under /root. Mounts made by
+    the host's root are locked read-only for the namespace's root. Started as another user, everything happens
+    after entering the user namespace, as its root.
+    """
+    import ctypes
+
+    libc = _libc()
+    if libc is None:
+        raise RuntimeError("namespaces mode needs ctypes")
+    as_root = c.get("uid") is not None and os.geteuid() == 0
+    if as_root:
+        _sys(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
+        _build_root(c, libc)
+        os.setgroups([])
+        os.setresgid(c["uid"], c["uid"], c["uid"])
+        os.setresuid(c["uid"], c["uid"], c["uid"])
+        if os.geteuid() != c["uid"]:
+            raise RuntimeError("could not drop to the sandbox uid")
+        _prctl(_PR_SET_DUMPABLE, 1)  # the uid change made /proc/self root's; the maps below need it ours (no
+        # program runs yet; _harden makes this process undumpable again before one does)
+    uid, gid = os.geteuid(), os.getegid()
+    _sys(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+                      | _CLONE_NEWCGROUP), "unshare")
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 %d 1" % uid), ("gid_map", "0 %d 1" % gid)):
+        try:
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+        except FileNotFoundError:
+            pass
+    pid = os.fork()
+    if pid:
+        os.close(0)
+        os.close(report_fd)
+        while True:
+            try:
+                _, st = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        code, sig = _status(st)
+        os._exit(128 + sig if sig is not None else code)
+    _prctl(_PR_SET_PDEATHSIG, SIG["KILL"])
+    if as_root:  # a /proc of the new pid namespace over the one built as root (which showed the host's)
+        _mount("proc", "/proc", "proc", _MS["NOSUID"] | _MS["NODEV"] | _MS["NOEXEC"])
+    else:
+        _build_root(c, libc)
     try:
         libc.sethostname(b"sandbox", 7)
         with open("/proc/sys/user/max_user_namespaces", "w") as f:

@@ -293,7 +293,7 @@ def _bwrap_caps(variant: str, bwrap: str, python: str, sized: bool, root: bool) 
         "limits": {"wall_time": "host kills the sandbox (its pid namespace dies with it)",
                    "cpu_time": "RLIMIT_CPU per process", "memory": "RLIMIT_AS per process", "processes": nproc,
                    "output": "host stops reading and kills the sandbox",
-                   "disk": "tmpfs size for /box and /tmp, RLIMIT_FSIZE per file" if sized else
+                   "disk": "tmpfs size for /box, /tmp and /dev/shm, RLIMIT_FSIZE per file" if sized else
                            "RLIMIT_FSIZE per file only (no total)",
                    "open_files": "RLIMIT_NOFILE"},
         "not_isolated": not_isolated,
@@ -307,11 +307,11 @@ def _namespaces_caps(python: str, root: bool) -> dict:
     """No bubblewrap, but the kernel lets this process create namespaces: the harness builds the same isolation
     itself (user, mount, pid, network, ipc, uts and cgroup namespaces; a fresh read-only root; see
     ``_harness._confine``)."""
-    nproc = ("NOT enforced by rlimits: the sandbox's root maps to the host's root, which RLIMIT_NPROC exempts"
-             if root else "RLIMIT_NPROC, counted per user namespace (kernel >= 5.14)")
+    nproc = ("RLIMIT_NPROC on a uid unique to the run (the sandbox's root maps to it)" if root else
+             "RLIMIT_NPROC, counted per user namespace (kernel >= 5.14)")
     return {
-        "mode": "namespaces", "variant": "userns", "bwrap": None, "python": python, "sized": True,
-        "unique_uid": False, "kill_all": True,
+        "mode": "namespaces", "variant": "unique-uid" if root else "userns", "bwrap": None, "python": python,
+        "sized": True, "unique_uid": root, "kill_all": True,
         "isolated": {"network": True, "filesystem_read": True, "filesystem_write": True, "processes": True,
                      "ipc": True, "environment": True},
         "limits": {"wall_time": "host kills the sandbox (its pid namespace dies with it)",
@@ -319,8 +319,9 @@ def _namespaces_caps(python: str, root: bool) -> dict:
                    "output": "host stops reading and kills the sandbox",
                    "disk": "tmpfs size for /box, /tmp and /dev/shm, RLIMIT_FSIZE per file",
                    "open_files": "RLIMIT_NOFILE"},
-        "not_isolated": ["process count (root in a user namespace)"] if root else [],
+        "not_isolated": [],
         "notes": ["bubblewrap not found or unusable: namespaces built by the harness (unshare, mount, pivot_root)",
+                  "root inside maps to " + ("a uid unique to the run" if root else "this user") + " outside",
                   "no seccomp filter: the kernel is shared (a kernel exploit is not contained)",
                   "read-only view: /usr, the Python installation and /etc/ld.so.cache; nothing else of the host",
                   "every capability dropped and nested user namespaces forbidden before the program runs"],
@@ -694,8 +695,9 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         spec.update({k: v for k, v in kind_spec.items() if k not in ("kind", "units")})
     if mode == "stdio":
         spec["import_src"] = _imports_source(code)
-    if caps["mode"] == "namespaces":
-        spec["confine"] = _confine_spec(private, python, int(limits.disk_mb) << 20)
+    if caps["mode"] == "namespaces":  # the harness drops to the run's uid itself, before entering the namespaces
+        spec["confine"] = dict(_confine_spec(private, python, int(limits.disk_mb) << 20), uid=uid)
+        spec["uid"] = spec["gid"] = None
     blob = marshal.dumps(spec, 4)
     feed = memoryview(str(len(blob)).encode() + b"\n" + blob + nonce.encode() + b"\n")
     report_r, report_w = os.pipe()
