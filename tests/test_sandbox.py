@@ -496,7 +496,8 @@ def test_nothing_is_written_to_the_host(mode):
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 key = 0x5eed0000 + os.getpid() % 1000
-print('shm', libc.shmget(key, 4096, 0o1666), 'msg', libc.msgget(key + 1, 0o1666), 'sem', libc.semget(key + 2, 1, 0o1666))
+print('shm', libc.shmget(key, 4096, 0o1666), 'msg', libc.msgget(key + 1, 0o1666),
+      'sem', libc.semget(key + 2, 1, 0o1666))
 total = 0
 for d in {places!r}:
     try:

@@ -9,8 +9,12 @@ supervisor, an output flood or a forged success marker score 0: the harness, not
 
 Shared keyword parameters: ``timeout`` (wall seconds per program, all its tests together), ``memory_mb``,
 ``test_timeout`` (wall seconds per test; default none), ``isolation`` (``auto`` / ``bwrap`` / ``namespaces`` /
-``fallback``; ``bwrap`` and ``namespaces`` refuse to run where they do not work). :func:`last_results` gives the sandbox results (status,
-reason, per-test outcomes) of the latest call, for inspection.
+``fallback``; ``bwrap`` and ``namespaces`` refuse to run where they do not work). :func:`last_results` gives the
+sandbox results (status, reason, per-test outcomes) of the latest call, for inspection.
+
+The test code runs in a checker process, apart from the program, which answers it with plain data only (see
+docs/sandbox.md): rebinding builtins, reaching the reporting code or returning objects that compare equal to
+anything cannot turn a failing test into a pass.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def add_parser(sub) -> None:
         "sandbox", help="run a Python program (optionally against tests) in the code sandbox; prints one JSON object",
         description="Run FILE.py in the code sandbox and print ONE JSON object: status, exit_code, passed, total, "
                     "stdout, stderr (truncated), time, reason. Exit status 0 when status is ok, 1 otherwise. "
-                    "TESTS: a Python file of test_* functions or top-level asserts (it sees the program's names directly, "
-                    "or imports them: 'from prog import add' for prog.py, or 'from solution import add'), or a "
-                    ".json list of [stdin, stdout] cases / {fn_name, inputs, outputs}.",
+                    "TESTS: a Python file of test_* functions or top-level asserts (it sees the program's names "
+                    "directly, or imports them: 'from prog import add' for prog.py, or 'from solution import add'), "
+                    "or a .json list of [stdin, stdout] cases / {fn_name, inputs, outputs}.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("file", nargs="?", metavar="FILE.py")
     s.add_argument("--tests", metavar="TESTS", help="tests to run the program against")
