@@ -32,8 +32,8 @@ Limits in every mode (:class:`Limits`): wall time (enforced by the host, which k
 ``output_bytes`` on stdout or stderr), disk (tmpfs size with namespaces, RLIMIT_FSIZE per file in every mode), open
 files. Memory and processes of the whole run: where this process can create a cgroup (root, or a delegated cgroup
 v2), every run gets one (memory ``memory_mb`` + 32 MB for the supervisor, RAM + swap + tmpfs; ``pids.max``
-``processes`` + 4), joined by the launcher before anything starts; an OOM kill in it makes the status ``memory``.
-Without a cgroup the bound is per process (RLIMIT_AS, RLIMIT_NPROC): the whole run may hold up to
+``processes`` + 8 for the supervisor), joined by the launcher before anything starts; an OOM kill in it makes the
+status ``memory``. Without a cgroup the bound is per process (RLIMIT_AS, RLIMIT_NPROC): the whole run may hold up to
 ``memory_mb x processes``, and ``capabilities()`` says so. The environment holds only PATH, LANG, HOME, TMPDIR (and
 PWD).
 
@@ -475,7 +475,7 @@ def _fallback_caps(python: str, root: bool, errors: list) -> dict:
                     "elsewhere"]
     if root:
         not_isolated.append("writes to world-writable places outside the sandbox (/tmp, /var/tmp, /dev/shm, "
-                            "/run/lock; top-level leftovers of the run's uid in /tmp, /var/tmp, /dev/shm are removed)")
+                            "/run/lock; top-level leftovers of the run's uid there are removed afterwards)")
     else:
         not_isolated += ["writes to this user's files outside the sandbox",
                          "signals: the program can kill any process of this user",
@@ -618,7 +618,7 @@ def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int 
 
 def _sweep_uid(uid: int | None) -> None:
     """Fallback clean-up: nothing may keep running under the run's uid, and what it left in the shared
-    world-writable directories (top level of the temp dir, /var/tmp, /dev/shm) is removed."""
+    world-writable directories (top level of the temp dir, /var/tmp, /dev/shm, /run/lock) is removed."""
     if uid is None:
         return
     for _ in range(100):
@@ -627,7 +627,7 @@ def _sweep_uid(uid: int | None) -> None:
             break
         _kill(pids)
         time.sleep(0.01)
-    for d in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")):
+    for d in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm", "/run/lock")):
         try:
             entries = list(os.scandir(d))
         except OSError:
@@ -721,13 +721,15 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         cwd = workdir
     cgroup = None
     if caps.get("cgroup"):
-        cgroup = _Cgroup.create(caps["cgroup"], int(limits.memory_mb) + _CGROUP_SLACK_MB, int(limits.processes) + 4)
+        cgroup = _Cgroup.create(caps["cgroup"], int(limits.memory_mb) + _CGROUP_SLACK_MB,
+                                int(limits.processes) + 8)
         if cgroup is None:
             for fd in (report_r, report_w, info_r, info_w):
                 os.close(fd)
             if private:
                 shutil.rmtree(private, ignore_errors=True)
-            raise OSError("could not create the run's cgroup")
+            raise PostrlError(f"sandbox: could not create the run's cgroup under {caps['cgroup']['memory']} "
+                              "(it worked when the sandbox was probed; is the cgroup filesystem full or read-only?)")
         argv = ["/bin/sh", "-c", _CGROUP_JOIN, "sh", *cgroup.dirs, "--", *argv]
     try:
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
