@@ -164,9 +164,14 @@ EQUAL_TO_ANYTHING = ("class F(float):\n    def __eq__(self, o):\n        return 
                      "def add(a, b):\n    return F(0)\n")
 
 
+TRUTHY = "class T:\n    def __bool__(self):\n        return True\ndef is_even(n):\n    return T()\n"
+EVEN_TESTS = "assert is_even(2)\nassert is_even(4)\nassert is_even(10)\n"
+
+
 @pytest.mark.parametrize("name,code,tests", [("rebind_builtins", REBIND_BUILTINS, AREA_TESTS),
                                              ("forge_report", FORGE_REPORT, ADD3),
-                                             ("equal_to_anything", EQUAL_TO_ANYTHING, ADD3)])
+                                             ("equal_to_anything", EQUAL_TO_ANYTHING, ADD3),
+                                             ("always_truthy", TRUTHY, EVEN_TESTS)])
 def test_wrong_solutions_cannot_forge_passing_tests(name, code, tests):
     assert code_tests(None, [fence(code)], [tests], timeout=8.0) == [0.0], last_results()[0]
     r = last_results()[0]
@@ -187,3 +192,17 @@ def test_tests_reach_the_program_by_name_module_and_object():
              "def test_wrong_type_fails():\n    assert pair(3) == [3, [3]]\n")
     assert code_tests(None, [fence(code)], [tests], timeout=8.0) == [pytest.approx(4 / 5)]
     assert [t["status"] for t in last_results()[0].tests] == ["pass"] * 4 + ["fail"]
+
+
+def test_program_imports_and_big_tables_reach_the_tests_without_trusting_the_program():
+    """A module the program imported is the checker's own copy (rebinding math.sqrt in the program changes nothing
+    the test sees); a big table stays in the program and is read item by item."""
+    liar = "import math\nmath.sqrt = lambda x: 0\ndef root2():\n    return 0\n"
+    tests = "def test_a():\n    assert abs(root2() - math.sqrt(2)) < 1e-9\n"
+    assert code_tests(None, [fence(liar)], [tests], timeout=8.0) == [0.0]
+    honest = "import math\ndef root2():\n    return math.sqrt(2)\n"
+    assert code_tests(None, [fence(honest)], [tests], timeout=8.0) == [1.0]
+    table = "SQUARES = [i * i for i in range(100000)]\ndef sq(i):\n    return SQUARES[i]\n"
+    tests = ("def test_a():\n    assert sq(300) == 90000 and SQUARES[7] == 49 and len(SQUARES) == 100000\n"
+             "def test_b():\n    assert 81 in SQUARES\n")
+    assert code_tests(None, [fence(table)], [tests], timeout=8.0) == [1.0], last_results()[0]

@@ -695,6 +695,8 @@ def _serve(rfd, wfd, module):
         if t is dict:
             return ("d", [(enc(k, d + 1), enc(v, d + 1)) for k, v in x.items()])
         handles.append(x)
+        if t is type(sys) and type(x.__name__) is str:
+            return ("m", x.__name__, len(handles) - 1)
         return ("h", len(handles) - 1, t.__name__)
     def dec(x):
         tag = x[0]
@@ -741,7 +743,11 @@ def _serve(rfd, wfd, module):
     for k, v in list(mod.__dict__.items()):
         if not k.startswith("__"):
             try:
-                names.append((k, enc(v)))
+                e = enc(v)
+                if e[0] not in ("h", "m") and len(repr(e)) > 65536:  # big data stays here, read on demand
+                    handles.append(v)
+                    e = ("h", len(handles) - 1, type(v).__name__)
+                names.append((k, e))
             except BaseException:
                 pass
     send(("L", names))
@@ -756,6 +762,15 @@ def _serve(rfd, wfd, module):
         elif op[0] == "list":
             o = handles[op[1]]
             reply(lambda: list(o))
+        elif op[0] == "len":
+            o = handles[op[1]]
+            reply(lambda: len(o))
+        elif op[0] == "getitem":
+            o, key = handles[op[1]], dec(op[2])
+            reply(lambda: o[key])
+        elif op[0] == "contains":
+            o, item = handles[op[1]], dec(op[2])
+            reply(lambda: item in o)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -865,9 +880,9 @@ class _Channel:
 
 
 class _Remote:
-    """An object that lives in the program's process. It equals only itself (no comparison reaches the program);
-    calling it, reading an attribute or iterating it asks the program, and the answer comes back as plain data
-    or as another remote object."""
+    """An object that lives in the program's process. It equals only itself (no comparison reaches the program)
+    and has no truth value; calling it, reading an attribute, its length, an item, membership or iterating it asks
+    the program, and the answer comes back as plain data or as another remote object."""
 
     __slots__ = ("_ch", "_id", "_type")
 
@@ -886,6 +901,19 @@ class _Remote:
 
     def __iter__(self):
         return iter(_ask(self._ch, ("list", self._id)))
+
+    def __bool__(self):  # the program's __bool__ would decide `assert f(x)`: not data, so no truth value
+        raise TypeError("a %s object from the program has no truth value in a test (only plain data has)"
+                        % self._type)
+
+    def __len__(self):
+        return _ask(self._ch, ("len", self._id))
+
+    def __getitem__(self, key):
+        return _ask(self._ch, ("getitem", self._id, _enc(key)))
+
+    def __contains__(self, item):
+        return _ask(self._ch, ("contains", self._id, _enc(item)))
 
     def __repr__(self):
         return "<program object of type %s>" % self._type
@@ -944,6 +972,13 @@ def _dec(ch, x, d=0):
             return out
     if n == 3 and tag == "h" and type(x[1]) is int and type(x[2]) is str:
         return _Remote(ch, x[1], x[2])
+    if n == 3 and tag == "m" and type(x[1]) is str and type(x[2]) is int:
+        # a module the program imported: the checker's own copy of it (the program cannot lie through it)
+        try:
+            __import__(x[1])
+            return sys.modules[x[1]]
+        except BaseException:  # noqa: BLE001 - a module only the program has: reach it as a remote object
+            return _Remote(ch, x[2], "module")
     raise _ProgramGone("error", "garbage on the program's answer channel")
 
 
