@@ -606,3 +606,74 @@ except OSError as e:
     assert "sysctl blocked" in r.stdout, r.stdout
     outside = int(r.stdout.split("OUTSIDE ")[1].split()[0])
     assert outside != 0 or mode == "bwrap" and capabilities(mode)["unique_uid"], r.stdout
+
+
+@needs_namespaces
+def test_namespaces_mode_as_an_unprivileged_user():
+    """The laptop case: no bubblewrap, not root. Run as `nobody` (from root, with the system Python): the program
+    reaches no host listener, sees only its own processes, and RLIMIT_NPROC bounds its forks."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+
+    py = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(py):
+        pytest.skip("needs root (to become nobody), setpriv and /usr/bin/python3")
+    src = str(Path(core.__file__).resolve().parents[2])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    work = Path(tempfile.mkdtemp(prefix="postrl-nobody-"))
+    os.chmod(work, 0o755)
+    script = work / "as_nobody.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {src!r})
+from postrl.sandbox import Limits, capabilities, run
+prog = '''
+import os, socket
+try:
+    socket.create_connection(("127.0.0.1", {srv.getsockname()[1]}), timeout=1)
+    print("tcp REACHED")
+except OSError:
+    print("tcp blocked")
+n = 0
+for _ in range(40):
+    try:
+        if os.fork() == 0:
+            import time
+            time.sleep(3)
+            os._exit(0)
+        n += 1
+    except OSError:
+        break
+print("FORKED", n, "PIDS", len([p for p in os.listdir("/proc") if p.isdigit()]))
+'''
+r = run(prog, limits=Limits(timeout=8.0, processes=8), mode="namespaces")
+print(json.dumps({{"mode": capabilities("namespaces")["mode"], "status": r.status, "stdout": r.stdout,
+                  "stderr": r.stderr[-500:]}}))
+""")
+    for p in [Path(src), *Path(src).parents]:  # nobody must reach the code
+        if not os.stat(p).st_mode & 0o001:
+            shutil.rmtree(work)
+            pytest.skip(f"{p} is not searchable by nobody")
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+    try:
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, str(script)],
+                             capture_output=True, text=True, timeout=60, env=env, cwd="/")
+        try:
+            srv.accept()[0].close()
+            reached = True
+        except socket.timeout:
+            reached = False
+    finally:
+        srv.close()
+        shutil.rmtree(work)
+    if "ModuleNotFoundError" in out.stderr or "SyntaxError" in out.stderr:
+        pytest.skip(f"the system Python cannot import postrl.sandbox: {out.stderr.strip().splitlines()[-1]}")
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not reached and "tcp blocked" in d["stdout"], d
+    forked, pids = int(d["stdout"].split("FORKED ")[1].split()[0]), int(d["stdout"].split("PIDS ")[1].split()[0])
+    assert forked < 8 and pids <= 9, d
