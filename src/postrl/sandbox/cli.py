@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
     s.add_argument("file", nargs="?", metavar="FILE.py")
     s.add_argument("--tests", metavar="TESTS", help="tests to run the program against")
     s.add_argument("--timeout", type=float, default=10.0, metavar="S", help="wall seconds for the run (default 10)")
-    s.add_argument("--memory", type=int, default=512, metavar="MB", help="address space per process, and the whole run's memory where a cgroup can be made "
+    s.add_argument("--memory", type=int, default=512, metavar="MB",
+                   help="address space per process, and the whole run's memory where a cgroup can be made "
                         "(default 512)")
     s.add_argument("--test-timeout", type=float, default=None, metavar="S", help="wall seconds per test")
     s.add_argument("--max-output", type=int, default=64 * 1024, metavar="BYTES",
