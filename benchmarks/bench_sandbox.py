@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--trivial", type=int, default=200)
     ap.add_argument("--tested", type=int, default=50)
-    ap.add_argument("--mode", default=None, choices=("auto", "bwrap", "fallback"))
+    ap.add_argument("--mode", default=None, choices=("auto", "bwrap", "namespaces", "fallback"))
     a = ap.parse_args(argv)
     caps = capabilities(a.mode)
     limits = Limits(timeout=30.0, memory_mb=256)

@@ -124,3 +124,85 @@ def test_rows_without_tests_are_none_and_results_are_inspectable():
     assert code_tests(None, [fence(GOOD), fence(GOOD)], [TESTS, None], timeout=8.0) == [1.0, None]
     res = last_results()
     assert res[0].status == "ok" and res[1] is None
+
+
+# ------------------------------------------------------------------------------------------------ forging a pass
+# Three wrong solutions that scored 3/3 when the tests ran inside the program's interpreter. The tests now run in
+# a checker process; the program answers from its own process with plain data only.
+AREA_TESTS = ("def test_1():\n    assert abs(area(1) - 3.14159) < 1e-3\n\n"
+              "def test_2():\n    assert abs(area(2) - 12.56637) < 1e-3\n\n"
+              "def test_3():\n    assert isinstance(area(3), float)\n")
+ADD3 = TESTS + "\n\ndef test_c():\n    assert add(5, 5) == 10\n"
+REBIND_BUILTINS = ("exec('import builtins\\nbuiltins.abs = lambda x: 0\\nbuiltins.isinstance = lambda *a: True')\n"
+                   "def area(r):\n    return 0\n")
+FORGE_REPORT = """
+import os, sys
+f = sys._getframe()
+while f is not None and not ('send' in f.f_locals and 'units' in f.f_locals):
+    f = f.f_back
+if f is not None:
+    send, units = f.f_locals['send'], f.f_locals['units']
+    send(b'L')
+    for i in range(len(units)):
+        send(b'R', i, b'pass', b'')
+    send(b'D')
+    os._exit(0)
+g = sys._getframe()
+while g is not None:  # the program's own process: whatever answer function it finds, it can only lie about itself
+    for v in list(g.f_locals.values()):
+        if callable(v) and getattr(v, '__name__', '') == 'send':
+            try:
+                v(('L', [('add', ('i', '0x3'))]))
+            except Exception:
+                pass
+    g = g.f_back
+def add(a, b):
+    return 0
+"""
+EQUAL_TO_ANYTHING = ("class F(float):\n    def __eq__(self, o):\n        return True\n    __ne__ = lambda s, o: False\n"
+                     "    __hash__ = float.__hash__\n"
+                     "def add(a, b):\n    return F(0)\n")
+
+
+TRUTHY = "class T:\n    def __bool__(self):\n        return True\ndef is_even(n):\n    return T()\n"
+EVEN_TESTS = "assert is_even(2)\nassert is_even(4)\nassert is_even(10)\n"
+
+
+@pytest.mark.parametrize("name,code,tests", [("rebind_builtins", REBIND_BUILTINS, AREA_TESTS),
+                                             ("forge_report", FORGE_REPORT, ADD3),
+                                             ("equal_to_anything", EQUAL_TO_ANYTHING, ADD3),
+                                             ("always_truthy", TRUTHY, EVEN_TESTS)])
+def test_wrong_solutions_cannot_forge_passing_tests(name, code, tests):
+    assert code_tests(None, [fence(code)], [tests], timeout=8.0) == [0.0], last_results()[0]
+    r = last_results()[0]
+    assert r.passed == 0 and r.total == 3
+
+
+def test_tests_reach_the_program_by_name_module_and_object():
+    """Top-level names, `from solution import ...`, class instances and their methods work from the checker; an
+    object result equals only itself and a value comes back with its exact type."""
+    code = ("class Solution:\n    def two_sum(self, xs, t):\n        return [0, 1] if xs[0] + xs[1] == t else []\n"
+            "def pair(a):\n    return (a, [a])\n"
+            "def gen(n):\n    return (i * i for i in range(n))\n")
+    tests = ("from solution import pair\n\n"
+             "def test_obj():\n    assert Solution().two_sum([2, 7, 11], 9) == [0, 1]\n\n"
+             "def test_tuple():\n    assert pair(3) == (3, [3]) and type(pair(3)) is tuple\n\n"
+             "def test_iter():\n    assert list(gen(4)) == [0, 1, 4, 9]\n\n"
+             "def test_object_is_not_data():\n    assert Solution() != Solution()\n\n"
+             "def test_wrong_type_fails():\n    assert pair(3) == [3, [3]]\n")
+    assert code_tests(None, [fence(code)], [tests], timeout=8.0) == [pytest.approx(4 / 5)]
+    assert [t["status"] for t in last_results()[0].tests] == ["pass"] * 4 + ["fail"]
+
+
+def test_program_imports_and_big_tables_reach_the_tests_without_trusting_the_program():
+    """A module the program imported is the checker's own copy (rebinding math.sqrt in the program changes nothing
+    the test sees); a big table stays in the program and is read item by item."""
+    liar = "import math\nmath.sqrt = lambda x: 0\ndef root2():\n    return 0\n"
+    tests = "def test_a():\n    assert abs(root2() - math.sqrt(2)) < 1e-9\n"
+    assert code_tests(None, [fence(liar)], [tests], timeout=8.0) == [0.0]
+    honest = "import math\ndef root2():\n    return math.sqrt(2)\n"
+    assert code_tests(None, [fence(honest)], [tests], timeout=8.0) == [1.0]
+    table = "SQUARES = [i * i for i in range(100000)]\ndef sq(i):\n    return SQUARES[i]\n"
+    tests = ("def test_a():\n    assert sq(300) == 90000 and SQUARES[7] == 49 and len(SQUARES) == 100000\n"
+             "def test_b():\n    assert 81 in SQUARES\n")
+    assert code_tests(None, [fence(table)], [tests], timeout=8.0) == [1.0], last_results()[0]

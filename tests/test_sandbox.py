@@ -23,7 +23,7 @@ try:
     CAPS = capabilities()
 except PostrlError as e:  # pragma: no cover - a machine where no sandbox works at all
     pytest.skip(f"no code sandbox on this machine: {e}", allow_module_level=True)
-BWRAP = CAPS["mode"] == "bwrap"
+NAMESPACES = CAPS["mode"] in ("bwrap", "namespaces")
 TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
 GOOD = "```python\ndef add(a, b):\n    return a + b\n```"
 SECRET_ENV = "POSTRL_SANDBOX_TEST_SECRET"
@@ -124,7 +124,7 @@ def test_capabilities_say_what_is_enforced():
     for key in ("mode", "isolated", "limits", "not_isolated", "notes"):
         assert key in CAPS
     assert set(CAPS["isolated"]) >= {"network", "filesystem_read", "filesystem_write", "processes", "environment"}
-    if BWRAP:
+    if NAMESPACES:
         assert all(CAPS["isolated"].values()) and CAPS["limits"]["processes"] != ""
     else:
         assert not CAPS["isolated"]["network"]
@@ -211,7 +211,7 @@ EXPECT = {  # name -> (allowed statuses, words expected in the reason)
     "syntax_error": ({"failed"}, "syntax error"),
     "import_exit": ({"failed"}, "exit"),
     "import_os_exit": ({"failed"}, "ended the process"),
-    "forge_marker": ({"failed"}, "not defined"),
+    "forge_marker": ({"failed"}, "not defined|garbage"),
     "fork_bomb": ({"timeout", "killed"}, "limit"),
     "infinite_loop": ({"timeout"}, "limit"),
     "sleeper": ({"timeout"}, "limit"),
@@ -319,3 +319,361 @@ def test_cli_prints_one_json_object(tmp_path, capsys):
     assert main(["sandbox", str(tmp_path / "missing.py")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"postrl: error: program '{tmp_path / 'missing.py'}': no such file"
+
+
+# ------------------------------------------------------------------------------------------------ probes under attack
+# Each probe is a hostile program run in every isolating mode this machine offers: bubblewrap where it works, and
+# the namespaces mode (no bubblewrap) wherever the kernel lets an unprivileged process create namespaces, checked
+# here with util-linux's own `unshare`, independently of the code under test.
+
+
+def _kernel_has_namespaces() -> bool:
+    import shutil
+    import subprocess
+
+    if not shutil.which("unshare"):
+        return False
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--net",
+                               "--ipc", "true"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _isolating_modes() -> list[str]:
+    modes = []
+    if core._bwrap_binary():
+        try:
+            capabilities("bwrap")
+            modes.append("bwrap")
+        except PostrlError:
+            pass
+    if _kernel_has_namespaces():
+        modes.append("namespaces")  # must work here: a failure to start is a test failure, not a skip
+    return modes
+
+
+ISOLATING = _isolating_modes()
+needs_namespaces = pytest.mark.skipif(not ISOLATING, reason="this kernel offers no namespaces and no bubblewrap")
+
+
+@needs_namespaces
+def test_auto_mode_isolates_when_the_kernel_allows_it():
+    assert capabilities("auto")["mode"] == ISOLATING[0]
+    assert all(capabilities("auto")["isolated"].values())
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_no_network_to_the_host(mode, tmp_path):
+    """TCP and UDP on the host's 127.0.0.1, a UNIX socket by path and an abstract one: none is reachable."""
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(4)
+    tcp.settimeout(0.2)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.2)
+    os.chmod(tmp_path, 0o777)
+    path = str(tmp_path / "host.sock")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(path)
+    os.chmod(path, 0o777)
+    unix.listen(4)
+    unix.settimeout(0.2)
+    abstract_name = "\0postrl-test-" + uuid.uuid4().hex
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(abstract_name)
+    abstract.listen(4)
+    abstract.settimeout(0.2)
+    prog = f"""
+import socket
+def attempt(what, fn):
+    try:
+        fn()
+        print(what, 'REACHED')
+    except OSError as e:
+        print(what, 'blocked', type(e).__name__)
+def tcp():
+    socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), timeout=1).sendall(b'leak')
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))
+def unix(name):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(1)
+    s.connect(name)
+    s.sendall(b'leak')
+attempt('tcp', tcp)
+attempt('udp', udp)
+attempt('unix', lambda: unix({path!r}))
+attempt('abstract', lambda: unix({abstract_name!r}))
+"""
+    try:
+        r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+        got = []
+        for name, srv in (("tcp", tcp), ("unix", unix), ("abstract", abstract)):
+            try:
+                srv.accept()[0].close()
+                got.append(name)
+            except socket.timeout:
+                pass
+        try:
+            udp.recvfrom(16)
+            got.append("udp")
+        except socket.timeout:
+            pass
+    finally:
+        for s in (tcp, udp, unix, abstract):
+            s.close()
+    assert got == [], (got, r.stdout)  # the host's listeners heard nothing (UDP may go to the sandbox's own lo)
+    for what in ("tcp", "unix", "abstract"):
+        assert f"{what} blocked" in r.stdout, (r.status, r.stdout, r.stderr)
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_host_files_and_processes_cannot_be_read(mode):
+    """A world-readable file in the host's /tmp and another process's command line stay out of reach."""
+    import subprocess
+    import tempfile
+
+    secret = "SECRET-" + uuid.uuid4().hex
+    fd, path = tempfile.mkstemp(prefix="postrl-probe-", dir="/tmp")
+    os.write(fd, secret.encode())
+    os.close(fd)
+    os.chmod(path, 0o644)
+    victim = subprocess.Popen(["sleep", "30", secret])
+    prog = f"""
+import os
+found = []
+try:
+    found.append(open({path!r}).read())
+except OSError as e:
+    print('file blocked', type(e).__name__)
+for pid in os.listdir('/proc'):
+    if pid.isdigit():
+        try:
+            found.append(open('/proc/%s/cmdline' % pid, 'rb').read().decode(errors='replace'))
+        except OSError:
+            pass
+print('PIDS', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+print('FOUND', [x for x in found if 'SECRET' in x])
+"""
+    try:
+        r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+    finally:
+        victim.kill()
+        victim.wait()
+        os.unlink(path)
+    assert r.status == "ok", (r.reason, r.stderr)
+    assert secret not in r.stdout and "FOUND []" in r.stdout, r.stdout
+    assert "file blocked" in r.stdout
+    pids = eval(r.stdout.split("PIDS ")[1].splitlines()[0])  # noqa: S307 - our own program's output
+    assert victim.pid not in pids and os.getpid() not in pids and max(pids) < 100, pids
+
+
+def _sysv_keys() -> set:
+    keys = set()
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                keys |= {(kind, ln.split()[0]) for ln in f.readlines()[1:] if ln.strip()}
+        except OSError:
+            pass
+    return keys
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_nothing_is_written_to_the_host(mode):
+    """Files in the host's /tmp, /var/tmp, /run/lock and /dev/shm, SysV shared memory, message queues and
+    semaphores: nothing is left behind; and writes outside the private folder stay within the disk limit."""
+    tag = "postrl-probe-" + uuid.uuid4().hex
+    places = ["/tmp", "/var/tmp", "/run/lock", "/dev/shm"]
+    before = _sysv_keys()
+    prog = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+key = 0x5eed0000 + os.getpid() % 1000
+print('shm', libc.shmget(key, 4096, 0o1666), 'msg', libc.msgget(key + 1, 0o1666),
+      'sem', libc.semget(key + 2, 1, 0o1666))
+total = 0
+for d in {places!r}:
+    try:
+        with open(os.path.join(d, {tag!r}), 'wb') as f:
+            for _ in range(40):
+                f.write(b'x' * (1 << 20))
+                f.flush()
+                total += 1 << 20
+    except OSError as e:
+        print(d, type(e).__name__)
+print('WROTE_MB', total >> 20)
+"""
+    limits = Limits(timeout=8.0, disk_mb=4, memory_mb=128)
+    try:
+        r = run(prog, limits=limits, mode=mode)
+        left = [os.path.join(d, tag) for d in places if os.path.exists(os.path.join(d, tag))]
+    finally:
+        for d in places:
+            try:
+                os.unlink(os.path.join(d, tag))
+            except OSError:
+                pass
+    assert left == [], left
+    assert _sysv_keys() - before == set()
+    wrote = int(r.stdout.split("WROTE_MB ")[1].split()[0])
+    # at most /tmp and /dev/shm (RLIMIT_FSIZE per file, tmpfs size per folder): never 4 x 40 MB
+    assert wrote <= 2 * limits.disk_mb, (wrote, r.stdout)
+
+
+@pytest.mark.parametrize("mode", ISOLATING + ["fallback"])
+def test_memory_limit_covers_the_whole_program(mode):
+    """Forked processes share one memory budget: with a cgroup (memory_mb + the supervisor's slack) for the whole
+    run; without one, the stated per-process bound (memory_mb x processes)."""
+    caps = capabilities(mode)
+    prog = """
+import os, select, time
+r, w = os.pipe()
+for _ in range(6):
+    try:
+        if os.fork() == 0:
+            os.close(r)
+            x = b'y' * (90 << 20)
+            os.write(w, b'%8d' % os.getpid())
+            time.sleep(6)
+            os._exit(0)
+    except OSError:
+        pass
+os.close(w)
+holders, end = [], time.time() + 3
+while time.time() < end:
+    if select.select([r], [], [], 0.1)[0]:
+        b = os.read(r, 8)
+        if not b:
+            break
+        holders.append(int(b))
+alive = [p for p in holders if os.waitpid(p, os.WNOHANG) == (0, 0)]
+print('HELD', len(alive), flush=True)
+"""
+    lim = Limits(timeout=10.0, memory_mb=128, processes=8)
+    r = run(prog, limits=lim, mode=mode)
+    held = max([int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("HELD")] or [0])
+    assert "HELD" in r.stdout or r.status == "memory", (r.status, r.reason, r.stderr)
+    if caps["cgroup"]:
+        assert held * 90 <= lim.memory_mb + core._CGROUP_SLACK_MB, (held, r.stdout)
+        assert r.status == "memory" and "whole program" in r.reason, (r.status, r.reason)
+        assert "cgroup" in caps["limits"]["memory"]
+    else:
+        assert held * 90 <= lim.memory_mb * lim.processes
+        assert "memory_mb x processes" in caps["limits"]["memory"]
+
+
+def test_cli_test_file_imports_the_program_by_its_file_name(tmp_path, capsys):
+    """docs/sandbox.md: a test file reaches prog.py's names directly, as `from prog import ...` or as
+    `from solution import ...`."""
+    import json
+
+    from postrl.cli import main
+
+    prog = tmp_path / "prog.py"
+    prog.write_text("def add(a, b):\n    return a + b\n")
+    tests = tmp_path / "test_prog.py"
+    tests.write_text("from prog import add\nimport solution\n\ndef test_a():\n    assert add(1, 2) == 3\n\n"
+                     "def test_b():\n    assert solution.add(2, 2) == 4\n")
+    assert main(["sandbox", str(prog), "--tests", str(tests), "--timeout", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["status"], d["passed"], d["total"]) == ("ok", 2, 2), d
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ISOLATING)
+def test_sandbox_root_is_not_the_hosts_root(mode):
+    """Root inside a user namespace that maps to the host's root passes /proc/sys permission checks by uid alone
+    and is exempt from RLIMIT_NPROC: the sandbox's uid must map to some other uid, and kernel settings stay
+    read-only to it."""
+    prog = """
+uid_map = open('/proc/self/uid_map').read().split()
+print('OUTSIDE', uid_map[1])
+try:
+    open('/proc/sys/kernel/hostname', 'w').write('pwned')
+    print('sysctl WRITTEN')
+except OSError as e:
+    print('sysctl blocked', type(e).__name__)
+"""
+    r = run(prog, limits=Limits(timeout=8.0), mode=mode)
+    assert r.status == "ok", (r.reason, r.stderr)
+    assert "sysctl blocked" in r.stdout, r.stdout
+    outside = int(r.stdout.split("OUTSIDE ")[1].split()[0])
+    assert outside != 0 or mode == "bwrap" and capabilities(mode)["unique_uid"], r.stdout
+
+
+@needs_namespaces
+def test_namespaces_mode_as_an_unprivileged_user():
+    """The laptop case: no bubblewrap, not root. Run as `nobody` (from root, with the system Python): the program
+    reaches no host listener, sees only its own processes, and RLIMIT_NPROC bounds its forks."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+
+    py = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(py):
+        pytest.skip("needs root (to become nobody), setpriv and /usr/bin/python3")
+    src = str(Path(core.__file__).resolve().parents[2])
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    work = Path(tempfile.mkdtemp(prefix="postrl-nobody-"))
+    os.chmod(work, 0o755)
+    script = work / "as_nobody.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {src!r})
+from postrl.sandbox import Limits, capabilities, run
+prog = '''
+import os, socket
+try:
+    socket.create_connection(("127.0.0.1", {srv.getsockname()[1]}), timeout=1)
+    print("tcp REACHED")
+except OSError:
+    print("tcp blocked")
+n = 0
+for _ in range(40):
+    try:
+        if os.fork() == 0:
+            import time
+            time.sleep(3)
+            os._exit(0)
+        n += 1
+    except OSError:
+        break
+print("FORKED", n, "PIDS", len([p for p in os.listdir("/proc") if p.isdigit()]))
+'''
+r = run(prog, limits=Limits(timeout=8.0, processes=8), mode="namespaces")
+print(json.dumps({{"mode": capabilities("namespaces")["mode"], "status": r.status, "stdout": r.stdout,
+                  "stderr": r.stderr[-500:]}}))
+""")
+    for p in [Path(src), *Path(src).parents]:  # nobody must reach the code
+        if not os.stat(p).st_mode & 0o001:
+            shutil.rmtree(work)
+            pytest.skip(f"{p} is not searchable by nobody")
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+    try:
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, str(script)],
+                             capture_output=True, text=True, timeout=60, env=env, cwd="/")
+        try:
+            srv.accept()[0].close()
+            reached = True
+        except socket.timeout:
+            reached = False
+    finally:
+        srv.close()
+        shutil.rmtree(work)
+    if "ModuleNotFoundError" in out.stderr or "SyntaxError" in out.stderr:
+        pytest.skip(f"the system Python cannot import postrl.sandbox: {out.stderr.strip().splitlines()[-1]}")
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not reached and "tcp blocked" in d["stdout"], d
+    forked, pids = int(d["stdout"].split("FORKED ")[1].split()[0]), int(d["stdout"].split("PIDS ")[1].split()[0])
+    assert forked < 8 and pids <= 9, d

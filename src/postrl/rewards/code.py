@@ -8,9 +8,13 @@ reported as failed, never read as 0). "No tests collected", a syntax error, an e
 supervisor, an output flood or a forged success marker score 0: the harness, not the program, counts the tests.
 
 Shared keyword parameters: ``timeout`` (wall seconds per program, all its tests together), ``memory_mb``,
-``test_timeout`` (wall seconds per test; default none), ``isolation`` (``auto`` / ``bwrap`` / ``fallback``;
-``bwrap`` refuses to run where bubblewrap does not work). :func:`last_results` gives the sandbox results (status,
-reason, per-test outcomes) of the latest call, for inspection.
+``test_timeout`` (wall seconds per test; default none), ``isolation`` (``auto`` / ``bwrap`` / ``namespaces`` /
+``fallback``; ``bwrap`` and ``namespaces`` refuse to run where they do not work). :func:`last_results` gives the
+sandbox results (status, reason, per-test outcomes) of the latest call, for inspection.
+
+The test code runs in a checker process, apart from the program, which answers it with plain data only (see
+docs/sandbox.md): rebinding builtins, reaching the reporting code or returning objects that compare equal to
+anything cannot turn a failing test into a pass.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ def _limits(timeout: float, memory_mb: int, test_timeout: float | None) -> Limit
 
 
 def _check_isolation(isolation: str | None) -> None:
-    if isolation not in (None, "auto", "bwrap", "fallback"):
-        raise ConfigError(f"isolation '{isolation}': expected auto, bwrap or fallback")
+    if isolation not in (None, "auto", "bwrap", "namespaces", "fallback"):
+        raise ConfigError(f"isolation '{isolation}': expected auto, bwrap, namespaces or fallback")
 
 
 def run_completions(completions: list[str], tests: list | None, limits: Limits,

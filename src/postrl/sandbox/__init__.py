@@ -2,7 +2,8 @@
 
 ``run(code, tests=None, limits=Limits(...))`` returns a :class:`SandboxResult` (status, exit code, tests passed /
 total, truncated stdout and stderr, time, reason); :class:`SandboxPool` runs many in parallel; ``capabilities()``
-says what this machine enforces (bubblewrap namespaces, or the rlimits-only fallback and what it leaves open).
+says what this machine enforces (bubblewrap, else the same namespaces built with ``unshare``, else the rlimits-only
+fallback and what it leaves open).
 See :mod:`postrl.sandbox.core` for the isolation and :mod:`postrl.sandbox.testspec` for the accepted tests.
 """
 

@@ -40,7 +40,9 @@ def cmd_sandbox(args) -> int:
     stdin = _read(args.stdin, "--stdin") if args.stdin else None
     limits = Limits(timeout=args.timeout, memory_mb=args.memory, output_bytes=args.max_output,
                     test_timeout=args.test_timeout)
-    res = run(code, tests, stdin=stdin, limits=limits, mode=args.isolation)
+    stem = Path(args.file).stem
+    res = run(code, tests, stdin=stdin, limits=limits, mode=args.isolation,
+              module=stem if stem.isidentifier() else "solution")
     d = res.to_dict()
     keys = ("status", "exit_code", "passed", "total", "stdout", "stderr", "time", "reason", "mode", "tests")
     print(json.dumps({k: d[k] for k in keys}))
@@ -52,18 +54,21 @@ def add_parser(sub) -> None:
         "sandbox", help="run a Python program (optionally against tests) in the code sandbox; prints one JSON object",
         description="Run FILE.py in the code sandbox and print ONE JSON object: status, exit_code, passed, total, "
                     "stdout, stderr (truncated), time, reason. Exit status 0 when status is ok, 1 otherwise. "
-                    "TESTS: a Python file of test_* functions or top-level asserts, or a .json list of "
-                    "[stdin, stdout] cases / {fn_name, inputs, outputs}.",
+                    "TESTS: a Python file of test_* functions or top-level asserts (it sees the program's names "
+                    "directly, or imports them: 'from prog import add' for prog.py, or 'from solution import add'), "
+                    "or a .json list of [stdin, stdout] cases / {fn_name, inputs, outputs}.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("file", nargs="?", metavar="FILE.py")
     s.add_argument("--tests", metavar="TESTS", help="tests to run the program against")
     s.add_argument("--timeout", type=float, default=10.0, metavar="S", help="wall seconds for the run (default 10)")
-    s.add_argument("--memory", type=int, default=512, metavar="MB", help="address space per process (default 512)")
+    s.add_argument("--memory", type=int, default=512, metavar="MB",
+                   help="address space per process, and the whole run's memory where a cgroup can be made "
+                        "(default 512)")
     s.add_argument("--test-timeout", type=float, default=None, metavar="S", help="wall seconds per test")
     s.add_argument("--max-output", type=int, default=64 * 1024, metavar="BYTES",
                    help="stdout/stderr cap; more kills the run (default 65536)")
     s.add_argument("--stdin", metavar="FILE", help="feed FILE to the program's stdin (plain run)")
-    s.add_argument("--isolation", choices=("auto", "bwrap", "fallback"), default=None,
+    s.add_argument("--isolation", choices=("auto", "bwrap", "namespaces", "fallback"), default=None,
                    help="sandbox mode (default: POSTRL_SANDBOX or auto)")
     s.add_argument("--capabilities", action="store_true", help="print what this machine enforces and exit")
     s.set_defaults(fn=cmd_sandbox)

@@ -11,20 +11,35 @@ Isolation (chosen once per process by :func:`capabilities`, which probes the mac
   own. Started as root, bubblewrap keeps no capability but setuid/setgid, and the harness drops at once to a uid
   unique to the run (so RLIMIT_NPROC counts only this run's processes and nothing outside is readable through
   permissions); started as another user, bubblewrap uses a user namespace (RLIMIT_NPROC then counts per user
-  namespace, kernel >= 5.14).
-- ``fallback`` (no usable bubblewrap): rlimits + ``setsid`` + a scrubbed environment + a private temporary
+  namespace, kernel >= 5.14). ``/dev/shm`` is a third sized tmpfs.
+- ``namespaces`` (no usable bubblewrap, but the kernel lets this process create a user namespace): the harness
+  builds the same isolation itself (``_harness._confine``): new user (the caller's uid mapped to root inside), mount,
+  pid, network, ipc, uts and cgroup namespaces; a root of read-only binds of ``/usr`` (and the ``/bin``, ``/lib*``
+  links), the Python installation and ``/etc/ld.so.cache``; a fresh ``/proc``; a minimal ``/dev``; ``/box``,
+  ``/tmp`` and ``/dev/shm`` as tmpfs of ``disk_mb`` each; ``pivot_root`` into it and the host's root detached; the
+  root read-only, nested user namespaces forbidden and every capability dropped before the program runs. The
+  harness's first process waits outside; when the host kills it, the namespace's init dies and the kernel kills
+  everything inside.
+- ``fallback`` (neither): rlimits + ``setsid`` + a scrubbed environment + a private temporary
   directory as working directory and HOME (its size polled against ``disk_mb``), no namespaces, a reaper process
   that kills and reaps everything the run leaves. NOT isolated then: the network, reading files outside
-  the sandbox, the visibility of other processes (and, unless started as root, which drops to a unique uid,
-  signalling the user's other processes and writing the user's files). Said once, at start-up, as a warning.
+  the sandbox, the visibility of other processes, SysV IPC, writes to world-writable directories (and, unless
+  started as root, which drops to a unique uid, signalling the user's other processes and writing the user's
+  files). Said once, at start-up, as a warning (``capabilities()["not_isolated"]`` lists each).
 
 Limits in every mode (:class:`Limits`): wall time (enforced by the host, which kills the whole sandbox), CPU seconds
-(RLIMIT_CPU, per process), memory (RLIMIT_AS, per process), processes (RLIMIT_NPROC), output (the host stops
-reading and kills the sandbox past ``output_bytes`` on stdout or stderr), disk (tmpfs size in ``bwrap`` mode,
-RLIMIT_FSIZE per file in both), open files. The environment holds only PATH, LANG, HOME, TMPDIR (and PWD).
+(RLIMIT_CPU, per process), memory, processes, output (the host stops reading and kills the sandbox past
+``output_bytes`` on stdout or stderr), disk (tmpfs size with namespaces, RLIMIT_FSIZE per file in every mode), open
+files. Memory and processes of the whole run: where this process can create a cgroup (root, or a delegated cgroup
+v2), every run gets one (memory ``memory_mb`` + 32 MB for the supervisor, RAM + swap + tmpfs; ``pids.max``
+``processes`` + 8 for the supervisor), joined by the launcher before anything starts; an OOM kill in it makes the
+status ``memory``. Without a cgroup the bound is per process (RLIMIT_AS, RLIMIT_NPROC): the whole run may hold up to
+``memory_mb x processes``, and ``capabilities()`` says so. The environment holds only PATH, LANG, HOME, TMPDIR (and
+PWD).
 
 The program never reports its own result: a harness (``_harness.py``) supervises it inside the sandbox and writes
-one JSON report, tagged with a random nonce, on a descriptor the program does not hold.
+one JSON report, tagged with a random nonce, on a descriptor the program does not hold. Test code runs in a checker
+process; the program runs in its own fresh interpreter and only hands back plain data (see ``_harness``).
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ from postrl.sandbox.testspec import collect
 log = logging.getLogger("postrl.sandbox")
 
 STATUSES = ("ok", "failed", "timeout", "memory", "output_limit", "killed", "error")
-MODES = ("auto", "bwrap", "fallback")
+MODES = ("auto", "bwrap", "namespaces", "fallback")
 _HARNESS = Path(__file__).with_name("_harness.py")
 _BOX = "/box"
 _HARNESS_MOUNT = "/.postrl"
@@ -64,7 +79,8 @@ class Limits:
     """Resource limits of one sandboxed run.
 
     ``timeout``: wall seconds for the whole run (all tests together), host-enforced. ``cpu``: CPU seconds per
-    process (default: ``timeout``). ``memory_mb``: address space per process. ``processes``: processes and
+    process (default: ``timeout``). ``memory_mb``: address space per process, and (where a cgroup can be
+    made) the memory of the whole run together, plus 32 MB for the supervisor. ``processes``: processes and
     threads the program may have, itself included. ``output_bytes``: per stream (stdout, stderr); more kills the
     run (status ``output_limit``); also the cap on one test's stdout. ``disk_mb``: size of each writable tmpfs and
     the largest file. ``open_files``: descriptors per process. ``test_timeout``: wall seconds per test (default: none,
@@ -179,19 +195,20 @@ def _bwrap_binary() -> str | None:
 
 
 def capabilities(mode: str | None = None) -> dict:
-    """What this machine enforces, probed once per mode (``POSTRL_SANDBOX`` = auto | bwrap | fallback).
+    """What this machine enforces, probed once per mode (``POSTRL_SANDBOX`` = auto | bwrap | namespaces | fallback).
 
     Returns ``{"mode", "variant", "python", "isolated": {network, filesystem_read, filesystem_write, processes,
-    ipc, environment}, "limits": {limit: how it is enforced}, "not_isolated": [..], "notes": [..]}``. ``auto``
-    uses bubblewrap when it works and falls back otherwise (logging one warning naming what is then not
-    isolated); ``bwrap`` raises :class:`PostrlError` when bubblewrap does not work here.
+    ipc, environment}, "limits": {limit: how it is enforced}, "not_isolated": [..], "notes": [..], "cgroup"}``.
+    ``auto`` uses bubblewrap when it works, else namespaces when the kernel allows them, else falls back (logging
+    one warning naming what is then not isolated); ``bwrap`` and ``namespaces`` raise :class:`PostrlError` when
+    they do not work here.
     """
     mode = mode or os.environ.get("POSTRL_SANDBOX", "auto") or "auto"
     if mode not in MODES:
         raise ConfigError(f"sandbox mode '{mode}': expected one of {', '.join(MODES)} (POSTRL_SANDBOX)")
     with _CAPS_LOCK:
         if mode not in _CAPS:
-            _CAPS[mode] = _probe(mode)
+            _CAPS[mode] = _with_cgroup(_probe(mode), _cgroup_bases())
         caps = _CAPS[mode]
     if caps["warning"] and caps["warning"] not in _WARNED:
         _WARNED.add(caps["warning"])
@@ -220,6 +237,16 @@ def _probe(mode: str) -> dict:
                     errors.append(f"{variant}{'' if sized else ' without tmpfs size'}: {err}")
         if mode == "bwrap":
             raise PostrlError("POSTRL_SANDBOX=bwrap but bubblewrap does not work here: " + "; ".join(errors))
+    if mode in ("auto", "namespaces"):
+        caps = _namespaces_caps(python, root)
+        caps["harness_dir"] = _harness_dir(python)
+        err = _check(caps)
+        if err is None:
+            return caps
+        errors.append(f"namespaces (unshare): {err}")
+        if mode == "namespaces":
+            raise PostrlError("POSTRL_SANDBOX=namespaces but this kernel does not let an unprivileged process "
+                              "create user, mount and pid namespaces: " + "; ".join(errors))
     candidates = [python] + [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
     for py in dict.fromkeys(os.path.realpath(p) for p in candidates):
         if root and not _others_can_use(py):
@@ -266,7 +293,7 @@ def _bwrap_caps(variant: str, bwrap: str, python: str, sized: bool, root: bool) 
         "limits": {"wall_time": "host kills the sandbox (its pid namespace dies with it)",
                    "cpu_time": "RLIMIT_CPU per process", "memory": "RLIMIT_AS per process", "processes": nproc,
                    "output": "host stops reading and kills the sandbox",
-                   "disk": "tmpfs size for /box and /tmp, RLIMIT_FSIZE per file" if sized else
+                   "disk": "tmpfs size for /box, /tmp and /dev/shm, RLIMIT_FSIZE per file" if sized else
                            "RLIMIT_FSIZE per file only (no total)",
                    "open_files": "RLIMIT_NOFILE"},
         "not_isolated": not_isolated,
@@ -276,20 +303,187 @@ def _bwrap_caps(variant: str, bwrap: str, python: str, sized: bool, root: bool) 
     }
 
 
+def _namespaces_caps(python: str, root: bool) -> dict:
+    """No bubblewrap, but the kernel lets this process create namespaces: the harness builds the same isolation
+    itself (user, mount, pid, network, ipc, uts and cgroup namespaces; a fresh read-only root; see
+    ``_harness._confine``)."""
+    nproc = ("RLIMIT_NPROC on a uid unique to the run (the sandbox's root maps to it)" if root else
+             "RLIMIT_NPROC, counted per user namespace (kernel >= 5.14)")
+    return {
+        "mode": "namespaces", "variant": "unique-uid" if root else "userns", "bwrap": None, "python": python,
+        "sized": True, "unique_uid": root, "kill_all": True,
+        "isolated": {"network": True, "filesystem_read": True, "filesystem_write": True, "processes": True,
+                     "ipc": True, "environment": True},
+        "limits": {"wall_time": "host kills the sandbox (its pid namespace dies with it)",
+                   "cpu_time": "RLIMIT_CPU per process", "memory": "RLIMIT_AS per process", "processes": nproc,
+                   "output": "host stops reading and kills the sandbox",
+                   "disk": "tmpfs size for /box, /tmp and /dev/shm, RLIMIT_FSIZE per file",
+                   "open_files": "RLIMIT_NOFILE"},
+        "not_isolated": [],
+        "notes": ["bubblewrap not found or unusable: namespaces built by the harness (unshare, mount, pivot_root)",
+                  "root inside maps to " + ("a uid unique to the run" if root else "this user") + " outside",
+                  "no seccomp filter: the kernel is shared (a kernel exploit is not contained)",
+                  "read-only view: /usr, the Python installation and /etc/ld.so.cache; nothing else of the host",
+                  "every capability dropped and nested user namespaces forbidden before the program runs"],
+        "warning": None,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ cgroups
+
+_CGROUP_SLACK_MB = 32  # the sandbox's own supervisor processes, charged to the same cgroup as the program
+
+
+def _cgroup_bases() -> dict | None:
+    """Where this process may create a child cgroup with a memory and a pids limit: ``{"memory": dir,
+    "pids": dir}`` (v1 hierarchies, or the same v2 directory twice), or None (no cgroup: not root, read-only
+    cgroupfs, controllers not delegated)."""
+    try:
+        own = {}
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                for c in ctrls.split(","):
+                    own[c] = path
+    except (OSError, ValueError):
+        return None
+    fs = "/sys/fs/cgroup"
+    if os.path.exists(f"{fs}/cgroup.controllers"):  # v2: the controllers must be enabled for our children
+        base = fs + own.get("", "/")
+        try:
+            with open(f"{base}/cgroup.subtree_control") as f:
+                ctl = f.read().split()
+        except OSError:
+            return None
+        return {"memory": base, "pids": base} if {"memory", "pids"} <= set(ctl) else None
+    out = {}
+    for c in ("memory", "pids"):
+        cand = [f"{fs}/{c}{own.get(c, '/')}".rstrip("/"), f"{fs}/{c}"]
+        out[c] = next((d for d in cand if os.path.isdir(d)), None)
+    if None in out.values():
+        return None
+    probe = _Cgroup.create(out, 64, 8, tag="probe")
+    if probe is None:
+        return None
+    probe.remove()
+    return out
+
+
+class _Cgroup:
+    """One run's cgroup(s): total memory (RAM + swap where the kernel accounts it, tmpfs pages included) and
+    total tasks of everything the sandbox starts. The launcher joins it before anything else runs."""
+
+    def __init__(self, dirs: list[str]):
+        self.dirs = dirs
+
+    @staticmethod
+    def create(bases: dict, memory_mb: int, tasks: int, tag: str | None = None) -> "_Cgroup | None":
+        name = f"postrl-sandbox-{tag or secrets.token_hex(8)}-{os.getpid()}"
+        dirs: list[str] = []
+        cg = _Cgroup(dirs)
+        try:
+            for base in dict.fromkeys((bases["memory"], bases["pids"])):
+                d = os.path.join(base, name)
+                os.mkdir(d)
+                dirs.append(d)
+            mem, pids = os.path.join(bases["memory"], name), os.path.join(bases["pids"], name)
+            if os.path.exists(f"{mem}/memory.max"):  # v2
+                _write(f"{mem}/memory.max", str(memory_mb << 20))
+                _write(f"{mem}/memory.swap.max", "0", missing_ok=True)
+            else:
+                _write(f"{mem}/memory.limit_in_bytes", str(memory_mb << 20))
+                _write(f"{mem}/memory.memsw.limit_in_bytes", str(memory_mb << 20), missing_ok=True)
+            _write(f"{pids}/pids.max", str(tasks))
+        except OSError:
+            cg.remove()
+            return None
+        return cg
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for going over the memory limit."""
+        for d in self.dirs:
+            for f in ("memory.events", "memory.oom_control"):
+                try:
+                    with open(os.path.join(d, f)) as fh:
+                        for line in fh:
+                            k, _, v = line.partition(" ")
+                            if k == "oom_kill":
+                                return int(v)
+                except (OSError, ValueError):
+                    continue
+        return 0
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(200):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)
+
+
+def _write(path: str, text: str, missing_ok: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError:
+        if not (missing_ok and not os.path.exists(path)):
+            raise
+
+
+_CGROUP_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 125; shift; done; shift; exec "$@"'
+
+
+def _with_cgroup(caps: dict, bases: dict | None) -> dict:
+    """Record how the whole program's memory and process count are bounded (cgroup, else per process)."""
+    caps["cgroup"] = bases
+    if bases is not None:
+        caps["limits"]["memory"] = (f"a cgroup: memory_mb (+{_CGROUP_SLACK_MB} MB for the supervisor) for every "
+                                    "process of the run together, tmpfs included; RLIMIT_AS per process too")
+        caps["limits"]["processes"] = "a cgroup (pids.max: processes + threads of the whole run), and " + \
+            caps["limits"]["processes"]
+        caps["not_isolated"] = [x for x in caps["not_isolated"] if not x.startswith("process count")]
+    else:
+        caps["limits"]["memory"] = ("RLIMIT_AS per process only (no cgroup can be created here): the program as a "
+                                    "whole can hold up to memory_mb x processes")
+        caps["not_isolated"] = caps["not_isolated"] + ["total memory: bounded only per process (RLIMIT_AS) x "
+                                                       "process count"]
+    missing = [x for x in caps["not_isolated"] if caps["mode"] != "fallback"]
+    if caps["mode"] != "fallback":
+        caps["warning"] = (f"postrl sandbox: {caps['mode']} mode works, but these are NOT enforced here: "
+                           + "; ".join(missing)) if missing else None
+        if caps["mode"] == "bwrap" and not caps["sized"]:
+            caps["warning"] = (caps["warning"] + "; " if caps["warning"] else "postrl sandbox: ") + (
+                "this bubblewrap cannot size a tmpfs: the disk limit is per file only (RLIMIT_FSIZE)")
+    else:
+        caps["warning"] = caps["warning"].split(". NOT isolated: ")[0] + ". NOT isolated: " + \
+            "; ".join(caps["not_isolated"])
+    return caps
+
+
 def _fallback_caps(python: str, root: bool, errors: list) -> dict:
-    not_isolated = ["network", "filesystem reads outside the sandbox (anything readable by "
+    not_isolated = ["network (the host's loopback and beyond, UNIX sockets by path and abstract)",
+                    "filesystem reads outside the sandbox (anything readable by "
                     + ("an unknown uid: world-readable files" if root else "this user") + ")",
-                    "process visibility (other processes are listed in /proc)"]
+                    "process visibility (other processes and their command lines are listed in /proc)",
+                    "IPC (SysV shared memory, message queues, semaphores: created on the host and can outlive "
+                    "the run)",
+                    "disk: RLIMIT_FSIZE per file and the private folder's size; nothing bounds the total written "
+                    "elsewhere"]
     if root:
-        not_isolated.append("writes to world-writable places outside the sandbox (e.g. /tmp, /dev/shm)")
+        not_isolated.append("writes to world-writable places outside the sandbox (/tmp, /var/tmp, /dev/shm, "
+                            "/run/lock; top-level leftovers of the run's uid there are removed afterwards)")
     else:
         not_isolated += ["writes to this user's files outside the sandbox",
                          "signals: the program can kill any process of this user",
                          "process count: approximate (RLIMIT_NPROC counts all of the user's processes)",
                          "clean-up: a program that double-forks into a new session after its supervisor died "
                          "can outlive the run"]
-    why = ("bubblewrap unusable: " + "; ".join(errors)) if errors else \
-        "bubblewrap not requested (POSTRL_SANDBOX=fallback)"
+    why = ("neither bubblewrap nor namespaces usable: " + "; ".join(errors)) if errors else \
+        "namespaces not requested (POSTRL_SANDBOX=fallback)"
     return {
         "mode": "fallback", "variant": "root-uid" if root else "same-uid", "bwrap": None, "python": python,
         "sized": False, "unique_uid": root, "kill_all": root,
@@ -337,7 +531,8 @@ def _bwrap_argv(caps: dict, python: str, disk_bytes: int, report_fd: int, info_f
         a += ["--ro-bind", caps["harness_dir"], _HARNESS_MOUNT]
     a += ["--proc", "/proc", "--dev", "/dev"]
     size = ["--size", str(disk_bytes)] if caps["sized"] else []
-    a += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "0777", *size, "--tmpfs", _BOX]
+    a += ["--perms", "1777", *size, "--tmpfs", "/tmp", "--perms", "0777", *size, "--tmpfs", _BOX,
+          "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
     a += ["--chdir", _BOX, "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG",
           "C.UTF-8", "--setenv", "HOME", _BOX, "--setenv", "TMPDIR", "/tmp", "--info-fd", str(info_fd)]
     return a
@@ -397,6 +592,12 @@ def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int 
             return
         except subprocess.TimeoutExpired:
             pass
+    if caps["mode"] == "namespaces":  # the top process waits outside; its death kills the namespace's init
+        while p.poll() is None:
+            _kill(_proc_descendants(p.pid) + [p.pid])
+            time.sleep(0.005)
+        p.wait()
+        return
     # fallback: the top process is the run's reaper (it runs no program code); kill everything below it, let it
     # reap and exit; only if it does not, kill it too.
     t_end = time.monotonic() + 1.0
@@ -417,7 +618,7 @@ def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int 
 
 def _sweep_uid(uid: int | None) -> None:
     """Fallback clean-up: nothing may keep running under the run's uid, and what it left in the shared
-    world-writable directories (top level of the temp dir, /var/tmp, /dev/shm) is removed."""
+    world-writable directories (top level of the temp dir, /var/tmp, /dev/shm, /run/lock) is removed."""
     if uid is None:
         return
     for _ in range(100):
@@ -426,7 +627,7 @@ def _sweep_uid(uid: int | None) -> None:
             break
         _kill(pids)
         time.sleep(0.01)
-    for d in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm")):
+    for d in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm", "/run/lock")):
         try:
             entries = list(os.scandir(d))
         except OSError:
@@ -483,7 +684,7 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         os.chmod(private, 0o700)
         if uid is not None:
             os.chown(private, uid, uid)
-        workdir = private
+        workdir = _BOX if caps["mode"] == "namespaces" else private
     flags = ["-I"] if site else ["-I", "-S"]
     spec = {"mode": mode, "code": code, "units": units, "stdin": stdin, "limits": limits.harness_dict(),
             "deadline": time.time() + limits.timeout - margin, "workdir": workdir, "python": python,
@@ -494,6 +695,9 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         spec.update({k: v for k, v in kind_spec.items() if k not in ("kind", "units")})
     if mode == "stdio":
         spec["import_src"] = _imports_source(code)
+    if caps["mode"] == "namespaces":  # the harness drops to the run's uid itself, before entering the namespaces
+        spec["confine"] = dict(_confine_spec(private, python, int(limits.disk_mb) << 20), uid=uid)
+        spec["uid"] = spec["gid"] = None
     blob = marshal.dumps(spec, 4)
     feed = memoryview(str(len(blob)).encode() + b"\n" + blob + nonce.encode() + b"\n")
     report_r, report_w = os.pipe()
@@ -507,10 +711,26 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         argv = _bwrap_argv(caps, python, int(limits.disk_mb) << 20, report_w, info_w) + ["--", python] + harness
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         cwd = "/"
+    elif caps["mode"] == "namespaces":
+        argv = [python] + harness
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": _BOX, "TMPDIR": "/tmp"}
+        cwd = "/"
     else:
         argv = [python] + harness
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         cwd = workdir
+    cgroup = None
+    if caps.get("cgroup"):
+        cgroup = _Cgroup.create(caps["cgroup"], int(limits.memory_mb) + _CGROUP_SLACK_MB,
+                                int(limits.processes) + 8)
+        if cgroup is None:
+            for fd in (report_r, report_w, info_r, info_w):
+                os.close(fd)
+            if private:
+                shutil.rmtree(private, ignore_errors=True)
+            raise PostrlError(f"sandbox: could not create the run's cgroup under {caps['cgroup']['memory']} "
+                              "(it worked when the sandbox was probed; is the cgroup filesystem full or read-only?)")
+        argv = ["/bin/sh", "-c", _CGROUP_JOIN, "sh", *cgroup.dirs, "--", *argv]
     try:
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              pass_fds=(report_w, info_w), env=env, cwd=cwd, start_new_session=True)
@@ -519,6 +739,8 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
             os.close(fd)
         if private:
             shutil.rmtree(private, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
         raise
     os.close(report_w)
     os.close(info_w)
@@ -576,7 +798,7 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
                         child_pid = int(json.loads(bytes(buf).decode())["child-pid"])
                     except (ValueError, KeyError, TypeError):
                         pass
-            if private and now - disk_checked > 0.1:
+            if caps["mode"] == "fallback" and now - disk_checked > 0.1:
                 disk_checked = now
                 if _dir_bytes(private) > int(limits.disk_mb) << 20:
                     overflow = "disk"
@@ -609,8 +831,12 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
         os.close(info_r)
         if caps["mode"] == "fallback":
             _sweep_uid(uid)
-            if private:
-                _rmtree(private)
+        if private:
+            _rmtree(private)
+        oom = 0
+        if cgroup is not None:
+            oom = cgroup.oom_kills()
+            cgroup.remove()
     elapsed = time.monotonic() - t0
     stdout = bytes(bufs[out_fd]).decode("utf-8", "replace")
     stderr = bytes(bufs[err_fd]).decode("utf-8", "replace")
@@ -625,7 +851,27 @@ def _execute(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, l
     res = SandboxResult(status="error", stdout=stdout, stderr=stderr, time=elapsed, mode=caps["mode"],
                         truncated=overflow is not None, uid=uid, total=len(units))
     _interpret(res, report, mode, units, limits, p.returncode, timed_out, overflow)
+    if oom:
+        res.status = "memory"
+        res.reason = (f"memory limit of {limits.memory_mb} MB for the whole program exceeded (the kernel killed "
+                      f"{oom} process{'es' if oom > 1 else ''})" + (f"; {res.reason}" if res.reason else ""))
     return res
+
+
+def _confine_spec(root: str, python: str, disk_bytes: int) -> dict:
+    """What the harness mounts in namespaces mode: the same read-only view as bubblewrap's."""
+    binds, links = [("/usr", "/usr")], []
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            links.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            binds.append((d, d))
+    if os.path.exists("/etc/ld.so.cache"):
+        binds.append(("/etc/ld.so.cache", "/etc/ld.so.cache"))
+    prefix = _python_prefix(python)
+    if not (prefix == "/usr" or prefix.startswith("/usr/")):
+        binds.append((prefix, prefix))
+    return {"root": root, "binds": binds, "symlinks": links, "disk_bytes": disk_bytes}
 
 
 _HARNESS_SRC: list[str] = []
@@ -800,7 +1046,7 @@ def _signame(sig: int) -> str:
 
 
 def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limits | None = None,
-        mode: str | None = None, site: bool = False) -> SandboxResult:
+        mode: str | None = None, site: bool = False, module: str = "solution") -> SandboxResult:
     """Run ``code`` in the sandbox; with ``tests`` (see :mod:`postrl.sandbox.testspec`), run it against them.
 
     Without tests: ``status`` is ok (exit code 0), failed (non-zero exit), timeout (wall or CPU limit), memory
@@ -809,9 +1055,13 @@ def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limit
     (syntax error, exception or exit while loading); timeout / memory / output_limit / killed when a test or the
     run hit that limit. ``passed``/``total`` count tests; "no tests collected" is 0/0, status failed.
     ``site=True`` lets the program import the sandbox interpreter's site-packages (default: standard library).
+    Test code sees the program's top-level names directly and as the module ``solution``; ``module`` names it a
+    second time (``postrl sandbox prog.py`` passes ``prog``, so a test file can ``from prog import add``).
     """
     if not isinstance(code, str):
         raise ConfigError(f"sandbox: code must be a string, got {type(code).__name__}")
+    if not (isinstance(module, str) and module.isidentifier()):
+        raise ConfigError(f"sandbox: module must be a Python identifier, got {module!r}")
     caps = capabilities(mode)
     limits = limits or Limits()
     t0 = time.monotonic()
@@ -832,6 +1082,8 @@ def run(code: str, tests: Any = None, *, stdin: str | None = None, limits: Limit
                                         for u in spec["units"]],
                                  stages={"parsed": False, "loaded": False, "imports_ok": False, "errors": n,
                                          "ran": 0, "load_status": "syntax"})
+    if spec is not None:
+        spec = dict(spec, module=module)
     res = _execute(caps, code, spec, stdin, limits, site=site)
     res.stages["parsed"] = True if spec is not None else _parses(code)
     return res

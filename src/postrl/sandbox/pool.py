@@ -15,8 +15,8 @@ class SandboxPool:
     """Run many programs in parallel: at most ``workers`` sandboxes at once (default ``os.cpu_count()``).
 
     The sandbox is probed when the pool is created, so an isolation that this machine cannot give is logged at
-    start-up, not at the first program. ``mode`` is the sandbox mode (``auto``/``bwrap``/``fallback``, default
-    ``POSTRL_SANDBOX``). Use as a context manager, or call :meth:`close`.
+    start-up, not at the first program. ``mode`` is the sandbox mode (``auto``/``bwrap``/``namespaces``/``fallback``,
+    default ``POSTRL_SANDBOX``). Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, workers: int | None = None, *, limits: Limits | None = None, mode: str | None = None):
