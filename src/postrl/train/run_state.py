@@ -317,3 +317,19 @@ def finished_summary(run_dir: str | os.PathLike, steps: int) -> dict | None:
     if not isinstance(summary, dict) or summary.get("steps") != steps or after_eval(run_dir, steps) is None:
         return None
     return summary
+
+
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep only the lines of ``path`` whose step is <= max_step (a resumed run rewrites what follows)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)

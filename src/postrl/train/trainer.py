@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -32,6 +30,7 @@ from postrl.data import load_source
 from postrl.diagnostics.metrics import batch_metrics
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import evaluate
+from postrl.report.samples import append_samples
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
@@ -43,6 +42,7 @@ from postrl.rollout.decoder import decode_library
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
 from postrl.train.optim import clip_into_step, make_scheduler
+from postrl.train.processes import Processes
 from postrl.train import sampling
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
@@ -54,22 +54,6 @@ def resolve_model_path(cfg: Config, log: Callable[[str], None] = print) -> Path:
 
         return ensure_builtin(cfg, log=log)
     return Path(cfg.model.path)
-
-
-def _jsonl_truncate(path: Path, max_step: int) -> None:
-    """Keep only the lines of ``path`` whose step is <= max_step (a resumed run rewrites what follows)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= max_step:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
 
 
 class Trainer:
@@ -93,8 +77,8 @@ class Trainer:
             raise ConfigError("model.dtype=float16 needs loss scaling, which postrl's trainer does not do; use "
                               "bfloat16 (float32 master weights, bf16 autocast)")
         self.mixed = cfg.model.dtype == "bfloat16"
-        self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        self.main = self.acc.is_main_process
+        self.procs = Processes(self.acc)
+        self.rank, self.world, self.main = self.procs.rank, self.procs.world, self.procs.main
         if cfg.train.prompts_per_step % self.world:
             raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the "
                               f"number of processes ({self.world})")
@@ -168,8 +152,8 @@ class Trainer:
         self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
                                                 chat_template=cfg.model.chat_template), self.tokenizer, log=self.log)
         self.batches = sampling.BatchSource(cfg, self.source, self.ctx, self.scorer, rank=self.rank,
-                                            world=self.world, gather=self._gather,
-                                            max_over_processes=self._max_over_processes, log=self.log)
+                                            world=self.world, gather=self.procs.gather,
+                                            max_over_processes=self.procs.max, log=self.log)
         for msg in sampling.check(cfg, [*self.batches.stages, self.advantage]):
             self._warn(msg)
         if any("sandbox" in s.needs for s in self.scorer.rewards):
@@ -271,49 +255,7 @@ class Trainer:
         self.objective.load_state_dict(state.get("losses"))
         if self.main and self._finished is None:
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
-                _jsonl_truncate(self.run_dir / name, self.start_step)
-
-    # ------------------------------------------------------------------------------------------------ processes
-    def _gather(self, obj: Any) -> list:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _max_over_processes(self, n: int) -> int:
-        import torch.distributed as dist
-
-        t = torch.tensor([n], device=self.acc.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t)
-
-    def _all_reduce_mean(self, t: torch.Tensor) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t)
-            t /= self.world
-
-    def _reduce(self, metrics: dict) -> dict:
-        """Average metrics over processes; keys ending in min / max are reduced as min / max."""
-        if self.world == 1:
-            return metrics
-        import torch.distributed as dist
-
-        out = {}
-        for op, pick in ((dist.ReduceOp.MAX, lambda k: k.endswith("max")),
-                         (dist.ReduceOp.MIN, lambda k: k.endswith("min")),
-                         (dist.ReduceOp.SUM, lambda k: not k.endswith(("max", "min")))):
-            keys = sorted(k for k in metrics if pick(k))
-            t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.acc.device)
-            dist.all_reduce(t, op=op)
-            if op == dist.ReduceOp.SUM:
-                t = t / self.world
-            out.update(zip(keys, t.tolist()))
-        return out
+                run_state.truncate_jsonl(self.run_dir / name, self.start_step)
 
     # ------------------------------------------------------------------------------------------------ log-probs
     def _logprobs(self, model, batch: RolloutBatch, idx: torch.Tensor, with_entropy: bool = False,
@@ -434,7 +376,6 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
         batch, info = self.batches.next_batch(step)
-        t1 = time.perf_counter()
         self.kl_in_reward(batch)
         self.advantages(batch)
         t2 = time.perf_counter()
@@ -450,9 +391,9 @@ class Trainer:
                         "time/update": t3 - t2 - metrics["time/ref"], "time/step": t3 - t0,
                         "time/tokens_per_s": float(batch.lengths.sum()) * self.world / max(t3 - t0, 1e-9)})
         metrics.update(self.diag.step_metrics(batch, metrics))  # diagnostics: throughput, memory, mismatch...
-        metrics = self._reduce(metrics)
+        metrics = self.procs.reduce_metrics(metrics)
         # state changes once per step: every stateful stage, the KL controller, the regularisers
-        end = StepEnd(metrics, self._all_reduce_mean)
+        end = StepEnd(metrics, self.procs.all_reduce_mean)
         metrics.update(self.objective.end_step(end, len(batch) * self.world))
         for group in self.stateful.values():
             metrics.update(stages.end_step(group, end))
@@ -465,23 +406,10 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             if (step + 1) % self.cfg.train.samples_every == 0 or step == 0:
-                self._write_samples(step + 1, batch)
+                append_samples(self.run_dir / "samples.jsonl", step + 1, batch, 2 * self.cfg.rollout.group_size)
             for name, n in info["failures"].items():
                 self.log(f"reward '{name}' failed on {n} completions: {info['first_failure'][name]}")
         return metrics
-
-    def _write_samples(self, step: int, batch: RolloutBatch, k: int = 2) -> None:
-        G = self.cfg.rollout.group_size
-        lines = []
-        for i in range(min(len(batch), k * G)):
-            lines.append(json.dumps({
-                "step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-                "rewards": {n: _f(batch.rewards[i, j]) for j, n in enumerate(batch.reward_names)},
-                "reward": _f(batch.reward[i]), "advantage": _f(batch.advantages[i].mean()),
-                "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i]),
-            }))
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            f.write("".join(line + "\n" for line in lines))
 
     # ------------------------------------------------------------------------------------------------ run
     def evaluate(self, tag: str, step: int) -> dict:
@@ -570,7 +498,3 @@ class Trainer:
             self.reporter.finish(summary)
         return summary
 
-
-def _f(x: torch.Tensor) -> float | None:
-    v = float(x)
-    return v if math.isfinite(v) else None
