@@ -10,6 +10,7 @@ import pytest
 
 from postrl import registry
 from postrl.errors import ConfigError
+from postrl.stages import StepEnd
 from postrl.rewards.code import (VeRPOWeightedTests, code_reshaped, code_tests, extract_code, last_results,
                                  lint_issues)
 from postrl.rewards.core import score_batch
@@ -67,6 +68,8 @@ def test_verrpo_weights_by_running_difficulty():
     comps = [fence(GOOD), fence("def add(a, b):\n    return a - b\n"),
              fence("def add(a, b):\n    return a + b if a < 2 else 0\n"), fence("import sys\nsys.exit(0)\n")]
     got = r(None, comps, tests=tests)
+    assert r.state_dict()["stats"] == {}  # a call reads the statistics with its batch merged in; the step keeps it
+    r.end_step(StepEnd())
     # passes per test: t1 2/4, t2 1/4, t3 3/4 -> p = (passes + 0.5) / (4 + 1) -> w = 1 - p = 0.5, 0.7, 0.3
     w = [0.5, 0.7, 0.3]
     want = [1.0, 0.5 * (0.3 / 1.5), 0.5 * ((0.5 + 0.3) / 1.5), 0.0]
@@ -77,6 +80,7 @@ def test_verrpo_weights_by_running_difficulty():
     assert sorted(v for v in st["stats"].values()) == [[1.0, 4.0], [2.0, 4.0], [3.0, 4.0]]
     # statistics persist: the same problem again, only the correct program -> every test's rate rises
     again = r(None, comps[:1], tests=tests[:1])
+    r.end_step(StepEnd())
     assert again == pytest.approx([1.0])
     assert sorted(v for v in r.state_dict()["stats"].values()) == [[2.0, 5.0], [3.0, 5.0], [4.0, 5.0]]
     # restore into a fresh instance and through pickle

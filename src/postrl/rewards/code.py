@@ -27,6 +27,7 @@ from typing import Any
 
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.stages import StepEnd, Stateful
 from postrl.sandbox import Limits, SandboxResult, default_pool
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -83,7 +84,8 @@ def run_completions(completions: list[str], tests: list | None, limits: Limits,
     return results
 
 
-@register("reward", "code_tests", source="unit-test pass rate in a sandbox (TRL/open-r1 code reward)")
+@register("reward", "code_tests", source="unit-test pass rate in a sandbox (TRL/open-r1 code reward)",
+          needs=("sandbox",))
 def code_tests(prompts, completions, tests=None, *, timeout: float = 10.0, memory_mb: int = 512,
                test_timeout: float | None = None, isolation: str | None = None):
     """Fraction of the row's unit tests the completion's program passes in the sandbox.
@@ -164,7 +166,8 @@ def reshaped_score(r: SandboxResult, code: str, *, w_parse: float, w_compile: fl
     return w_parse * P + w_compile * P * C + w_run * C * R + w_tests * T + w_lint * P * L
 
 
-@register("reward", "code_reshaped", source="Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair")
+@register("reward", "code_reshaped", source="Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair",
+          needs=("sandbox",))
 def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_compile: float = 0.05,
                   w_run: float = 0.1, w_tests: float = 0.75, w_lint: float = 0.05, timeout: float = 10.0,
                   memory_mb: int = 512, test_timeout: float | None = None, isolation: str | None = None):
@@ -200,8 +203,8 @@ _VERRPO_PARAMS = ("pass_bonus", "momentum", "prior_pass", "prior_weight", "min_w
 
 
 @register("reward", "verrpo_weighted_tests",
-          source="VeRPO: Verifiable Dense Reward Policy Optimization for Code Generation")
-class VeRPOWeightedTests:
+          source="VeRPO: Verifiable Dense Reward Policy Optimization for Code Generation", needs=("sandbox",))
+class VeRPOWeightedTests(Stateful):
     """Difficulty-weighted unit-test reward with an all-pass bonus; keeps per-test pass rates across steps.
 
     After "VeRPO: Verifiable Dense Reward Policy Optimization for Code Generation" (abstract: the dense reward is
@@ -211,8 +214,9 @@ class VeRPOWeightedTests:
         w_j = max(min_weight, 1 - p_j)
         r_i = (1 - pass_bonus) * sum_j w_j pass_ij / sum_j w_j  +  pass_bonus * 1[all m tests pass]
 
-    p_j is test j's running pass rate over every completion scored so far, this batch included (updated before
-    weighting, so a test no completion passes gets the most weight at once): with ``momentum=None`` (default)
+    p_j is test j's running pass rate over every completion scored so far, this batch included (merged before
+    weighting, so a test no completion passes gets the most weight at once; the merge is kept once per training
+    step, in ``end_step``, with every batch the step scored): with ``momentum=None`` (default)
     p_j = (passes_j + prior_pass * prior_weight) / (attempts_j + prior_weight); with ``momentum=m`` an EMA
     p_j <- m p_j + (1 - m) * (this batch's pass rate of test j), starting from ``prior_pass``. Tests are keyed by a
     digest of the row's tests plus the test name, so the same problem met again keeps its statistics. Defaults:
@@ -223,7 +227,8 @@ class VeRPOWeightedTests:
     An instance is the reward (``r(prompts, completions, tests=...)``); ``state_dict()`` / ``load_state_dict()``
     save and restore the statistics (plain JSON data). Called through the class, as a function-style reward
     source is (``VeRPOWeightedTests(prompts, completions, tests=..., **params)``), it uses one shared instance per
-    parameter set, so the statistics persist across steps; :meth:`shared` returns that instance.
+    parameter set, so the statistics persist across steps; :meth:`shared` returns that instance, which keeps each
+    call's merge at once (nothing calls its ``end_step``).
     """
 
     _shared_instances: dict = {}
@@ -252,7 +257,17 @@ class VeRPOWeightedTests:
         self.limits = _limits(timeout, memory_mb, test_timeout)
         self.isolation = isolation
         self.stats: dict[str, list[float]] = {}  # key -> [passes, attempts] (counts) or [rate, attempts] (EMA)
+        self._pending: list[dict[str, list[int]]] = []  # this step's outcomes, merged by end_step
+        self._keep_each_call = False  # the shared instance of function-style calls merges at each call
         self._lock = threading.Lock()
+
+    def end_step(self, step: StepEnd) -> dict:
+        """Merge the outcomes of every batch this step scored into the running statistics (once per step)."""
+        with self._lock:
+            for outcomes in self._pending:
+                self._update(outcomes)
+            self._pending = []
+        return {}
 
     @classmethod
     def shared(cls, **params) -> "VeRPOWeightedTests":
@@ -261,10 +276,13 @@ class VeRPOWeightedTests:
         with cls._shared_lock:
             if key not in cls._shared_instances:
                 cls._shared_instances[key] = cls(**params)
+                cls._shared_instances[key]._keep_each_call = True
             return cls._shared_instances[key]
 
     def pass_rate(self, key: str) -> float:
-        s = self.stats.get(key)
+        return self._rate(self.stats.get(key))
+
+    def _rate(self, s: list[float] | None) -> float:
         if s is None:
             return self.prior_pass
         if self.momentum is None:
@@ -272,9 +290,11 @@ class VeRPOWeightedTests:
                 s[1] + self.prior_weight) > 0 else self.prior_pass
         return s[0]
 
-    def _update(self, outcomes: dict[str, list[int]]) -> None:
+    def _update(self, outcomes: dict[str, list[int]], stats: dict | None = None) -> None:
+        """Merge ``outcomes`` (per test key, its 0/1 results) into ``stats`` (default: the running statistics)."""
+        stats = self.stats if stats is None else stats
         for key, vals in outcomes.items():
-            s = self.stats.get(key)
+            s = stats.get(key)
             if self.momentum is None:
                 s = s or [0.0, 0.0]
                 s[0] += sum(vals)
@@ -283,7 +303,7 @@ class VeRPOWeightedTests:
                 rate = sum(vals) / len(vals)
                 prev, seen = (s[0], s[1]) if s else (self.prior_pass, 0.0)
                 s = [self.momentum * prev + (1 - self.momentum) * rate, seen + len(vals)]
-            self.stats[key] = s
+            stats[key] = s
 
     def __call__(self, prompts, completions, tests=None, **_):
         results = run_completions(completions, tests, self.limits, self.isolation)
@@ -301,9 +321,14 @@ class VeRPOWeightedTests:
             rows.append((keys, passes))
             for k, p in zip(keys, passes):
                 outcomes.setdefault(k, []).append(p)
-        with self._lock:
-            self._update(outcomes)
-            rates = {k: self.pass_rate(k) for k in outcomes}
+        with self._lock:  # the statistics with this batch merged in; end_step keeps the merge
+            merged = {k: list(self.stats[k]) for k in outcomes if k in self.stats}
+            self._update(outcomes, merged)
+            rates = {k: self._rate(merged.get(k)) for k in outcomes}
+            if self._keep_each_call:
+                self.stats.update(merged)
+            else:
+                self._pending.append(outcomes)
         out = []
         for row in rows:
             if row is None:
