@@ -3,9 +3,10 @@
 The value head is a linear map from the policy's last hidden state at the position that predicts completion token
 t (the state s_t before emitting o_t) to V(s_t). It is trained on the *detached* hidden states (a stop-gradient
 probe on the shared trunk): its loss never reaches the policy's weights, so no value-loss coefficient has to be
-balanced against the policy loss, and it has its own AdamW optimizer. The trainer (``Trainer.advantages``)
-computes the hidden states with a no-grad forward, fills ``batch.extra['values']`` with :meth:`GAE.values`, calls
-the estimator, then :meth:`GAE.fit` regresses the head on the returns of this batch (PPO clipped value loss).
+balanced against the policy loss, and it has its own AdamW optimizer. The estimator reads ``completion_hidden``
+(produced by a no-grad forward, ``postrl.fields``), computes the values with :meth:`GAE.values` and the advantages;
+at the end of the step, ``end_step`` regresses the head on the returns of that batch (:meth:`GAE.fit`, PPO
+clipped value loss), once.
 Head weights and optimizer state are saved in the checkpoint through ``state_dict``/``load_state_dict``.
 """
 

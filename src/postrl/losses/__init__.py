@@ -1,7 +1,8 @@
 """Policy losses, loss aggregation, KL estimators, truncated importance sampling and regularisers.
 
-One mini-batch step of the trainer (``Trainer.update``), per micro-batch, with w the aggregation's weights
-(computed over the whole mini-batch, so gradient accumulation changes nothing):
+The training objective (``postrl.losses.objective.Objective``, used by the update and by the sharpness probe), per
+micro-batch, with w the aggregation's weights (computed over the whole mini-batch, so gradient accumulation
+changes nothing):
 
     L      = loss(logp, old_logp, advantages, ...)           policy loss matrix [N, T]     (policy.py)
     L     *= tis_weights(old_logp, sampler_logp, mask)       if loss.tis.level != none     (tis.py)
