@@ -93,6 +93,21 @@ def test_ensembles_hand_values():
         ensemble_mean(r, names, w, sources=["rm1", "nope"])
 
 
+def test_uwo_has_one_default_everywhere():
+    """ensemble_uwo (shaping), aggregate_ensemble and the model reward source share UWO_LAMBDA (was 0.5 / 1.0)."""
+    import inspect
+
+    from postrl.reward_models.metrics import UWO_LAMBDA, aggregate_ensemble
+    from postrl.rewards.model import model_reward
+
+    s = T([[1.0, 3.0], [2.0, 2.0]])
+    shaped = ensemble_uwo(s, ["a", "b"], T([1.0, 1.0]))["rewards"][:, 0]
+    close(shaped, aggregate_ensemble(s, "uwo"))
+    close(shaped, [2.0 - UWO_LAMBDA * 1.0, 2.0])
+    assert inspect.signature(model_reward).parameters["uwo_lambda"].default == UWO_LAMBDA
+    assert inspect.signature(ensemble_uwo).parameters["lam"].default == UWO_LAMBDA
+
+
 def test_dataset_median_maps_median_to_target():
     dm = DatasetMedian(key="task", target=0.5)
     r = T([[0.0], [2.0], [4.0], [10.0], [20.0], [30.0]])

@@ -14,7 +14,8 @@
   completions at hand).
 * ensemble aggregation (for the ``model`` reward source's ``aggregate``; "Reward Model Ensembles Help Mitigate
   Overoptimization"): mean; worst-case (WCO) min_k r_k; uncertainty-weighted (UWO) mean_k r_k - lambda Var_k r_k
-  (population variance over the K members; lambda default 1.0).
+  (population variance over the K members; lambda default ``UWO_LAMBDA`` = 0.5, the one default of every UWO in
+  postrl: this function, the ``model`` reward source's ``uwo_lambda`` and the ``ensemble_uwo`` shaping stage).
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from typing import Sequence
 import torch
 
 __all__ = ["pairwise_accuracy", "best_of_many_accuracy", "preference_ece", "starc_distance", "aggregate_ensemble",
-           "canonicalise"]
+           "canonicalise", "UWO_LAMBDA"]
+
+# The UWO penalty's default, shared by every UWO aggregation (aggregate_ensemble, rewards.model's uwo_lambda,
+# shaping's ensemble_uwo). The paper tunes lambda per setting and reports UWO robust to it; 0.5 is postrl's choice.
+UWO_LAMBDA = 0.5
 
 
 def pairwise_accuracy(r_chosen, r_rejected) -> float:
@@ -69,8 +74,8 @@ def starc_distance(r1, r2, groups: Sequence) -> float:
     return float((norm(r1) - norm(r2)).norm())
 
 
-def aggregate_ensemble(scores: torch.Tensor, how: str = "mean", uwo_lambda: float = 1.0) -> torch.Tensor:
-    """[N, K] -> [N]: mean, min (WCO) or uwo = mean - lambda * population variance."""
+def aggregate_ensemble(scores: torch.Tensor, how: str = "mean", uwo_lambda: float = UWO_LAMBDA) -> torch.Tensor:
+    """[N, K] -> [N]: mean, min (WCO) or uwo = mean - lambda * population variance (lambda default UWO_LAMBDA)."""
     if how == "mean":
         return scores.mean(-1)
     if how == "min":

@@ -8,7 +8,7 @@ batch's ``prompt + completion`` texts in batches of ``batch_size``. What it retu
 * ODIN: the quality head only (the length head is dropped, as the paper prescribes).
 * ensemble (K heads on one backbone, or K seeds): ``aggregate`` over the K scores -- ``mean`` (default),
   ``min`` (worst-case optimisation) or ``uwo`` (mean - ``uwo_lambda`` * population variance; "Reward Model
-  Ensembles Help Mitigate Overoptimization"; uwo_lambda default 1.0).
+  Ensembles Help Mitigate Overoptimization"; uwo_lambda default ``reward_models.metrics.UWO_LAMBDA``, 0.5).
 * PRM: with ``reduce`` unset (default), the list of step scores sigmoid(head) of every completion -- the process
   reward convention of :mod:`postrl.rewards.core`: the reward column holds their sum and the scores go to
   ``step_rewards`` [N, S] for the step-level shaping stages. Steps are the trainer's ``steps`` column (the run's
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from postrl.registry import register
+from postrl.reward_models.metrics import UWO_LAMBDA
 
 MAX_MEMBERS = 8
 _CACHE_SIZE = 64
@@ -141,12 +142,12 @@ def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, 
 
 
 @register("reward", "model", source="a trained reward model (postrl rm train / prm train)")
-def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str = "mean", uwo_lambda: float = 1.0,
+def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str = "mean", uwo_lambda: float = UWO_LAMBDA,
                  member: int | None = None, reduce: str | None = None, calibrator: str | None = None,
                  step_buckets: int = 4, batch_size: int = 32, device: str = "cpu"):
     """Score of a trained reward model, ensemble (aggregate mean|min|uwo) or PRM (step scores, or reduce).
 
-    See the module docstring for what is returned per model kind. Defaults: aggregate 'mean', uwo_lambda 1.0,
+    See the module docstring for what is returned per model kind. Defaults: aggregate 'mean', uwo_lambda UWO_LAMBDA (0.5),
     member None (aggregate all), reduce None (PRM: step scores), calibrator None, step_buckets 4,
     batch_size 32, device 'cpu' ('auto': CUDA when available).
     """

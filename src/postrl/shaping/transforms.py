@@ -10,6 +10,7 @@ import math
 import torch
 
 from postrl.registry import register
+from postrl.reward_models.metrics import UWO_LAMBDA
 from postrl.shaping._util import NAN, cols, group_mean
 from postrl.stages import StepEnd, Stateful
 
@@ -187,9 +188,10 @@ def ensemble_min(rewards, reward_names, reward_weights, *, sources: list[str] | 
 
 @register("shaping", "ensemble_uwo", source=_ENS_SRC + " (uncertainty-weighted optimisation, UWO)")
 def ensemble_uwo(rewards, reward_names, reward_weights, *, sources: list[str] | None = None,
-                 name: str = "ensemble", weight: float = 1.0, lam: float = 0.5):
+                 name: str = "ensemble", weight: float = 1.0, lam: float = UWO_LAMBDA):
     """Uncertainty-weighted optimisation: R = mean_k R_k - lam * (1/K) sum_k (R_k - mean)^2 (the intra-ensemble
-    population variance). Default lam=0.5 (the paper tunes it per setting); members are replaced by ``name``."""
+    population variance). Default lam = ``postrl.reward_models.metrics.UWO_LAMBDA`` (0.5; the paper tunes it per
+    setting), the same default as the ``model`` reward source's ``uwo_lambda``; members are replaced by ``name``."""
     if lam < 0:
         raise ValueError(f"ensemble_uwo.lam: expected >= 0, got {lam}")
     return _ensemble(rewards, reward_names, reward_weights, sources, name, weight, "ensemble_uwo",
