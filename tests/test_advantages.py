@@ -14,6 +14,7 @@ import torch
 from postrl import registry
 from postrl.advantages import grpo, masked_whiten
 from postrl.advantages.gae import GAE, gae_advantages_returns, token_rewards
+from postrl.advantages.process import step_return
 from postrl.advantages.outcome import dr_grpo, gpg, opo, pass_at_k, reinforce_pp, reinforce_pp_baseline, remax, rloo
 from postrl.advantages.shaped import (aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp,
                                       role_aware)
@@ -427,7 +428,9 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "sampler_logprobs": -torch.rand(N, T, generator=gen) * mask, "token_entropy": torch.rand(N, T) * mask,
             "greedy_reward": torch.zeros(N), "prompt_logprob": -torch.rand(N, generator=gen) - 1,
             "info_gain": torch.zeros(N), "values": torch.zeros(N, T), "completion_hidden": torch.randn(N, T, 8), "columns": {"role": ["r"] * N},
-            "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)]}
+            "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)],
+            # process reward in column a: one step per completion, scored a, ending on its last token
+            "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a"}
 
 
 def make(name):
@@ -451,9 +454,11 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
 
 @pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
-    a = call_stage(make(name), batch_fields(equal=True), {})
+    # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal)
+    params = {"baseline": "step"} if name == "step_return" else {}
+    a = call_stage(make(name), batch_fields(equal=True), params)
     assert torch.all(a.abs() < 1e-6), name  # all-equal rewards: no signal (rl_zvp's entropy shaping aside)
-    a = call_stage(make(name), batch_fields(N=4, G=1, seed=3), {})
+    a = call_stage(make(name), batch_fields(N=4, G=1, seed=3), params)
     if name != "mapo":  # mapo's batch term is defined for singleton groups
         assert torch.all(a.abs() < 1e-6), name
 
@@ -498,3 +503,125 @@ def test_masked_whiten_matches_verl():
     x = torch.randn(4, 6)
     m = (torch.rand(4, 6) > 0.3).float()
     assert close(masked_whiten(x, m) * m, verl_masked_whiten(x, m) * m, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- step_return (PURE)
+def _process_fields(raw_steps, ends, outcome, mask_len, T, stage="min_form", **kw):
+    """Batch fields after a process shaping stage: columns [prm, correct] (weights 1, 1)."""
+    from postrl.shaping.process import clip_prm, delta_prm, min_form
+
+    shape = {"min_form": min_form, "clip_prm": clip_prm, "delta_prm": delta_prm}[stage]
+    raw = torch.tensor(raw_steps)
+    rewards = torch.stack([torch.nan_to_num(raw).sum(-1), torch.tensor(outcome)], -1)
+    out = shape(raw, rewards, ["prm", "correct"], "prm", **kw)
+    mask = (torch.arange(T).expand(len(mask_len), T) < torch.tensor(mask_len).unsqueeze(-1)).float()
+    return {"step_rewards": out["step_rewards"], "step_ends": torch.tensor(ends), "rewards": out["rewards"],
+            "reward_names": ["prm", "correct"], "reward_weights": torch.tensor([1.0, 1.0]),
+            "group_ids": torch.tensor([0] * len(mask_len)), "completion_mask": mask, "step_reward_source": "prm"}
+
+
+def test_step_return_hand_values_two_steps():
+    from postrl.stages import build
+
+    # row 0: steps of 2 and 3 tokens (ends 1, 4), PRM 0.8, 0.3, correct; row 1: one step of 3 tokens, 0.6, wrong
+    f = _process_fields([[0.8, 0.3], [0.6, nan]], [[1, 4], [2, -1]], [1.0, 0.0], [5, 3], T=6)
+    # min-form returns: row 0 [0.3, 0.3] (P = 0.3, L = 5), row 1 [0.6] (P = 0.6, L = 3); outcome RLOO: +1, -1
+    # token baseline: b_0 = 0.6 / 3 = 0.2, b_1 = 0.3 / 5 = 0.06; process part G_s - b * (tokens from step start)
+    adv = build("advantage", "step_return", {})(f)
+    assert adv.shape == (2, 6)
+    expect = [[0.3 - 0.2 * 5 + 1] * 2 + [0.3 - 0.2 * 3 + 1] * 3 + [0.0],
+              [0.6 - 0.06 * 3 - 1] * 3 + [0.0] * 3]
+    assert close(adv, expect, 1e-6), adv
+    # step baseline: b_0 = 0.6 / 1 step, b_1 = 0.3 / 2 steps; process part G_s - b * (steps from s to the end)
+    adv = build("advantage", "step_return", {"baseline": "step"})(f)
+    expect = [[0.3 - 0.6 * 2 + 1] * 2 + [0.3 - 0.6 * 1 + 1] * 3 + [0.0],
+              [0.6 - 0.15 * 1 - 1] * 3 + [0.0] * 3]
+    assert close(adv, expect, 1e-6), adv
+    # the two steps of row 0 get different credit: the min-form return is the same (0.3), the baseline is not
+    # a singleton group, an invalid row, a bad option
+    assert close(step_return(**{**f, "group_ids": torch.tensor([0, 1])}), torch.zeros(2, 6))
+    assert close(step_return(**{**f, "valid": torch.tensor([True, False])}), torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="advantage.baseline"):
+        step_return(**f, baseline="mean")
+    with pytest.raises(ValueError, match="advantage.source"):
+        step_return(**{**f, "step_reward_source": None})
+
+
+def test_step_return_tokens_get_their_steps_return_clip_delta_min():
+    # the other row scores 0 everywhere, so row 0's baseline is 0 and its tokens carry the step returns exactly
+    # (plus its outcome advantage, 0 here); steps: tokens 0-1, 2, 3-5
+    ends = [[1, 2, 5], [5, -1, -1]]
+    raw = [[0.9, 0.2, 0.5], [0.0, nan, nan]]
+    for stage, kw, ret in (("min_form", {}, [0.2, 0.2, 0.5]),  # min_{k >= s} r_k
+                           ("delta_prm", {}, [0.9, 0.2, 0.5]),  # sum of deltas from s = r_s
+                           ("clip_prm", {"eta": 0.5}, [-0.3, -0.3, 0.0])):  # sum of min(r - eta, 0) from s
+        f = _process_fields(raw, ends, [0.0, 0.0], [6, 6], T=6, stage=stage, **kw)
+        if stage == "clip_prm":  # row 1's clipped score is -0.5: shift it back to a zero total
+            f["step_rewards"][1, 0] = 0.0
+        adv = step_return(**f)
+        assert close(adv[0], [ret[0]] * 2 + [ret[1]] + [ret[2]] * 3, 1e-6), (stage, adv)
+
+
+def _pure_reference(step_scores, ends, lengths, verifier, n, baseline):
+    """PURE's OpenRLHF code (process_experiences + reverse cumsum), loop by loop, for shaped step scores."""
+    N, T = len(lengths), max(lengths)
+    pr = torch.zeros(N, T, dtype=torch.float64)
+    for i in range(N):
+        for s, e in enumerate(ends[i]):
+            pr[i, e] = step_scores[i][s]
+    out_r = pr.sum(-1).reshape(-1, n)
+    if baseline == "step":
+        steps = torch.tensor([len(e) for e in ends], dtype=torch.float64).reshape(-1, n)
+        avg = out_r / steps
+        b = ((avg.sum(-1, keepdim=True) - avg) / (n - 1)).flatten()
+        for i in range(N):
+            for e in ends[i]:
+                pr[i, e] -= b[i]
+    else:
+        L = torch.tensor(lengths, dtype=torch.float64).reshape(-1, n)
+        b = ((out_r.sum(-1, keepdim=True) - out_r) / (L.sum(-1, keepdim=True) - L)).flatten()
+        for i in range(N):
+            prev = -1
+            for e in ends[i]:
+                pr[i, e] -= b[i] * (e - prev)
+                prev = e
+    v = torch.tensor(verifier, dtype=torch.float64).reshape(-1, n)
+    v = (v - (v.sum(-1, keepdim=True) - v) / (n - 1)).flatten()
+    for i in range(N):
+        pr[i, lengths[i] - 1] += v[i]
+    ret = pr.fliplr().cumsum(1).fliplr()
+    mask = torch.arange(T).expand(N, T) < torch.tensor(lengths).unsqueeze(-1)
+    return ret * mask
+
+
+@pytest.mark.parametrize("baseline", ["token", "step"])
+def test_step_return_matches_pure_code(baseline):
+    g = torch.Generator().manual_seed(3)
+    n, groups = 4, 3
+    N = n * groups
+    ends, scores, lengths = [], [], []
+    for _ in range(N):
+        S = int(torch.randint(1, 5, (1,), generator=g))
+        sizes = torch.randint(1, 5, (S,), generator=g)
+        e = (torch.cumsum(sizes, 0) - 1).tolist()
+        ends.append(e)
+        lengths.append(e[-1] + 1)
+        scores.append(torch.rand(S, generator=g).tolist())
+    S, T = max(len(e) for e in ends), max(lengths)
+    sr = torch.full((N, S), nan)
+    se = torch.full((N, S), -1, dtype=torch.long)
+    for i in range(N):
+        sr[i, : len(ends[i])] = torch.tensor(scores[i])
+        se[i, : len(ends[i])] = torch.tensor(ends[i])
+    verifier = torch.randint(0, 2, (N,), generator=g).double()
+    rewards = torch.stack([torch.nan_to_num(sr).sum(-1).double(), verifier], -1)
+    mask = (torch.arange(T).expand(N, T) < torch.tensor(lengths).unsqueeze(-1)).float()
+    adv = step_return(sr, se, rewards, ["prm", "vr"], torch.tensor([1.0, 1.0]),
+                      torch.arange(groups).repeat_interleave(n), mask, "prm", baseline=baseline)
+    ref = _pure_reference(scores, ends, lengths, verifier.tolist(), n, baseline)
+    assert close(adv, ref, 1e-5), (adv - ref).abs().max()
+    # verifiable_reward_coef = the verifier's weight; whiten = verl masked_whiten of the same advantages
+    adv2 = step_return(sr, se, rewards, ["prm", "vr"], torch.tensor([1.0, 0.5]),
+                       torch.arange(groups).repeat_interleave(n), mask, "prm", baseline=baseline, whiten=True)
+    ref2 = _pure_reference(scores, ends, lengths, (0.5 * verifier).tolist(), n, baseline)
+    assert close(adv2, masked_whiten(ref2.float(), mask), 1e-5)

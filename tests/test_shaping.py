@@ -144,24 +144,39 @@ def test_delta_prm_hand_values_sum_is_first_step():
     close(out["rewards"][:, 0], [0.9, 0.6])
 
 
+def _tail_sums(step_rewards):
+    """sum_{k >= s} r'_k per step (the return the step_return advantage gives step s), NaN where no step."""
+    x = torch.nan_to_num(step_rewards.double())
+    tail = torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])
+    return torch.where(torch.isfinite(step_rewards), tail, torch.full_like(tail, nan))
+
+
 def test_min_form_hand_values_and_invariant():
     out = min_form(T([[0.9, 0.2, 0.5], [0.4, nan, nan]]), T([[1.6], [0.4]]), ["prm"], "prm")
-    close(out["step_returns"], [[0.2, 0.2, 0.5], [0.4, nan, nan]])
+    assert set(out) == {"step_rewards", "rewards"}  # no step_returns: the sums of step_rewards are the returns
     close(out["step_rewards"], [[0.0, -0.3, 0.5], [0.4, nan, nan]])
+    close(_tail_sums(out["step_rewards"]), [[0.2, 0.2, 0.5], [0.4, nan, nan]])
     close(out["rewards"][:, 0], [0.2, 0.4])
     g = torch.Generator().manual_seed(0)
     x = torch.rand(16, 7, generator=g)
     x[torch.arange(7).expand(16, 7) >= torch.randint(1, 8, (16, 1), generator=g)] = nan  # rows of 1..7 steps
-    ret = min_form(x, torch.zeros(16, 1), ["p"], "p")["step_returns"]
-    for t in range(7):
-        for k in range(t, 7):
-            ok = torch.isfinite(x[:, k]) & torch.isfinite(ret[:, t])
-            assert (ret[ok, t] <= x[ok, k] + 1e-7).all()  # never exceeds any later step reward
-    # summing the shaped step rewards from t reproduces the min-form return at t
-    sr = min_form(x, torch.zeros(16, 1), ["p"], "p")
-    tail = torch.flip(torch.cumsum(torch.flip(torch.nan_to_num(sr["step_rewards"]), [1]), 1), [1])
-    fin = torch.isfinite(sr["step_returns"])
-    close(tail[fin], sr["step_returns"][fin], 1e-5)
+    ret = _tail_sums(min_form(x, torch.zeros(16, 1), ["p"], "p")["step_rewards"])
+    for t in range(7):  # the return from step t is min_{k >= t} r_k
+        tail_min = torch.where(torch.isfinite(x[:, t:]), x[:, t:], torch.full_like(x[:, t:], 9.0)).min(-1).values
+        fin = torch.isfinite(x[:, t])
+        close(ret[fin, t], tail_min[fin], 1e-5)
+
+
+def test_min_form_temperature_is_pures_softmin_weighting():
+    # PURE's code: r'_t = softmax(-r / tau)_t r_t; [0.8, 0.3] with tau 0.1: weights e^-8, e^-3 (normalised)
+    out = min_form(T([[0.8, 0.3], [0.5, nan]]), T([[1.1], [0.5]]), ["prm"], "prm", temperature=0.1)
+    w = [math.exp(-8) / (math.exp(-8) + math.exp(-3)), math.exp(-3) / (math.exp(-8) + math.exp(-3))]
+    close(out["step_rewards"], [[0.8 * w[0], 0.3 * w[1]], [0.5, nan]], 1e-6)
+    close(out["rewards"][:, 0], [0.8 * w[0] + 0.3 * w[1], 0.5], 1e-6)
+    small = min_form(T([[0.8, 0.3, 0.6]]), T([[0.0]]), ["prm"], "prm", temperature=1e-3)["rewards"][0, 0]
+    assert small.item() == pytest.approx(0.3, abs=1e-6)  # -> min as tau -> 0
+    with pytest.raises(ValueError, match="min_form.temperature"):
+        min_form(SR, R2, NAMES, "prm", temperature=-1.0)
 
 
 def test_gated_adds_steps_only_when_outcome_passes():
@@ -432,13 +447,14 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     assert batch.reward_names == ["correct", "steps_prm", "kimi_length"]
     assert batch.extra["raw_reward_names"] == ("correct", "steps_prm") and batch.raw_rewards.shape == (len(batch), 2)
     assert batch.step_rewards is not None and batch.step_ends.shape[0] == n
-    assert batch.extra["step_reward_source"] == "steps_prm" and "step_returns" in batch.extra
+    assert batch.extra["step_reward_source"] == "steps_prm" and "step_returns" not in batch.extra
     for i in range(n):  # the process column is the min-form return = min_j 1/(j+1) = 1/#steps
         nsteps = len(split_steps(batch.completions[i], "1"))
         assert int((batch.step_ends[i] >= 0).sum()) == nsteps
         if nsteps:
             assert batch.rewards[i, 1].item() == pytest.approx(1.0 / nsteps)
-            assert batch.extra["step_returns"][i, 0].item() == pytest.approx(1.0 / nsteps)
+            first_return = torch.nan_to_num(batch.step_rewards[i].double()).sum().item()
+            assert first_return == pytest.approx(1.0 / nsteps)  # the step_rewards sum to the min-form return
         else:  # no step to score: the process reward failed for this completion (excluded, counted)
             assert math.isnan(batch.rewards[i, 1].item()) and not batch.valid[i]
     no_steps = sum(not split_steps(c, "1") for c in batch.completions) / n

@@ -16,7 +16,8 @@ Conventions shared by every estimator here:
 
 Modules: ``outcome`` (anchor-matched outcome estimators: dr_grpo, rloo, reinforce_pp(_baseline), remax, opo, gpg,
 pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, role_aware, mapo, rl_zvp, confidence_scaled,
-riskpo, aem, information_gain), ``tournament`` (rank_tournament).
+riskpo, aem, information_gain), ``tournament`` (rank_tournament), ``process`` (step_return: token advantages from
+process step rewards, PURE).
 """
 
 from __future__ import annotations
@@ -108,4 +109,4 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 
 # Estimators in submodules register themselves on import.
-from postrl.advantages import gae, outcome, shaped, tournament  # noqa: E402,F401
+from postrl.advantages import gae, outcome, process, shaped, tournament  # noqa: E402,F401

@@ -2,8 +2,8 @@
 
 A process reward source returns one score per reasoning step (steps: ``reward.step_delimiter``); its column of
 the reward matrix holds the scalar that the stage derives (the sum of the shaped step rewards, or the min-form
-return), and ``step_rewards`` holds the shaped per-step rewards, to be placed on the tokens in ``step_ends`` by a
-token-level estimator. ``source`` (default: the source that returned the step scores) names that column.
+return), and ``step_rewards`` holds the shaped per-step rewards, whose sum from step s is step s's return: the
+``step_return`` advantage gives every token of step s (tokens up to ``step_ends``) that return. ``source`` (default: the source that returned the step scores) names that column.
 Rows without steps (a failed process reward) stay NaN.
 """
 
@@ -53,25 +53,36 @@ def delta_prm(step_rewards, rewards, reward_names, step_reward_source=None, *, s
 
 @register("shaping", "min_form", source="Stop Summation: Min-Form Credit Assignment Is All Process Reward Model "
                                         "Needs for Reasoning (PURE)")
-def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *, source: str | None = None):
+def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *, temperature: float = 0.0,
+             source: str | None = None):
     """Min-form credit assignment (PURE): return_t = min_{k >= t} r_k instead of sum_{k >= t} gamma^(k-t) r_k.
 
-    Sets ``step_returns`` [N, S] (extra field) to the min-form returns, ``step_rewards`` to
-    r'_t = return_t - return_{t+1} (return_{T+1} = 0), so that an undiscounted sum-form estimator over r'
-    reproduces the min-form returns exactly, and the column to return_1 = min_t r_t. The value is bounded by the
-    worst step: return_t <= r_k for every k >= t. To mix in a verifiable reward (PURE's best setting), list it as
-    another reward source: the weighted sum adds it to this column (and it is the terminal reward at token level).
+    temperature = 0 (default, the paper's definition): ``step_rewards`` become r'_t = return_t - return_{t+1}
+    (return_{T+1} = 0), so that their undiscounted sum from step t is the min-form return, and the column becomes
+    return_1 = min_t r_t. The value is bounded by the worst step: return_t <= r_k for every k >= t.
+    temperature = tau > 0 (PURE's code, ``turn_process_reward_logits_to_reward``, tau 0.1 there): the approximation
+    r'_t = softmax_k(-r_k / tau)_t * r_t over the row's steps, so that sum_t r'_t -> min_t r_t as tau -> 0; the
+    column becomes sum_t r'_t (and the sum from step t is the return of step t).
+    The token-level credit assignment is the ``step_return`` advantage (each token gets its step's return). To mix
+    in a verifiable reward (PURE's best setting), list it as another reward source: the weighted sum adds it to
+    this column, and ``step_return`` adds its leave-one-out advantage to every token.
     """
+    if temperature < 0:
+        raise ValueError(f"min_form.temperature: expected a value >= 0, got {temperature}")
     k = process_column(reward_names, step_reward_source, source, "min_form")
     valid = torch.isfinite(step_rewards)
+    if temperature > 0:
+        x = torch.where(valid, step_rewards.to(torch.float64), torch.full_like(step_rewards, float("inf"),
+                                                                              dtype=torch.float64))
+        wts = torch.softmax(-x / temperature, dim=-1)  # a row without steps: NaN, excluded by _finish
+        new = torch.where(valid, wts * torch.nan_to_num(x, posinf=0.0), torch.full_like(x, NAN))
+        return _finish(step_rewards, new.to(step_rewards.dtype), rewards, k, torch.nan_to_num(new, nan=0.0).sum(-1))
     x = torch.where(valid, step_rewards, torch.full_like(step_rewards, float("inf")))
     ret = torch.flip(torch.cummin(torch.flip(x, [1]), dim=1).values, [1])
     ret = torch.where(valid, ret, torch.full_like(ret, NAN))
     nxt = torch.cat([ret[:, 1:], torch.full_like(ret[:, :1], NAN)], dim=1)
     new = ret - torch.nan_to_num(nxt, nan=0.0)
-    out = _finish(step_rewards, new, rewards, k, ret[:, 0] if ret.shape[1] else torch.full_like(rewards[:, k], NAN))
-    out["step_returns"] = ret
-    return out
+    return _finish(step_rewards, new, rewards, k, ret[:, 0] if ret.shape[1] else torch.full_like(rewards[:, k], NAN))
 
 
 @register("shaping", "gated", source="Stabilizing Long-term Multi-turn Reinforcement Learning with Gated Rewards "

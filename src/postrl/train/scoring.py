@@ -75,7 +75,7 @@ class Scorer:
             for k, v in out.items():
                 if k in RolloutBatch.__dataclass_fields__:
                     setattr(batch, k, v)
-                else:  # e.g. min_form's step_returns
+                else:  # a field RolloutBatch has no attribute for
                     batch.extra[k] = v
         if batch.reward is None:
             raise ConfigError("shaping: no stage produced the scalar reward; add {name: weighted_sum}")
