@@ -433,6 +433,37 @@ def _cfg(nano_dir, out, *extra):
                               "train.eval_size=4", "train.eval_k=1", "reward.step_delimiter='1'", *extra])
 
 
+def test_trainer_step_return_puts_step_returns_on_tokens(nano_dir, tmp_path):
+    """End to end: a process reward, min_form and the step_return advantage train; every token of a step gets
+    the same advantage (its step's min-form return minus the baseline, plus the outcome part)."""
+    from postrl.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    cfg = _cfg(nano_dir, out, "rewards=[{name: correct}, {name: steps_prm}]",
+               "shaping=[{name: min_form}, {name: weighted_sum}]", "advantage.name=step_return", "train.steps=1",
+               "rollout.max_new_tokens=24")
+    tr = Trainer(cfg, out)
+    batch = tr.batches.rollout(0)
+    tr.scorer.score(batch)
+    tr.advantages(batch)
+    A = batch.advantages
+    assert A.shape == batch.completion_mask.shape and torch.isfinite(A).all()
+    assert (A[batch.completion_mask == 0] == 0).all()
+    multi = 0
+    for i in range(len(batch)):
+        ends = [int(e) for e in batch.step_ends[i] if e >= 0]
+        if not batch.valid[i] or not ends:
+            continue
+        multi += len(ends) > 1
+        start = 0
+        for e in ends:  # constant within a step
+            assert torch.allclose(A[i, start:e + 1], A[i, start].expand(e + 1 - start), atol=1e-6)
+            start = e + 1
+    assert multi > 0 and A.abs().sum() > 0  # the batch has valid multi-step completions and a signal
+    tr.train()
+    assert (out / "checkpoints" / "step-00000001").exists()
+
+
 def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     from postrl.train.trainer import Trainer
 
