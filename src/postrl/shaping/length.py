@@ -323,31 +323,39 @@ class AdaptiveLengthCoef(Stateful):
 @register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "
                                                      "via Internal Shorter Distributions in RL Post-Training")
 def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *, ratio: float = 0.8,
-                            coef: float = 0.1, bins: int = 12, eps: float = 1e-3,
+                            coef: float = 0.1, min_sd: float = 0.1,
                             name: str = "step_length_regularizer", weight: float = 1.0):
-    """Penalty for the divergence of a completion's step-length distribution from a shorter target distribution.
+    """Reward for moving the policy's step-length distribution toward a shorter copy of itself (appended column).
 
-    Step lengths l (tokens, from ``step_ends``) fall into log2 bins [2^b, 2^(b+1)), b = 0..bins-1 (the last bin
-    open-ended). q = the histogram of the batch's own step lengths scaled by ``ratio`` (the "internal shorter
-    distribution"), p_i = the histogram of completion i's steps; both smoothed by ``eps`` and normalised. The
-    appended column is -coef * KL(p_i || q). No per-token length term: only the shape of the step-length
-    distribution is pushed toward shorter steps. After ICR: the abstract describes matching the step-length
-    distribution to a shorter internal target; the binning, the scaled-batch target and the KL direction are
-    assumptions. Defaults: ratio=0.8, coef=0.1, bins=12, eps=1e-3. Completions without steps get 0.
+    x = log l, l = a step's length in tokens (from ``step_ends``). P = the batch's step-length distribution, fitted
+    as a log-normal: x ~ N(mu, sd^2), mu and sd the mean and standard deviation of x over all steps of the batch
+    (sd at least ``min_sd``). Q = the "internal shorter distribution": the same with every length ``ratio`` times
+    as long, N(mu + delta, sd^2), delta = log ratio <= 0. The objective is KL(P || Q); its score-function gradient
+    gives each sampled step the reward -(log P(x) - log Q(x)), so completion i gets the mean over its steps
+      r_i = -coef * mean_s [log P(x_s) - log Q(x_s)] = coef * mean_s [2 delta (x_s - mu) - delta^2] / (2 sd^2)
+    (= -coef * [KL(p_i || Q) - KL(p_i || P)], p_i the completion's own step lengths). It decreases with the
+    steps' length relative to the batch's distribution: steps shorter than the batch's typical ones gain, longer
+    ones lose; it is scale-free (all lengths times c: the same rewards) and has no per-token length term and no
+    fixed length target. After ICR (the abstract: regularise the distribution of step lengths toward an internal
+    shorter target instead of penalising length); the log-normal fit, the KL(P || Q) direction and the per-step
+    mean are assumptions. Defaults: ratio 0.8, coef 0.1, min_sd 0.1. Completions without steps get 0.
+    (It replaced a log2-histogram KL of each completion against the batch, which penalised steps much shorter
+    than typical as much as steps much longer.)
     """
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"step_length_regularizer.ratio: expected a value in (0, 1], got {ratio}")
-    lens = step_lengths(step_ends)  # [N, S], NaN where no step
-    valid = torch.isfinite(lens)
-
-    def hist(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # x [N, S] -> [N, bins] counts
-        b = torch.floor(torch.log2(torch.nan_to_num(x, nan=1.0).clamp(min=1.0))).long().clamp(0, bins - 1)
-        return torch.zeros(x.shape[0], bins, dtype=torch.float64).scatter_add_(1, b, v.to(torch.float64))
-
-    p = hist(lens, valid) + eps
-    q = hist(lens * ratio, valid).sum(0) + eps
-    p = p / p.sum(-1, keepdim=True)
-    q = q / q.sum()
-    kl = (p * (p.log() - q.log())).sum(-1)
-    r = torch.where(valid.any(-1), -coef * kl, torch.zeros_like(kl))
-    return append_column(rewards, reward_names, reward_weights, r, name, weight, "step_length_regularizer")
+    if min_sd <= 0:
+        raise ValueError(f"step_length_regularizer.min_sd: expected a value > 0, got {min_sd}")
+    lens = step_lengths(step_ends).to(torch.float64)  # [N, S], NaN where no step
+    valid = torch.isfinite(lens) & (lens > 0)
+    x = torch.log(torch.where(valid, lens, torch.ones_like(lens)))
+    n = valid.sum(-1)
+    r = torch.zeros(lens.shape[0], dtype=torch.float64)
+    if valid.any():
+        xs = x[valid]
+        mu, sd = xs.mean(), max(float(xs.std(unbiased=False)), min_sd)
+        delta = math.log(ratio)
+        per_step = torch.where(valid, (2 * delta * (x - mu) - delta * delta) / (2 * sd * sd), torch.zeros_like(x))
+        r = torch.where(n > 0, coef * per_step.sum(-1) / n.clamp(min=1), r)
+    return append_column(rewards, reward_names, reward_weights, r.to(rewards.dtype), name, weight,
+                         "step_length_regularizer")
