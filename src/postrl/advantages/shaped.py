@@ -251,15 +251,23 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
                      valid: torch.Tensor | None = None, *, ig_weight: float = 1.0, answer_column: str = "answer",
                      eps: float = 1e-6) -> torch.Tensor:
-    """A_i = GRPO(r_i + ig_weight * IG_i): outcome reward plus the turn's information gain about the answer.
+    """A_i = GRPO(r_i + ig_weight * IG_i), IG_i = log pi(a* | q, o_i) - log pi(a* | q); single turn, see below.
 
-    "Information Gain-based Policy Optimization" (IGPO): a turn's reward is the increase of the policy's
-    probability of producing the ground-truth answer. Single-turn (postrl's rollouts):
-    IG_i = log pi(a* | q, o_i) - log pi(a* | q), summed over the answer's tokens, computed by the trainer with a
-    no-grad forward of the policy (``info_gain``); a* is the data column ``answer_column`` (default 'answer').
-    The dense and the outcome reward are added (weight ``ig_weight``, default 1.0) and group-normalised as GRPO
-    (unbiased std, eps 1e-6). Rows with a NaN IG (no answer) are excluded.
-    Shapes: reward [N], group_ids [N], info_gain [N], valid [N] -> [N].
+    What is computed: ``info_gain`` (a no-grad forward of the current policy, ``postrl.fields.info_gain``) is
+    IG_i = log pi(a* | q, o_i) - log pi(a* | q), the log-probability of the ground-truth answer a* (data column
+    ``answer_column``, default 'answer'; teacher-forced, summed over a*'s tokens) after the prompt and the whole
+    completion, minus the same before the completion. The outcome reward and ig_weight * IG_i (default 1.0) are
+    added and group-normalised as GRPO (unbiased std, eps 1e-6); rows with a NaN IG (no answer) are excluded.
+    With postrl's single-turn rollouts every completion of a group shares q, so log pi(a* | q) is one constant
+    per group and cancels in the group normalisation: the advantage is exactly GRPO(r_i + ig_weight *
+    log pi(a* | q, o_i)), a reward for completions after which the policy finds the reference answer likely
+    (the subtraction changes only the logged value, not the training signal).
+    IGPO ("Information Gain-based Policy Optimization") differs: its reward is turn-level in multi-turn agent
+    rollouts, the increase of the policy's *probability* (not log-probability) of producing a* across each turn,
+    pi(a* | h_t) - pi(a* | h_{t-1}), combined with the outcome reward into a dense per-turn reward trajectory.
+    Single-turn, IGPO's increase also has a group-constant subtrahend, but exp makes it the probability
+    pi(a* | q, o_i) rather than its log; the turn-level form needs multi-turn rollouts, which this stage does not
+    see. Shapes: reward [N], group_ids [N], info_gain [N], valid [N] -> [N].
     """
     v = valid_mask(reward, valid) & torch.isfinite(info_gain)
     r = reward.to(torch.float64) + ig_weight * torch.nan_to_num(info_gain.to(torch.float64))

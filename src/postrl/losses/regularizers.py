@@ -195,19 +195,24 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.0
           "Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)")
 def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
                  divergence: str = "forward_kl", importance_weight: bool = True, cap: float = 2.0) -> torch.Tensor:
-    """Mass-covering f-divergence to the initial (reference) policy, estimated on samples of it (after DPH-RL).
+    """Mass-covering f-divergence to the initial (reference) policy on the policy's own samples, importance-weighted
+    toward it (after DPH-RL; unlike DPH-RL it needs an online reference model, see below).
 
-    D_f(pi_theta || pi_ref) = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per sampled token:
+    D_f = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per token:
     ``forward_kl`` = KL(pi_ref || pi_theta): f(t) = t - 1 - log t (the generator -log t plus t - 1, which leaves
     the divergence unchanged since E_ref[t] = 1, makes each term >= 0 and its gradient 0 where pi_theta = pi_ref);
     ``js`` = Jensen-Shannon: f(t) = (t log t - (1 + t) log((1 + t) / 2)) / 2.
     The batch is sampled from the policy that generated it, not pi_ref: each token is importance-weighted
     toward pi_ref by w_t = sg(min(exp(ref_logp_t - old_logp_t), cap)) (token level, truncated at ``cap`` = 2.0);
-    ``importance_weight=False`` treats the rows as samples of pi_ref (w = 1). R_t = w_t f(t_t).
-    Assumed where the abstract is open: per-token generator terms on the sampled tokens with token-level IS
-    weights; DPH-RL applies the term to pre-sampled completions of the initial policy on prompts it already
-    solves, which in postrl is a data choice (the rows the regulariser sees), not part of this stage.
-    Needs a reference model (loaded automatically).
+    R_t = w_t f(t_t). With cap = inf the expectation of w_t f over the sampled token equals pi_ref's expectation
+    of f given the same prefix (prefixes stay the policy's: token-level weights, as token-level TIS); a finite cap
+    trades that unbiasedness for variance. ``importance_weight=False`` treats the rows as samples of pi_ref
+    (w = 1), which is exact only for rows that pi_ref generated.
+    Difference from DPH-RL, which computes the f-divergence with generator functions on completions pre-sampled
+    once from the initial policy (with their initial-policy log-probs), so it needs only those samples and no
+    online reference model: postrl evaluates the term on the current rollouts, so ``ref_logp`` of every rollout
+    is needed and a reference model is loaded and run every step (one extra forward per step), and DPH-RL's
+    choice of prompts for the term (those the initial model already solves) is not part of this stage.
     """
     if divergence not in ("forward_kl", "js"):
         raise ValueError(f"regularizers.f_divergence.divergence: expected 'forward_kl' or 'js', got {divergence!r}")

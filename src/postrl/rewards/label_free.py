@@ -57,12 +57,18 @@ def majority_vote(prompts, completions, group_ids, voter=None, *, extract: str =
 
     TTRL (weighting='none'): the voted answer is the most frequent extracted answer of the group; r_i =
     1[a_i = a_maj]. RLCCF (weighting='self_consistency', after RLCCF): completions are split into voters by the
-    ``voter`` column (e.g. which model or sampler produced them; one voter per group when absent); each voter v
-    casts one vote for its own majority answer m_v, weighted by its self-consistency SC_v = (#samples of v with
-    answer m_v) / (#samples of v with an answer); the collective answer maximises the summed weights, and
-    r_i = 1[a_i = collective answer]. Ties go to the answer seen first in the group. Answers are extracted with
-    ``extract`` (default 'auto') and compared after normalisation (numbers by value). A completion without an
-    answer gets 0.0 and does not vote; a group where nobody answered gets 0.0 throughout.
+    ``voter`` column; each voter v casts one vote for its own majority answer m_v, weighted by its
+    self-consistency SC_v = (#samples of v with answer m_v) / (#samples of v with an answer); the collective
+    answer maximises the summed weights, and r_i = 1[a_i = collective answer]. Ties go to the answer seen first
+    in the group. Answers are extracted with ``extract`` (default 'auto') and compared after normalisation
+    (numbers by value). A completion without an answer gets 0.0 and does not vote; a group where nobody answered
+    gets 0.0 throughout.
+    Assumptions of the RLCCF mode (the abstract: a collective of several LLMs trained jointly, each model's vote
+    weighted by its self-consistency, reward = agreement with the collective): postrl trains one policy, so a
+    "model" is whatever the ``voter`` column names (e.g. the sampler, temperature or system prompt that produced
+    the completion, or completions of other models supplied as data); without a ``voter`` column the group is one
+    voter and the mode equals TTRL. One vote per voter for its own majority (not one vote per sample weighted by
+    its voter's SC); SC computed per prompt from this group's samples; no co-training of several models.
     """
     if weighting not in ("none", "self_consistency"):
         raise ValueError(f"majority_vote.weighting: expected none or self_consistency, got '{weighting}'")
@@ -112,10 +118,20 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
 
     s_ij = Jaccard similarity of the two completions' n-gram sets (default: word 3-grams; unit='char' for
     character n-grams), or, with ``embed`` = 'module:function' mapping list[str] -> [N, D] vectors, the cosine
-    similarity of the embeddings (EVOL-RL measures it in a semantic embedding space; n-grams are the
-    dependency-free default). The mix of mean and max similarity (alpha=0.5) follows EVOL-RL's description of
-    penalising both the average and the nearest neighbour; the exact weighting is an assumption. A group of one
-    scores 1.0. Combine with ``majority_vote`` (selection) for EVOL-RL.
+    similarity of the embeddings. A group of one scores 1.0. Combine with ``majority_vote`` (selection) for
+    EVOL-RL.
+    Assumptions relative to EVOL-RL (the abstract: the majority-voted answer is a stable anchor for selection; a
+    novelty-aware reward favours responses whose *reasoning* differs from what has already been produced,
+    measured in semantic space; GRPO with asymmetric clipping and an entropy regulariser):
+    - similarity is measured on the whole completion text (reasoning and answer), against the other completions
+      of the same group only (not earlier batches); by default in n-gram space, semantic only with ``embed``;
+    - the mix of mean and nearest-neighbour similarity (alpha 0.5) is postrl's reading;
+    - the coupling is a weighted sum of two reward columns: with a novelty weight >= the majority weight, a novel
+      completion with a minority answer can outscore a repetitive one with the majority answer; to keep selection
+      first (the abstract's "majority drives selection") give ``novelty`` a smaller weight than
+      ``majority_vote`` (novelty lies in [0, 1], the vote in {0, 1}), e.g. 1.0 and 0.5;
+    - asymmetric clipping and the entropy regulariser are separate options (``loss: ppo_clip`` with
+      eps_high > eps_low, ``regularizers: entropy_bonus``), not part of this source.
     """
     if unit not in ("word", "char"):
         raise ValueError(f"novelty.unit: expected word or char, got '{unit}'")

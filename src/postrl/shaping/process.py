@@ -3,8 +3,9 @@
 A process reward source returns one score per reasoning step (steps: ``reward.step_delimiter``); its column of
 the reward matrix holds the scalar that the stage derives (the sum of the shaped step rewards, or the min-form
 return), and ``step_rewards`` holds the shaped per-step rewards, whose sum from step s is step s's return: the
-``step_return`` advantage gives every token of step s (tokens up to ``step_ends``) that return. ``source`` (default: the source that returned the step scores) names that column.
-Rows without steps (a failed process reward) stay NaN.
+``step_return`` advantage gives every token of step s (tokens up to ``step_ends``) that return. ``source``
+(default: the source that returned the step scores) names that column. Rows without steps (a failed process
+reward) stay NaN.
 """
 
 from __future__ import annotations
