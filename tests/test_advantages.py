@@ -194,6 +194,19 @@ def test_information_gain_hand_values():
     assert close(a, [S2, -S2, 0.0])  # r + 0.5 IG = [2, 1]; the row without an answer is excluded
 
 
+def test_information_gain_prior_term_cancels_in_the_group():
+    """As the docstring states: log pi(a*|q) is one constant per group (single turn), so the advantage is GRPO on
+    r + w log pi(a*|q, o) whatever that constant is."""
+    g = torch.Generator().manual_seed(5)
+    gid = torch.arange(3).repeat_interleave(4)
+    r = (torch.rand(12, generator=g) > 0.5).float()
+    lp_after = -torch.rand(12, generator=g) * 3  # log pi(a* | q, o_i)
+    prior = torch.tensor([-2.0, -0.5, -7.0])[gid]  # log pi(a* | q), per group
+    a = information_gain(r, gid, lp_after - prior, ig_weight=0.7)
+    assert close(a, grpo(r + 0.7 * lp_after, gid), 1e-5)
+    assert close(a, information_gain(r, gid, lp_after, ig_weight=0.7), 1e-5)
+
+
 def test_rank_tournament_bracket_and_ranks():
     assert bracket_order(4) == [0, 3, 1, 2] and bracket_order(8) == [0, 7, 3, 4, 1, 6, 2, 5]
     r = torch.tensor([0.1, 0.4, 0.3, 0.2])

@@ -452,6 +452,24 @@ def test_majority_vote_ttrl_and_rlccf():
     voter = ["A", "A", "A", "B", "B"]
     assert majority_vote(None, comps, [0] * 5, voter, weighting="self_consistency") == [0, 0, 0, 1.0, 1.0]
     assert majority_vote(None, comps, [0] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]  # TTRL: 7 and 9 tie, 7 first
+    # documented assumption: without a voter column the group is one voter, and the RLCCF mode equals TTRL
+    assert majority_vote(None, comps, [0] * 5, None, weighting="self_consistency") == majority_vote(None, comps, [0] * 5)
+
+
+def test_novelty_weight_below_majority_keeps_selection_first():
+    """EVOL-RL's "majority drives selection" holds for the weighted sum when novelty's weight is below the vote's
+    (documented in novelty's docstring); with a larger novelty weight a novel minority answer outranks it."""
+    comps = ["so the answer is 3 <answer>3</answer>", "so the answer is 3 <answer>3</answer>",
+             "so the answer is 3 <answer>3</answer>", "a different route via squares gives <answer>4</answer>"]
+    vote = majority_vote(None, comps, [0] * 4)
+    nov = novelty(None, comps, [0] * 4, n=1)
+    assert vote == [1.0, 1.0, 1.0, 0.0] and nov[3] > nov[0]
+
+    def total(w_nov):
+        return [v + w_nov * u for v, u in zip(vote, nov)]
+
+    assert min(total(0.5)[:3]) > total(0.5)[3]
+    assert min(total(2.0)[:3]) < total(2.0)[3]
 
 
 def test_novelty_ngram_values():

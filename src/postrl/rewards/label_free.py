@@ -126,10 +126,10 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
     - similarity is measured on the whole completion text (reasoning and answer), against the other completions
       of the same group only (not earlier batches); by default in n-gram space, semantic only with ``embed``;
     - the mix of mean and nearest-neighbour similarity (alpha 0.5) is postrl's reading;
-    - the coupling is a weighted sum of two reward columns: with a novelty weight >= the majority weight, a novel
-      completion with a minority answer can outscore a repetitive one with the majority answer; to keep selection
-      first (the abstract's "majority drives selection") give ``novelty`` a smaller weight than
-      ``majority_vote`` (novelty lies in [0, 1], the vote in {0, 1}), e.g. 1.0 and 0.5;
+    - the coupling is a weighted sum of two reward columns: a minority answer outscores a majority one when
+      w_novelty (u_minority - u_majority) > w_vote, possible only with a novelty weight above the vote's (novelty
+      lies in [0, 1], the vote in {0, 1}); to keep selection first (the abstract's "majority drives selection")
+      give ``novelty`` a smaller weight than ``majority_vote``, e.g. 1.0 and 0.5;
     - asymmetric clipping and the entropy regulariser are separate options (``loss: ppo_clip`` with
       eps_high > eps_low, ``regularizers: entropy_bonus``), not part of this source.
     """
