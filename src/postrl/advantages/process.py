@@ -29,8 +29,9 @@ def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: to
                 reward_weights: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
                 step_reward_source: str | None = None, valid: torch.Tensor | None = None, *,
                 source: str | None = None, baseline: str = "token", whiten: bool = False) -> torch.Tensor:
-    """Token advantage = the return of the token's step (process reward, leave-one-out baseline) + the RLOO
-    advantage of the outcome rewards; [N, T], usable with every policy loss.
+    """Token advantages [N, T]: the return of the token's step minus a leave-one-out baseline, plus the outcome's.
+
+    Usable with every policy loss.
 
     For completion i with steps s = 0..S_i-1 (shaped step rewards r'_{i,s}, last tokens e_{i,s}, e_{i,-1} = -1) and
     token t in step s(t) (the first step with e_{i,s} >= t):

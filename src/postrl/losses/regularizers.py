@@ -195,8 +195,9 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.0
           "Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)")
 def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
                  divergence: str = "forward_kl", importance_weight: bool = True, cap: float = 2.0) -> torch.Tensor:
-    """Mass-covering f-divergence to the initial (reference) policy on the policy's own samples, importance-weighted
-    toward it (after DPH-RL; unlike DPH-RL it needs an online reference model, see below).
+    """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's uses pre-sampled ones).
+
+    After DPH-RL; unlike DPH-RL it needs an online reference model (see below).
 
     D_f = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per token:
     ``forward_kl`` = KL(pi_ref || pi_theta): f(t) = t - 1 - log t (the generator -log t plus t - 1, which leaves
