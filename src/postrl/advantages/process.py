@@ -50,7 +50,8 @@ def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: to
     ``masked_whiten``, as PURE's verl branch with ``adv_norm``); default False (PURE's OpenRLHF code: no whitening).
     Not reproduced: PURE's approximate min-form weights (``min_form``'s ``temperature``) are a shaping option; its
     zero advantage on step-separator tokens (postrl's steps end on their delimiter token, and the last on EOS).
-    Rows without steps, with a NaN outcome column or ``valid`` False, and groups with one valid row get 0.
+    Rows without steps, with a step without a score, a NaN reward column or ``valid`` False, and groups with one
+    valid row get 0.
     Shapes: step_rewards [N, S] (NaN padded), step_ends [N, S] (-1 padded), rewards [N, K], reward_weights [K],
     group_ids [N], completion_mask [N, T], valid [N] -> [N, T].
     """
