@@ -160,10 +160,10 @@ def make_prm_with_hidden(n: int, rng, noise: float, d: int = 8, rollouts: int = 
 
 def test_conditional_ot_with_hidden_features_vs_isotonic_and_quantile_regression(capsys):
     """Held out, for a well-ranked and a noisy PRM: temperature, isotonic, quantile regression on the score alone
-    (the same monotone model without condition or features) and conditional_ot on score + step + hidden state.
-    The conditional model is calibrated (ECE, conditional ECE), also without the hidden state, and its 50/80/90%
-    intervals cover the outcome near nominal; with the hidden state it beats isotonic's Brier by a large factor; on the score alone it is no better
-    than isotonic (no gain without information beyond the score)."""
+    (the same monotone model without condition or features) and conditional_ot on score + step (+ hidden state).
+    The conditional model is calibrated (ECE, conditional ECE), also without the hidden state; its 50/80/90%
+    intervals cover the outcome near nominal; with the hidden state it beats isotonic's Brier by a large factor
+    and its intervals are sharper; on the score alone it is no better than isotonic."""
     rng = np.random.default_rng(0)
     lines = []
     for noise in (0.0, 2.0):
@@ -265,8 +265,8 @@ def test_calibrator_applied_at_reward_time(tmp_path):
     prm = fit_prm("bag:4", recs, RMTrainConfig(epochs=1, lr=1e-2), max_length=32)
     folder = prm.save_pretrained(tmp_path / "prm")
     rng = np.random.default_rng(6)  # step 0 succeeds 15% of the time, step 1 75%, whatever the score
-    cal = ConditionalOT().fit(rng.uniform(size=400), np.r_[rng.binomial(16, 0.15, 200), rng.binomial(16, 0.75, 200)] / 16,
-                              ["0"] * 200 + ["1"] * 200)
+    y = np.r_[rng.binomial(16, 0.15, 200), rng.binomial(16, 0.75, 200)] / 16
+    cal = ConditionalOT().fit(rng.uniform(size=400), y, ["0"] * 200 + ["1"] * 200)
     cal_path = cal.save(tmp_path / "cal.json")
     fn = registry.get("reward", "model")
     raw = torch.tensor(fn(["q0"], ["a\n\nb\n\nc"], path=str(folder)))[0]

@@ -434,7 +434,8 @@ class ConditionalOT(Calibrator):
     def params(self):
         return {"n_taus": self.n_taus, "hidden": self.hidden, "steps": self.steps, "lr": self.lr,
                 "weight_decay": self.weight_decay, "seed": self.seed, "conditions": self.conditions,
-                "n_features": self.n_features, "rollouts": self.rollouts, "mean": self.mean.tolist(), "std": self.std.tolist(),
+                "n_features": self.n_features, "rollouts": self.rollouts, "mean": self.mean.tolist(),
+                "std": self.std.tolist(),
                 "weights": {k: v.tolist() for k, v in self.weights.items()}}
 
 
