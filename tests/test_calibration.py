@@ -207,10 +207,12 @@ def test_save_load_roundtrip(tmp_path):
         assert type(again) is type(cal)
         assert np.allclose(again.apply(s[:50], c[:50]), cal.apply(s[:50], c[:50]))
     s, c, y, h = make_prm_with_hidden(500, rng, 2.0)
-    cal = ConditionalOT(steps=50).fit(s, y, c, h)
-    again = load_calibrator(cal.save(tmp_path / "cot_h.json"))
-    assert again.rollouts == cal.rollouts == 32  # inferred from the outcomes' grid k / 32
-    assert np.allclose(again.bounds(s[:20], 0.8, c[:20], h[:20]), cal.bounds(s[:20], 0.8, c[:20], h[:20]))
+    for hidden in (0, 4):  # the linear head and a tanh layer
+        cal = ConditionalOT(steps=50, hidden=hidden).fit(s, y, c, h)
+        again = load_calibrator(cal.save(tmp_path / "cot_h.json"))
+        assert again.rollouts == cal.rollouts == 32  # inferred from the outcomes' grid k / 32
+        assert np.allclose(again.bounds(s[:20], 0.8, c[:20], h[:20]), cal.bounds(s[:20], 0.8, c[:20], h[:20]))
+        assert np.all(np.diff(again.quantiles(s, np.linspace(0, 1, 21), c, h), axis=1) >= 0)
     with pytest.raises(ConfigError, match="fitted with 8 features"):
         again.apply(s[:5], c[:5])  # the model reward source passes no features
     with pytest.raises(DataError, match="7 columns, expected 8"):
