@@ -1,5 +1,7 @@
 """Calibration of reward-model scores into P(success): temperature scaling, isotonic regression (PAV) and
-conditional optimal transport, with ECE / Brier / reliability diagrams.
+conditional optimal transport (a monotone conditional quantile model of the success probability given the score,
+the condition and optional PRM features, with confidence bounds at any level), with ECE / Brier / reliability
+diagrams.
 
 ``postrl calibrate`` fits one on a file of (score, condition, outcome) rows, prints ECE and Brier before and
 after, saves the calibrator as JSON and writes a reliability diagram; the ``model`` reward source applies a saved
