@@ -12,13 +12,13 @@ import os
 import pytest
 import torch
 
-from postrl import bench
+from postrl.accel import bench
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
 from postrl.errors import PostrlError
 from postrl.models import load_model_and_tokenizer
 from postrl.models.tiny import build_local
-from postrl.perf import ThreadPolicy
+from postrl.accel.cpu import ThreadPolicy
 from postrl.train.trainer import Trainer
 
 
@@ -171,7 +171,7 @@ def test_small_models_pin_generation_and_measure_the_update():
 
 def test_update_is_bitwise_identical_on_one_and_two_threads():
     """What lets small models measure the update's thread count without losing bit-reproducibility
-    (postrl.perf): SFT steps (forward, backward, AdamW) give the same weights on 1 and 2 threads."""
+    (postrl.accel.cpu): SFT steps (forward, backward, AdamW) give the same weights on 1 and 2 threads."""
     from postrl.data import load_source
     from postrl.models.tiny import build_model, build_tokenizer
     from postrl.train.sft import run_sft
@@ -249,7 +249,7 @@ def test_thread_policy_measures_again_early_in_a_run(monkeypatch):
 
 
 def test_thread_policy_probes_the_products_the_phase_runs():
-    from postrl.models import matmul
+    from postrl.accel import matmul
     from postrl.models.tiny import build_model, build_tokenizer
 
     model = build_model(build_tokenizer(), size="nano")
@@ -271,7 +271,7 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
     assert ThreadPolicy.for_model(model).numpy == ()
     p = ThreadPolicy.for_model(model, decode="numpy", max_threads=2)
     assert p.numpy == ("generation",)
-    from postrl.models import matmul
+    from postrl.accel import matmul
 
     if matmul.onednn_available():  # layers on oneDNN: the numpy steps' products are oneDNN's, and so is the probe
         dnn = copy.deepcopy(model)
@@ -296,7 +296,7 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
 def test_keep_freed_memory_stops_page_faults_of_training_steps():
     """A forward and backward of the 1M benchmark model page-faults thousands of times a step under glibc's
     default thresholds (freed buffers unmapped or trimmed, the next ones faulted in again); after
-    postrl.perf.keep_freed_memory almost never. Run in fresh processes: the setting is process-wide."""
+    postrl.accel.cpu.keep_freed_memory almost never. Run in fresh processes: the setting is process-wide."""
     import platform
     import subprocess
     import sys
@@ -305,7 +305,7 @@ def test_keep_freed_memory_stops_page_faults_of_training_steps():
         pytest.skip("mallopt is glibc's")
     script = """
 import resource, sys, torch
-from postrl.perf import keep_freed_memory
+from postrl.accel.cpu import keep_freed_memory
 from postrl.models.tiny import build_model, build_tokenizer
 if sys.argv[1] == "keep":
     assert keep_freed_memory()

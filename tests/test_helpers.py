@@ -1,4 +1,4 @@
-"""Helper generation processes (``rollout.processes``, postrl.rollout.helpers): the rows of one process, the
+"""Helper generation processes (``rollout.processes``, postrl.accel.helpers): the rows of one process, the
 optimizer's in-place updates seen through shared memory, errors as one line, the trainer's use and shutdown, no
 re-run of a script without a main guard, and the libgomp spin setting of the postrl command."""
 

@@ -122,10 +122,10 @@ def _llama_gqa_bias(tok):
 @pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _llama_gqa_bias], ids=["llama-tied", "qwen2-gqa-bias",
                                                                                 "llama-gqa-bias-untied"])
 def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
-    """The hand-written forward and backward (postrl.models.fused) against autograd through the Hugging Face
+    """The hand-written forward and backward (postrl.accel.fused) against autograd through the Hugging Face
     model's one forward per row: log-probs, entropies, logits and every parameter's gradient, with left-padded
     prompts; each row's own prompt, or (``shared``) each distinct prompt once for its rows, in shuffled order."""
-    from postrl.models import fused, matmul
+    from postrl.accel import fused, matmul
 
     model = make(tok)
     if onednn:
@@ -153,7 +153,7 @@ def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
 def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from postrl.models import fused
+    from postrl.accel import fused
 
     gpt2, llama = _gpt2(tok), _llama(tok)
     assert not fused.supports(gpt2) and fused.supports(llama)

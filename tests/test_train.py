@@ -251,9 +251,9 @@ def test_sft_then_eval_cli(model_dir, tmp_path):
 
 
 def test_onednn_layers_train_the_same_function(model_dir, tmp_path):
-    """train.matmul=onednn (postrl.models.matmul) vs torch's products: the same first step up to float rounding,
+    """train.matmul=onednn (postrl.accel.matmul) vs torch's products: the same first step up to float rounding,
     checkpoints that load as plain HF models."""
-    from postrl.models import matmul
+    from postrl.accel import matmul
 
     if not matmul.onednn_available():
         pytest.skip("this torch build has no oneDNN")

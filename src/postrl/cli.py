@@ -120,8 +120,8 @@ def cmd_eval(args) -> int:
     from postrl.config import load_config, read_yaml
     from postrl.data import load_source
     from postrl.evaluate import evaluate
+    from postrl import accel
     from postrl.models import load_model_and_tokenizer
-    from postrl.rollout.hf import HFGenerator
 
     model_path = _resolve_eval_model(args.target)
     base = read_yaml(Path(args.target) / "config.yaml") if (Path(args.target) / "config.yaml").is_file() else None
@@ -132,10 +132,7 @@ def cmd_eval(args) -> int:
     source = load_source(cfg.task.model_dump())
     model, tokenizer = load_model_and_tokenizer(model_path, cfg.model.dtype)
     rows = source.eval_rows(args.n, cfg.seed)
-    try:
-        gen = HFGenerator(model, tokenizer, decode=cfg.rollout.decode)
-    except ValueError as e:
-        raise ConfigError(f"rollout.decode: {e}") from None
+    gen = accel.prepare(model, cfg.accel).generator(model, tokenizer)
     res = evaluate(gen, tokenizer, source, rows,
                    max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
@@ -218,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr = csub.add_parser("reference", help="print the configuration reference (markdown)")
     cr.set_defaults(fn=lambda a: print(__import__("postrl.config", fromlist=["x"]).reference_markdown()) or 0)
 
-    from postrl.bench import add_parser as add_bench_parser  # postrl bench: side by side with TRL's GRPOTrainer
+    from postrl.accel.bench import add_parser as add_bench_parser  # postrl bench: side by side with TRL's GRPOTrainer
 
     add_bench_parser(sub)
     from postrl.report.commands import add_parsers as add_run_parsers  # samples, report, doctor, probe-reward
@@ -236,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_openmp_spin(environ=os.environ) -> bool:
     """Set ``GOMP_SPINCOUNT=10000`` (libgomp's idle threads spin about 0.2 ms, not its default ~7 ms, before they
     sleep) unless it is set, and only before torch (and with it libgomp) is loaded; True when set. A phase on fewer
-    threads, or a helper generation process (``rollout.processes``), then has the other cores at once after the
-    update; the update's back-to-back parallel regions are as fast (``postrl.rollout.helpers``)."""
+    threads, or a helper generation process (``accel.processes``), then has the other cores at once after the
+    update; the update's back-to-back parallel regions are as fast (``postrl.accel.helpers``)."""
     if "torch" in sys.modules or "GOMP_SPINCOUNT" in environ:
         return False
     environ["GOMP_SPINCOUNT"] = "10000"

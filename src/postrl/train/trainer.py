@@ -32,14 +32,13 @@ from postrl.data.base import stable_hash
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import evaluate
 from postrl.losses import KLController, check_aggregation, kl_reward_penalty, make_stage, stage_fields, tis_weights
-from postrl.models import completion_logprobs, encode_prompt, load_model_and_tokenizer, matmul
+from postrl import accel
+from postrl.models import encode_prompt, load_model_and_tokenizer
 from postrl.pipeline import call_stage
-from postrl.perf import ThreadPolicy, keep_freed_memory
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
 from postrl.rewards.steps import split_steps, step_token_ends
 from postrl.rollout.base import SamplingParams
-from postrl.rollout.decoder import decode_library
 from postrl.shaping import build_stage, load_stages_state, stages_state
 from postrl.train import checkpoint as ckpt
 from postrl.data.rollout_options import ExpandContext
@@ -114,8 +113,6 @@ class Trainer:
 
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         self.acc = Accelerator(cpu=not torch.cuda.is_available(),
                                kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
@@ -130,27 +127,14 @@ class Trainer:
         self.model_path = path
         model, self.tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
         model.config.use_cache = False
-        if self.acc.device.type == "cpu":
-            if cfg.train.keep_freed_memory:
-                keep_freed_memory()  # glibc: reuse freed buffers instead of page-faulting new ones (postrl.perf)
-            # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
-            self.matmul = matmul.choose(cfg.train.matmul, model)
-            matmul.use_onednn(model, self.matmul == "onednn")
-            try:  # the library of the decode steps (postrl.rollout.decoder)
-                decode = decode_library(model, cfg.rollout.decode)
-            except ValueError as e:  # rollout.decode=numpy for a model numpy cannot decode
-                raise ConfigError(f"rollout.decode: {e}") from None
-            # torch threads per phase (postrl.perf), probed with the products each phase runs
-            self.threads = ThreadPolicy.for_model(model, cfg.train.threads, decode=decode)
-        else:  # on an accelerator the host's thread count is not measured (the CPU probe would time the wrong thing)
-            self.threads = ThreadPolicy(cfg.train.threads or torch.get_num_threads())
-            self.matmul = "torch"
+        # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths
+        self.accel = accel.prepare(model, cfg.accel, self.acc.device)
         self.ref_model = None
         self._setup_losses()
         if "ref_logp" in self.loss_fields:
             self.ref_model, _ = load_model_and_tokenizer(path, cfg.model.dtype)
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
-            matmul.use_onednn(self.ref_model, self.matmul == "onednn")
+            self.accel.apply(self.ref_model)
         # stages
         self.reward_specs = cfg.rewards
         self.reward_fns = [build_stage("reward", r.name, r.params)[:2] for r in cfg.rewards]  # classes keep state
@@ -189,7 +173,6 @@ class Trainer:
         self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
         self.backend = self._make_backend()
-        self.backend.start_helpers()  # rollout.processes > 1: helper processes start in the background
         self.start_step = 0
         self.eval_before: dict | None = None
         if resume:
@@ -218,17 +201,7 @@ class Trainer:
     def _make_backend(self):
         if self.cfg.rollout.backend == "vllm":
             raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
-        from postrl.rollout.hf import HFGenerator
-
-        processes = self.cfg.rollout.processes
-        if processes > 1 and self.acc.device.type != "cpu":
-            raise ConfigError(f"rollout.processes={processes}: helper generation processes run on a CPU only; "
-                              f"use 1 on {self.acc.device.type}")
-        try:
-            return HFGenerator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size,
-                               threads=self.threads, decode=self.cfg.rollout.decode, processes=processes)
-        except ValueError as e:  # rollout.decode=numpy where numpy cannot decode (not on a CPU, not float32)
-            raise ConfigError(f"rollout.decode: {e}") from None
+        return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
 
     def _reward_stages(self) -> list[tuple[Any, dict, str]]:
         return [(fn, params, r.name) for (fn, params), r in zip(self.reward_fns, self.reward_specs)]
@@ -269,7 +242,8 @@ class Trainer:
         rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
         prompt_ids = [encode_prompt(self.tokenizer, r["prompt"], cfg.model.chat_template) for r in rows]
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop))
+                                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop),
+                                ignore_eos=cfg.rollout.ignore_eos)
         first = self.rank * per_rank  # global index of this process's first prompt
         seeds = [_seed(cfg.seed, step, first + i, "rollout", *([attempt] if attempt else [])) for i in range(len(rows))]
         multi = next((fn for fn, _, _ in self.filters if hasattr(fn, "plan")), None)
@@ -418,7 +392,8 @@ class Trainer:
                 continue
             stage_ops.produce(self, batch, list(getattr(fn, "needs", ())), {})
             params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop))
+                                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop=list(cfg.rollout.stop),
+                                    ignore_eos=cfg.rollout.ignore_eos)
             ctx = ExpandContext(generate=lambda ids, n, seeds: self.backend.generate(ids, n, params, seeds),
                                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                                 group_size=cfg.rollout.group_size, pad_id=self.backend.pad_id,
@@ -497,11 +472,10 @@ class Trainer:
                   entropy_grad: bool = False, with_logits: bool = False):
         """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
         dev = self.acc.device
-        groups = batch.group_ids[idx] if self.cfg.train.share_prompt else None
-        out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
+        out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
                                   with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=groups, fused=self.cfg.train.fused)
+                                  groups=batch.group_ids[idx])
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
@@ -747,7 +721,7 @@ class Trainer:
         metrics.update(self.stage_metrics)  # filters, prompt selectors, value head
         rows = min(len(batch), self.cfg.train.micro_batch_size) * (batch.prompt_ids.shape[1]
                                                                    + batch.completion_ids.shape[1])
-        with self.threads.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
+        with self.accel.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
         ntok = float(batch.lengths.sum())

@@ -16,11 +16,11 @@ What is compared (both sides, every setting equal):
   * AdamW, the same learning rate, betas, eps, no weight decay, constant schedule, grad-norm clip 1.0.
   * TRL's ``gradient_checkpointing`` (on by default in GRPOConfig) is turned off: postrl does not recompute
     activations, so leaving it on would make TRL do more work.
-  * Equal completion lengths: EOS does not stop generation on either side (postrl: the sampler's ``eos_ids``
-    emptied; TRL: ``eos_token_id=None`` in its generation config and no EOS cut in its completion mask), so
+  * Equal completion lengths: EOS does not stop generation on either side (postrl: ``rollout.ignore_eos=true``;
+    TRL: ``eos_token_id=None`` in its generation config and no EOS cut in its completion mask), so
     every completion has exactly ``T`` tokens on both sides and both train on all of them. Each step checks it.
 
-How it is run: each side lives in its own worker subprocess (``python -m postrl.bench worker ...``) that holds
+How it is run: each side lives in its own worker subprocess (``python -m postrl.accel.bench worker ...``) that holds
 its trainer; the parent tells the two workers to take one step each in turn (A B A B ...), so both see the same
 machine load, and a per-step ratio is robust to load that changes over minutes. The first ``WARMUP_STEPS`` steps
 of each side are a warm-up and are not counted.
@@ -54,11 +54,11 @@ from postrl.errors import PostrlError
 
 SIDES = ("postrl", "trl")
 REWARD_WEIGHTS = (1.0, 0.2)
-# Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.perf) measures each
+# Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.accel.cpu) measures each
 # phase at its first use and again after 2 and 4 more uses (a few ms each time); TRL's first steps build its caches.
 WARMUP_STEPS = 6
-REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.bench:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
-                    f"{{name: 'postrl.bench:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
+REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.accel.bench:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
+                    f"{{name: 'postrl.accel.bench:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
 
 
 # ------------------------------------------------------------------------------------------------ rewards
@@ -93,6 +93,7 @@ class Spec:
     model_dir: str = ""
     work_dir: str = ""
     side: str = "postrl"
+    overrides: tuple[str, ...] = ()  # postrl side: config overrides of this variant (``--also postrl:KEY=VALUE,...``)
 
     @property
     def rows(self) -> int:
@@ -109,12 +110,12 @@ def measure_peaks(quick: bool = False) -> dict:
 
     Each is the best of several repetitions on 1 thread and on torch's default thread count (a peak: on a machine
     shared with other jobs the full count can be the slower one); the count that reached it is reported. The
-    matmul runs through torch's default library (MKL) and through oneDNN (``postrl.models.matmul``), and the peak is
+    matmul runs through torch's default library (MKL) and through oneDNN (``postrl.accel.matmul``), and the peak is
     the faster of the two (``matmul_lib``): on AMD CPUs with AVX-512 MKL reaches about half of oneDNN's rate.
     """
     import torch
 
-    from postrl.models import matmul as mm_lib
+    from postrl.accel import matmul as mm_lib
 
     old = torch.get_num_threads()
     n = 1024 if quick else 2048
@@ -307,7 +308,7 @@ def _sync(spec: Spec) -> None:
 
 def _policy_threads(policy, backend=None) -> str:
     """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step); ``PxT`` for a
-    generation split over P processes of T threads each (``rollout.processes``)."""
+    generation split over P processes of T threads each (``accel.processes``)."""
     ch = policy.choices
     only = policy.max_threads if len(policy.candidates()) == 1 else "?"
     out = [str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
@@ -322,7 +323,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     import torch
 
     from postrl.config import load_config
-    from postrl.perf import usable_cores
+    from postrl.accel.cpu import usable_cores
     from postrl.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -331,7 +332,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         "task.name=arithmetic", "model.chat_template=none",
         REWARDS_OVERRIDE,
         f"rollout.group_size={spec.group_size}", f"rollout.max_new_tokens={spec.max_new_tokens}",
-        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "rollout.ignore_eos=true",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", "train.mini_batches=1", f"train.steps={spec.total_steps}",
         "train.save_every=0", "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0",
@@ -340,15 +341,14 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         f"optim.lr={spec.lr}", "optim.weight_decay=0.0", "optim.warmup_steps=0", "optim.schedule=constant",
         "optim.max_grad_norm=1.0",
     ]
+    overrides += list(spec.overrides)
     if spec.threads:
-        overrides.append(f"train.threads={spec.threads}")
-    elif spec.device == "cpu" and usable_cores() >= 2:
-        # a helper generation process on the other core where generation runs on one thread (postrl.rollout.helpers)
-        overrides.append("rollout.processes=2")
+        overrides.append(f"accel.threads={spec.threads}")
+    elif spec.device == "cpu" and usable_cores() >= 2 and not any(o.startswith("accel.processes=") for o in spec.overrides):
+        # a helper generation process on the other core where generation runs on one thread (postrl.accel.helpers)
+        overrides.append("accel.processes=2")
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, spec.work_dir)
-    trainer.backend.eos_ids = []  # equal work: EOS does not end a completion (TRL side: eos_token_id=None)
-    trainer.backend.start_helpers(wait=120.0)  # their start-up is set-up time (init_s), as the trainer's own
     proto.find_children()
     proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
     step = 0
@@ -359,10 +359,10 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         _sync(spec)
         wall, cpu = time.perf_counter() - t, proto.cpu_s() - c
         step += 1
-        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
+        threads = spec.threads or _policy_threads(trainer.accel.threads)
         proto.send({"wall": wall, "generation": m["time/generation"], "reward": m["time/reward"],
                     "ref": m["time/ref"], "len_min": m["length/min"], "len_max": m["length/max"],
-                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.matmul})
+                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.accel.matmul})
 
 
 def _trl_worker(spec: Spec, proto: _Proto) -> None:
@@ -513,7 +513,7 @@ class Worker:
         # Both sides in the same environment, the postrl command's (GOMP_SPINCOUNT=10000 unless set,
         # postrl.cli.quiet_openmp_spin): with libgomp's default spin, a side's idle OpenMP threads spin for ~7 ms into
         # the other side's step (TRL's generation took 53 instead of 45 ms after postrl's update)
-        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.bench", "worker", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.accel.bench", "worker", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, **hide, **(env or {})})
         self.ready: dict | None = None
@@ -677,7 +677,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
     s = replace(spec, side="postrl", work_dir=str(root))
     out = root / "steps.json"
     if procs == 1:
-        cmd = [sys.executable, "-m", "postrl.bench", "run-steps", json.dumps(asdict(s)), str(out)]
+        cmd = [sys.executable, "-m", "postrl.accel.bench", "run-steps", json.dumps(asdict(s)), str(out)]
     else:
         import socket
 
@@ -687,7 +687,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
         # torch.distributed.run (torchrun): what `accelerate launch --cpu --num_processes N -m postrl train` ends
         # up running (postrl.launch); each worker is DDP over gloo with OMP_NUM_THREADS=1.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), "-m", "postrl.bench", "run-steps", json.dumps(asdict(s)),
+               "127.0.0.1", "--master_port", str(port), "-m", "postrl.accel.bench", "run-steps", json.dumps(asdict(s)),
                str(out)]
     with open(root / "log.txt", "w") as f:  # on the CPU, as the tables it extends
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -702,7 +702,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
 
 
 def run_steps_main(argv: list[str]) -> int:
-    """``python -m postrl.bench run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
+    """``python -m postrl.accel.bench run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
     from postrl.config import load_config
     from postrl.train.trainer import Trainer
 
@@ -711,20 +711,20 @@ def run_steps_main(argv: list[str]) -> int:
         f"model.path={spec.model_dir}", f"output_dir={spec.work_dir}", f"seed={spec.seed}", "model.chat_template=none",
         REWARDS_OVERRIDE,
         f"rollout.group_size={spec.group_size}", f"rollout.max_new_tokens={spec.max_new_tokens}",
+        "rollout.ignore_eos=true",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", f"train.steps={spec.total_steps}", "train.save_every=0",
         "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0", "advantage.eps=1e-4", "kl.coef=0.0",
         f"optim.lr={spec.lr}",
     ]
     if spec.threads:
-        overrides.append(f"train.threads={spec.threads}")
+        overrides.append(f"accel.threads={spec.threads}")
     trainer = Trainer(load_config(None, overrides), spec.work_dir)
-    trainer.backend.eos_ids = []
     recs = []
     for step in range(spec.total_steps):
         t = time.perf_counter()
         m = trainer.train_step(step)
-        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
+        threads = spec.threads or _policy_threads(trainer.accel.threads)
         recs.append({"wall": time.perf_counter() - t, "threads": threads, "len_min": m["length/min"],
                      "len_max": m["length/max"], "processes": trainer.world})
     if trainer.main:
@@ -789,6 +789,21 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
+def parse_variant(name: str) -> dict:
+    """``SIDE``, ``SIDE@THREADS`` or ``postrl:KEY=VALUE,KEY=VALUE`` (postrl with config overrides) as the Spec
+    fields of a variant."""
+    if name.startswith("postrl:"):
+        items = tuple(x for x in name[len("postrl:"):].split(",") if x)
+        if not items or not all("=" in x for x in items):
+            raise PostrlError(f"bench --also '{name}': expected postrl:KEY=VALUE[,KEY=VALUE...]")
+        return {"side": "postrl", "overrides": items}
+    side, _, n = name.partition("@")
+    if side not in SIDES or (n and not n.isdigit()):
+        raise PostrlError(f"bench --also '{name}': expected SIDE, SIDE@THREADS with SIDE in {', '.join(SIDES)}, "
+                          f"or postrl:KEY=VALUE,...")
+    return {"side": side, "threads": int(n) if n else None}
+
+
 def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] | None = None,
         prompts: int | None = None, group_size: int | None = None, steps: int | None = None, epochs: int = 1,
         lr: float = 1e-5, scaling: bool | None = None, also: list[str] | None = None,
@@ -812,11 +827,8 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     peaks = measure(quick)
     log(f"matmul peak {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     variants = {"postrl": {"side": "postrl"}, "trl": {"side": "trl"}}
-    for name in also or []:  # e.g. trl@1: TRL with 1 torch thread
-        side, _, n = name.partition("@")
-        if side not in SIDES or (n and not n.isdigit()):
-            raise PostrlError(f"bench --also '{name}': expected SIDE or SIDE@THREADS with SIDE in {', '.join(SIDES)}")
-        variants[name] = {"side": side, "threads": int(n) if n else None}
+    for name in also or []:  # e.g. trl@1: TRL with 1 torch thread; postrl:accel.mode=off: postrl with overrides
+        variants[name] = parse_variant(name)
     summaries = []
     from postrl.models.tiny import build_tokenizer
 

@@ -2,7 +2,7 @@
 
 A tiny model's decode step is bound by the cost of each operation, not by its rows: on a 2-core Zen 5, 4 rows
 of the 1M benchmark model take 13.1 ms to generate 32 tokens, 8 rows 16.7 ms, and a second thread does not help.
-When generation runs on one thread the other core idles, so ``rollout.processes=2`` gives half the prompts to a
+When generation runs on one thread the other core idles, so ``accel.processes=2`` gives half the prompts to a
 helper process: 8 rows in 14.0 ms instead of 16.4 ms (two prompts of 4 rows, with the transfers); a GRPO step of
 the 1M model 32.0 instead of 34.0 ms.
 
@@ -143,7 +143,7 @@ class HelperPool:
     def _died(self, i: int) -> str:
         proc = self.procs[i]
         proc.join(timeout=1.0)
-        return f"generation helper process {i + 1} exited (exit code {proc.exitcode}); rollout.processes=1 " \
+        return f"generation helper process {i + 1} exited (exit code {proc.exitcode}); accel.processes=1 " \
                f"generates in the training process only"
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ bound by its products, gains nothing measurable from the fusion; the prompt shar
 (8 rows, 2 prompts of 12 tokens, 32 completion tokens: 125 vs 139 ms forward + backward at 20M, against
 the model's own shared-prompt path). The gradients are those of the model's own forward up to float
 rounding (``tests/test_models.py`` compares
-every parameter's gradient with autograd through the Hugging Face model). It is used (``train.fused``) for models
-:class:`postrl.rollout.decoder.StaticDecoder` supports, in float32 on a CPU, without attention dropout, gradient
+every parameter's gradient with autograd through the Hugging Face model). It is used (``accel.fused``) for models
+:class:`postrl.accel.decoder.StaticDecoder` supports, in float32 on a CPU, without attention dropout, gradient
 checkpointing or a wrapper (DDP's gradient hooks expect its own forward). Its backward is not differentiable
 again: the sharpness diagnostic, which differentiates a gradient, uses the model's forward.
 """
@@ -40,7 +40,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from postrl.models.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
+from postrl.accel.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Spec, or None when not supported
@@ -52,7 +52,7 @@ def spec_for(model) -> _Spec | None:
     if not isinstance(model, torch.nn.Module):
         return None
     if model not in _SPECS:
-        from postrl.rollout.decoder import StaticDecoder
+        from postrl.accel.decoder import StaticDecoder
 
         _SPECS[model] = _Spec(model) if StaticDecoder.supports(model) else None
     spec = _SPECS[model]
@@ -77,7 +77,7 @@ def supports(model) -> bool:
 
 def _products(onednn: bool):
     """(x W^T, g W, g^T x) for x [M, in], W [out, in], g [M, out]: oneDNN's (as the oneDNN linear layers compute
-    them, postrl.models.matmul) or torch's (MKL's)."""
+    them, postrl.accel.matmul) or torch's (MKL's)."""
     if onednn:
         return _mm, onednn_grad_input, onednn_grad_weight
     return (lambda x, w: x @ w.t()), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)
@@ -129,7 +129,7 @@ class _Spec:
 
     def same_params(self, model) -> bool:
         """Whether the model still holds the parameters (and linear layer classes) this spec was made from."""
-        from postrl.rollout.decoder import _LINEAR
+        from postrl.accel.decoder import _LINEAR
 
         if list(model.model.layers) != self.layers or any(
                 type(lin) not in _LINEAR for layer in self.layers
@@ -365,7 +365,7 @@ class _Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dlogits: torch.Tensor):
         if torch.is_grad_enabled():
-            raise RuntimeError("the fused training forward (train.fused) has no double backward; run the model's "
+            raise RuntimeError("the fused training forward (accel.fused) has no double backward; run the model's "
                                "own forward where a gradient is differentiated")
         spec, lay = ctx.spec, ctx.lay
         _, dxp, dwp = _products(spec.onednn)
@@ -459,7 +459,7 @@ def fused_completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
     into it: the same function, with the prompt work divided by the number of rows per prompt."""
     spec = spec_for(model)
     if spec is None:
-        raise ValueError("fused_completion_logits: this model is not supported (postrl.models.fused.supports)")
+        raise ValueError("fused_completion_logits: this model is not supported (postrl.accel.fused.supports)")
     if prompt_ids.shape[1] == 0 or completion_ids.shape[1] == 0:
         raise ValueError("fused_completion_logits: needs at least one prompt and one completion position")
     if first is not None:
