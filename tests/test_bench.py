@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from postrl.accel import bench
+from postrl.benchmark import harness as bench
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
 from postrl.errors import PostrlError
@@ -80,7 +80,7 @@ def _postrl_first_update(model_dir, tmp_path, batch, epochs: int):
                              "loss.eps_low=0.2", "loss.eps_high=0.2", "loss.agg=token_mean", "kl.coef=0.0",
                              f"train.epochs={epochs}", "train.mini_batches=1", "train.micro_batch_size=64",
                              "optim.max_grad_norm=null", "rollout.temperature=1.0", "rollout.max_new_tokens=6",
-                             "train.threads=1"])
+                             "accel.threads=1"])
     trainer = Trainer(cfg, tmp_path)
     seen: dict = {}
     backward, step = trainer.acc.backward, trainer.optimizer.step
@@ -166,7 +166,7 @@ def test_small_models_pin_generation_and_measure_the_update():
     p = ThreadPolicy.for_model(model, max_threads=2)
     assert p.threads_for("generation", rows=8) == 1 and "generation" not in p.timings  # pinned: never measured
     assert p.threads_for("update", rows=256) in (1, 2) and set(p.timings["update"]) == {1, 2}
-    assert ThreadPolicy.for_model(model, 2, max_threads=2).threads_for("generation") == 2  # train.threads wins
+    assert ThreadPolicy.for_model(model, 2, max_threads=2).threads_for("generation") == 2  # accel.threads wins
 
 
 def test_update_is_bitwise_identical_on_one_and_two_threads():
@@ -331,3 +331,45 @@ print(sorted(counts)[len(counts) // 2])  # the median step: robust to the odd fa
                                          check=True, env=env).stdout.split()[-1]) for mode in ("keep", "default")}
     assert faults["keep"] < 20, faults  # measured: 0-1 a step
     assert faults["default"] > 1000, faults  # measured: 14,000-16,000 a step
+
+
+def test_load_meter_counts_other_processes_and_refuses_the_ratio_under_load(tmp_path):
+    """The benchmark's background load: a process spinning outside the benchmark's tree counts as background, the
+    same process inside it (a worker) does not; a summary measured with a busy core prints no ratio, and says why."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        time.sleep(0.3)
+        c0 = psutil.Process(spin.pid).cpu_times()
+        inside, outside = bench.LoadMeter([spin.pid]), bench.LoadMeter([])
+        inside.start()
+        outside.start()
+        time.sleep(1.5)
+        a, b = inside.stop(), outside.stop()
+        c1 = psutil.Process(spin.pid).cpu_times()
+    finally:
+        spin.kill()
+        spin.wait()
+    spun = (c1.user + c1.system - c0.user - c0.system) / a["wall_s"]  # cores the spinner used (~1 on a quiet machine)
+    assert spun > 0.1
+    assert b["background_cores"] - a["background_cores"] == pytest.approx(spun, abs=0.1)  # counted once, outside
+    assert a["own_cores"] - b["own_cores"] == pytest.approx(spun, abs=0.1)
+    quiet = {"background_cores": 0.05, "own_cores": 2.0, "machine_cores": 2.05, "wall_s": 1.0, "cpus": 2}
+    busy = dict(quiet, background_cores=1.0)
+    assert bench.load_verdict(quiet) is None and bench.load_verdict(None) is None
+    assert "1.00 of 2 cores busy" in bench.load_verdict(busy)
+    sides = {"postrl": {"threads": "1/2", "matmul": "torch", "wall": 1.0, "tok_s": 1.0, "cpu_busy": 1.0,
+                        "rss_mib": 1.0, "phase_tok_s": {"generation": 1.0, "reward": 1.0, "ref": None, "update": 1.0},
+                        "update_flops_per_s": 1.0, "gen_bound_tok_s": 1.0}}
+    sides["trl"] = dict(sides["postrl"], speedup_of_postrl=2.5)
+    peaks = {"copy_bytes_per_s": 1e10, "matmul_flops": 1e10, "matmul_n": 8, "matmul_threads": 1, "copy_threads": 1,
+             "copy_mib": 1}
+    base = {"size": "1m", "params": 1e6, "T": 32, "rows": 8, "epochs": 1, "sides": sides}
+    assert "2.50x" in bench.format_tables([dict(base, load=quiet, refused=None)], peaks)
+    table = bench.format_tables([dict(base, load=busy, refused=bench.load_verdict(busy))], peaks)
+    assert "2.50x" not in table and "not printed" in table and "rerun on a quiet machine" in table

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr = csub.add_parser("reference", help="print the configuration reference (markdown)")
     cr.set_defaults(fn=lambda a: print(__import__("postrl.config", fromlist=["x"]).reference_markdown()) or 0)
 
-    from postrl.accel.bench import add_parser as add_bench_parser  # postrl bench: side by side with TRL's GRPOTrainer
+    from postrl.benchmark.harness import add_parser as add_bench_parser  # postrl bench: side by side with TRL
 
     add_bench_parser(sub)
     from postrl.report.commands import add_parsers as add_run_parsers  # samples, report, doctor, probe-reward

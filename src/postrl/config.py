@@ -203,6 +203,14 @@ class AccelConfig(_Strict):
                            "(tiny models), every process on cores / processes threads; the tokens of one process up "
                            "to the float rounding of smaller batches (postrl.accel.helpers)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_off(cls, data: Any) -> Any:
+        """YAML reads a bare ``off`` as false: ``accel.mode=off`` means the mode 'off'."""
+        if isinstance(data, dict) and data.get("mode") is False:
+            data = {**data, "mode": "off"}
+        return data
+
 
 class SFTConfig(_Strict):
     """`postrl sft` and the built-in model's warm start."""

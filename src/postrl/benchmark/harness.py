@@ -20,7 +20,7 @@ What is compared (both sides, every setting equal):
     TRL: ``eos_token_id=None`` in its generation config and no EOS cut in its completion mask), so
     every completion has exactly ``T`` tokens on both sides and both train on all of them. Each step checks it.
 
-How it is run: each side lives in its own worker subprocess (``python -m postrl.accel.bench worker ...``) that holds
+How it is run: each side lives in its own worker subprocess (``python -m postrl.benchmark worker ...``) that holds
 its trainer; the parent tells the two workers to take one step each in turn (A B A B ...), so both see the same
 machine load, and a per-step ratio is robust to load that changes over minutes. The first ``WARMUP_STEPS`` steps
 of each side are a warm-up and are not counted.
@@ -57,8 +57,8 @@ REWARD_WEIGHTS = (1.0, 0.2)
 # Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.accel.cpu) measures each
 # phase at its first use and again after 2 and 4 more uses (a few ms each time); TRL's first steps build its caches.
 WARMUP_STEPS = 6
-REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.accel.bench:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
-                    f"{{name: 'postrl.accel.bench:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
+REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.benchmark.harness:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
+                    f"{{name: 'postrl.benchmark.harness:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
 
 
 # ------------------------------------------------------------------------------------------------ rewards
@@ -232,6 +232,73 @@ def build_bench_model(path: str | Path, size: str, seed: int = 0) -> Path:
     if not (path / "config.json").is_file():
         build_local(path, size=size, seed=seed)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ background load
+# A ratio is printed only when the rest of the machine used less than this many cores on average while the measured
+# steps ran. With one core busy in the background, TRL's two OpenMP threads stall at every barrier while postrl's
+# thread policy drops to one thread: the quick ratio then read 17-20x instead of ~2.3x, a number nobody could
+# reproduce on a quiet machine.
+MAX_BACKGROUND_CORES = 0.25
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process of the machine has used so far (all cores; idle and I/O wait excluded, time stolen
+    by the hypervisor for other guests included)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the live processes ``pids`` and all their descendants have used so far."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                c = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += c.user + c.system
+    return total
+
+
+class LoadMeter:
+    """The CPU the rest of the machine uses while the benchmark runs: machine-wide busy seconds (``psutil.cpu_times``,
+    i.e. /proc/stat) minus those of the benchmark's own process tree (this process, the workers and their
+    children), per wall second: the average number of cores other processes kept busy."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = [os.getpid(), *pids]
+        self.t0 = self.busy0 = self.own0 = None
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _machine_busy_s(), _tree_cpu_s(self.pids)
+
+    def stop(self) -> dict:
+        from postrl.accel.cpu import usable_cores
+
+        wall = time.perf_counter() - self.t0
+        busy, own = _machine_busy_s() - self.busy0, _tree_cpu_s(self.pids) - self.own0
+        return {"wall_s": wall, "machine_cores": busy / wall, "own_cores": own / wall,
+                "background_cores": max(0.0, busy - own) / wall, "cpus": usable_cores()}
+
+
+def load_verdict(load: dict | None) -> str | None:
+    """Why a ratio measured under ``load`` (:meth:`LoadMeter.stop`) is not printed; None when it is."""
+    if load is None or load["background_cores"] < MAX_BACKGROUND_CORES:
+        return None
+    return (f"other processes kept {load['background_cores']:.2f} of {load['cpus']} cores busy during the measured "
+            f"steps (limit {MAX_BACKGROUND_CORES}): the sides' thread policies react differently to a busy machine, "
+            f"so the ratio would not be reproducible; rerun on a quiet machine")
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -513,7 +580,7 @@ class Worker:
         # Both sides in the same environment, the postrl command's (GOMP_SPINCOUNT=10000 unless set,
         # postrl.cli.quiet_openmp_spin): with libgomp's default spin, a side's idle OpenMP threads spin for ~7 ms into
         # the other side's step (TRL's generation took 53 instead of 45 ms after postrl's update)
-        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.accel.bench", "worker", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.benchmark", "worker", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, **hide, **(env or {})})
         self.ready: dict | None = None
@@ -568,7 +635,11 @@ def run_pair(spec: Spec, root: Path, variants: dict[str, dict] | None = None,
             workers[name] = Worker(s, root / f"{name}.log")
         ready = {name: w.wait_ready() for name, w in workers.items()}
         steps: dict[str, list[dict]] = {name: [] for name in workers}
+        meter = LoadMeter([w.proc.pid for w in workers.values()]) if spec.device == "cpu" else None
+        load = None
         for i in range(spec.total_steps):
+            if i == spec.warmup and meter is not None:
+                meter.start()
             for name, w in workers.items():
                 rec = w.step()
                 n = spec.max_new_tokens
@@ -579,10 +650,12 @@ def run_pair(spec: Spec, root: Path, variants: dict[str, dict] | None = None,
                 steps[name].append(rec)
                 log(f"  {name:<12} step {i + 1}/{spec.total_steps}  {rec['wall']:.2f}s"
                     + ("  (warm-up)" if rec["warmup"] else ""))
+        if meter is not None and meter.t0 is not None:
+            load = meter.stop()
     finally:
         for w in workers.values():
             w.close()
-    return {"spec": asdict(spec), "ready": ready, "steps": steps}
+    return {"spec": asdict(spec), "ready": ready, "steps": steps, "load": load}
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -596,7 +669,7 @@ def summarize(result: dict, peaks: dict, prompt_len: int) -> dict:
     rows, T, E = spec["prompts"] * spec["group_size"], spec["max_new_tokens"], spec["epochs"]
     tokens = rows * T
     out: dict[str, Any] = {"size": spec["size"], "params": shape["params"], "T": T, "rows": rows, "epochs": E,
-                           "sides": {}}
+                           "sides": {}, "load": result.get("load"), "refused": load_verdict(result.get("load"))}
     for name, recs in result["steps"].items():
         meas = [r for r in recs if not r["warmup"]]
         wall = _median([r["wall"] for r in meas])
@@ -640,11 +713,20 @@ def format_tables(summaries: list[dict], peaks: dict) -> str:
             def f(v):
                 return "-" if v is None else f"{v:,.0f}"
             sp = d.get("speedup_of_postrl")
+            cell = "" if sp is None else "not printed (load)" if s.get("refused") else f"{sp:.2f}x"
             lines.append(f"| {s['size']} ({s['params'] / 1e6:.2f}M) | {s['T']} | {name} | {d['threads']} "
                          f"| {d.get('matmul') or '-'} | {_fmt_s(d['wall'])} | {d['tok_s']:,.0f} | {f(pt['generation'])} | {f(pt['reward'])} "
                          f"| {f(pt['ref']) if s['epochs'] > 1 else '-'} | {f(pt['update'])} | {d['cpu_busy']:.2f} "
                          f"| {d['rss_mib']:.0f} "
-                         f"| {'' if sp is None else f'{sp:.2f}x'} |")
+                         f"| {cell} |")
+    for s in summaries:
+        load = s.get("load")
+        if load is not None:
+            lines.append("")
+            lines.append(f"{s['size']} T={s['T']}: background load during the measured steps "
+                         f"{load['background_cores']:.2f} cores of {load['cpus']} (the benchmark itself "
+                         f"{load['own_cores']:.2f})" + (f"; ratio not printed: {s['refused']}" if s.get("refused")
+                                                         else ""))
     lines.append("")
     by_lib = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.get("matmul_by_lib", {}).items())
     if peaks.get("device") == "cuda":
@@ -677,7 +759,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
     s = replace(spec, side="postrl", work_dir=str(root))
     out = root / "steps.json"
     if procs == 1:
-        cmd = [sys.executable, "-m", "postrl.accel.bench", "run-steps", json.dumps(asdict(s)), str(out)]
+        cmd = [sys.executable, "-m", "postrl.benchmark", "run-steps", json.dumps(asdict(s)), str(out)]
     else:
         import socket
 
@@ -687,7 +769,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
         # torch.distributed.run (torchrun): what `accelerate launch --cpu --num_processes N -m postrl train` ends
         # up running (postrl.launch); each worker is DDP over gloo with OMP_NUM_THREADS=1.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), "-m", "postrl.accel.bench", "run-steps", json.dumps(asdict(s)),
+               "127.0.0.1", "--master_port", str(port), "-m", "postrl.benchmark", "run-steps", json.dumps(asdict(s)),
                str(out)]
     with open(root / "log.txt", "w") as f:  # on the CPU, as the tables it extends
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -702,7 +784,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
 
 
 def run_steps_main(argv: list[str]) -> int:
-    """``python -m postrl.accel.bench run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
+    """``python -m postrl.benchmark run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
     from postrl.config import load_config
     from postrl.train.trainer import Trainer
 
@@ -843,7 +925,8 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
             res = run_pair(spec, root / f"{size}-T{T}", variants, log=log)
             summaries.append(summarize(res, peaks, plen))
             sp = summaries[-1]["sides"]["trl"]["speedup_of_postrl"]
-            log(f"  -> speed-up of postrl over TRL: {sp:.2f}x")
+            why = summaries[-1]["refused"]
+            log(f"  -> speed-up of postrl over TRL: {sp:.2f}x" if why is None else f"  -> no ratio: {why}")
     end = peaks if quick else measure(quick)  # the load may have changed: keep the better of the two
     start = peaks
     mm = max(start, end, key=lambda p: p["matmul_flops"])

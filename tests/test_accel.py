@@ -1,11 +1,25 @@
-"""completion_logprobs: the shared-prompt path computes what the one-forward path computes."""
+"""The CPU speed layer (postrl.accel) computes what the plain Hugging Face path computes: log-probs, entropies,
+logits and gradients of the shared-prompt and fused paths against the model's one forward per row; and
+``accel.mode=off`` really runs the plain path."""
 
 import pytest
 import torch
 
-from postrl.models import SHARE_MIN_SAVING, _min_saving, _shared_prompts, completion_logprobs
+from postrl.accel import Accel
+from postrl.accel.cpu import ThreadPolicy
+from postrl.accel.logprobs import FUSED_MAX_POSITIONS, SHARE_MIN_SAVING, _min_saving, _shared_prompts
+from postrl.models import completion_logprobs
 from postrl.models.tiny import build_model, build_tokenizer
 from test_rollout import _reinit, _tiny_qwen2
+
+
+def _accel(fused: bool = False, share_prompt: bool = False) -> Accel:
+    return Accel("auto", ThreadPolicy(torch.get_num_threads()), fused=fused, share_prompt=share_prompt)
+
+
+def logprobs(model, pid, pm, cid, temperature=1.0, *, groups=None, fused=False, **kw):
+    """The speed layer's log-probs: shared prompts where ``groups`` is given, the fused function with ``fused``."""
+    return _accel(fused, groups is not None).logprobs(model, pid, pm, cid, temperature, groups=groups, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +53,7 @@ def _batch(U=3, G=4, P=10, T=6, seed=0):
 def _run(model, pid, pm, cid, groups):
     model.train()
     model.zero_grad(set_to_none=True)
-    logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
-                                            groups=groups)
+    logp, ent, logits = logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True, groups=groups)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (weights * logp).sum().backward()
     return logp.detach(), ent, logits.detach(), [p.grad.clone() for p in model.parameters()]
@@ -138,8 +151,8 @@ def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
     assert fused.supports(model.train())
     ref = _run(model, pid, pm, cid, None)
     model.zero_grad(set_to_none=True)
-    logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
-                                            fused=True, groups=groups if shared else None)
+    logp, ent, logits = logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
+                                 fused=True, groups=groups if shared else None)
     assert _fused_ran(logp)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (weights * logp).sum().backward()
@@ -159,7 +172,7 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     assert not fused.supports(gpt2) and fused.supports(llama)
     # unsupported: gpt2 silently takes the model's forward; the outputs are the same as without fused
     pid, pm, cid, _ = _batch(U=1)
-    torch.testing.assert_close(completion_logprobs(gpt2, pid, pm, cid, fused=True)[0],
+    torch.testing.assert_close(logprobs(gpt2, pid, pm, cid, fused=True)[0],
                                completion_logprobs(gpt2, pid, pm, cid)[0])
     llama.activation_checkpointing_enable()
     assert not fused.supports(llama)  # it would keep the activations checkpointing is there to drop
@@ -171,18 +184,84 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     assert not fused.supports(drop.train()) and fused.supports(drop.eval())
     # a shared-prompt batch takes the fused path too, each distinct prompt once (test above)
     pid, pm, cid, groups = _batch()
-    logp, _ = completion_logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
+    logp, _ = logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
     assert _fused_ran(logp)
     # long sequences take the model's own forward (its attention kernel keeps no score matrix)
-    from postrl.models import FUSED_MAX_POSITIONS
-
     pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 10)
-    assert _fused_ran(completion_logprobs(llama, pid, pm, cid, fused=True)[0])
+    assert _fused_ran(logprobs(llama, pid, pm, cid, fused=True)[0])
     pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 9)
-    assert not _fused_ran(completion_logprobs(llama, pid, pm, cid, fused=True)[0])
+    assert not _fused_ran(logprobs(llama, pid, pm, cid, fused=True)[0])
     # no double backward: a clear error, not a wrong second derivative
     pid, pm, cid, _ = _batch(U=1)
-    logp, _ = completion_logprobs(llama, pid, pm, cid, fused=True)
+    logp, _ = logprobs(llama, pid, pm, cid, fused=True)
     assert _fused_ran(logp)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(logp.sum(), [llama.model.norm.weight], create_graph=True)
+
+
+# ------------------------------------------------------------------------------------------ accel.mode
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from postrl.models.tiny import build_local
+
+    path = tmp_path_factory.mktemp("nano")
+    build_local(path, size="nano", seed=0)
+    return path
+
+
+def _cfg(model_dir, out, *extra):
+    from postrl.config import load_config
+
+    return load_config(None, [f"model.path={model_dir}", f"output_dir={out}", "task.name=arithmetic", "task.digits=1",
+                              "rollout.max_new_tokens=6", "rollout.group_size=4", "train.prompts_per_step=4",
+                              "train.steps=2", "train.save_every=0", "train.eval_size=4", "train.eval_k=1",
+                              "accel.threads=1", *extra])
+
+
+def _forbid_speed_layer(monkeypatch):
+    """Every piece of the speed layer raises when it runs."""
+    from postrl.accel import cpu, decoder, fused, logprobs, matmul
+
+    def boom(*a, **k):
+        raise RuntimeError("speed layer ran")
+
+    monkeypatch.setattr(fused, "fused_completion_logits", boom)
+    monkeypatch.setattr(logprobs, "_shared_prompt_logits", boom)
+    monkeypatch.setattr(decoder.StaticDecoder, "__init__", boom)
+    monkeypatch.setattr(matmul, "use_onednn", boom)
+    monkeypatch.setattr(cpu, "keep_freed_memory", boom)
+    monkeypatch.setattr("postrl.accel.keep_freed_memory", boom)
+    monkeypatch.setattr(cpu.ThreadPolicy, "measure", boom)
+
+
+def test_mode_off_runs_the_plain_hugging_face_path(model_dir, tmp_path, monkeypatch):
+    """accel.mode=off: training, generation and log-probs never touch the speed layer (each piece raises here), and
+    the same run with mode auto does (so the patches bite)."""
+    from postrl.train.trainer import Trainer
+
+    _forbid_speed_layer(monkeypatch)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    cfg = _cfg(model_dir, tmp_path / "off", "accel.mode=off", "accel.threads=null")
+    t = Trainer(cfg, cfg.output_dir)
+    assert t.accel.mode == "off" and t.backend.decoder is None and t.accel.threads.fixed == torch.get_num_threads()
+    assert "TOKENIZERS_PARALLELISM" not in __import__("os").environ  # no process-wide setting either
+    assert t.train()["steps"] == 2
+    with pytest.raises(RuntimeError, match="speed layer ran"):
+        cfg = _cfg(model_dir, tmp_path / "auto")
+        Trainer(cfg, cfg.output_dir).train()
+
+
+def test_mode_auto_trains_the_same_first_step_as_mode_off(model_dir, tmp_path):
+    """The same rollouts (static decoder vs the model's forward), rewards and loss from both modes, up to float
+    rounding (oneDNN's products on AMD CPUs with AVX-512 sum in another order)."""
+    import json
+
+    from postrl.train.trainer import Trainer
+
+    rows = {}
+    for mode in ("auto", "off"):
+        cfg = _cfg(model_dir, tmp_path / mode, f"accel.mode={mode}", "train.steps=1")
+        Trainer(cfg, cfg.output_dir).train()
+        rows[mode] = json.loads((tmp_path / mode / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("reward/mean", "pg_loss", "entropy", "grad_norm", "length/mean"):
+        assert rows["auto"][key] == pytest.approx(rows["off"][key], rel=1e-4, abs=1e-6), key
