@@ -197,11 +197,6 @@ class AccelConfig(_Strict):
         "auto", description="library of the static decoder's prefill and decode steps for Llama-family models "
         "(auto: numpy for a float32 model on a CPU, torch otherwise; the same function, numpy's operations cost "
         "less; postrl.accel.decoder)")
-    processes: int = Field(1, ge=1, description="generation processes on a CPU: processes - 1 helper processes "
-                           "(started in the background at set-up, ~3 s; the parameters in shared memory) each "
-                           "generate a block of the step's prompts once ready, where generation runs on one thread "
-                           "(tiny models), every process on cores / processes threads; the tokens of one process up "
-                           "to the float rounding of smaller batches (postrl.accel.helpers)")
 
     @model_validator(mode="before")
     @classmethod

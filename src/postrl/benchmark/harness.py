@@ -335,16 +335,16 @@ class _Proto:
         self.children: list = []
 
     def send(self, msg: dict) -> None:
-        # peak RSS of this process plus that of its children (the helpers share the parameters with it, so this
-        # counts them twice: an upper bound)
+        # peak RSS of this process plus that of its child processes (any a side starts; shared pages count twice:
+        # an upper bound)
         msg["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 + sum(
             _peak_rss_kib(c.pid) for c in self.children) / 1024.0
         self.out.write(json.dumps(msg) + "\n")
         self.out.flush()
 
     def cpu_s(self) -> float:
-        """CPU seconds (user + system, all threads) this process and its child processes (postrl's generation
-        helpers, listed once by :meth:`find_children`) have used so far."""
+        """CPU seconds (user + system, all threads) this process and its child processes (listed once by
+        :meth:`find_children`) have used so far."""
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime + sum(t.user + t.system for t in (c.cpu_times() for c in self.children))
 
@@ -373,24 +373,18 @@ def _sync(spec: Spec) -> None:
         torch.cuda.synchronize()
 
 
-def _policy_threads(policy, backend=None) -> str:
-    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step); ``PxT`` for a
-    generation split over P processes of T threads each (``accel.processes``)."""
+def _policy_threads(policy) -> str:
+    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step)."""
     ch = policy.choices
     only = policy.max_threads if len(policy.candidates()) == 1 else "?"
-    out = [str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
-           for k in ("generation", "update")]
-    procs = getattr(backend, "last_processes", 1)
-    if procs > 1:
-        out[0] = f"{procs}x{backend.split_threads.fixed}"
-    return "/".join(out)
+    return "/".join(str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
+                    for k in ("generation", "update"))
 
 
 def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     import torch
 
     from postrl.config import load_config
-    from postrl.accel.cpu import usable_cores
     from postrl.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -411,9 +405,6 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     overrides += list(spec.overrides)
     if spec.threads:
         overrides.append(f"accel.threads={spec.threads}")
-    elif spec.device == "cpu" and usable_cores() >= 2 and not any(o.startswith("accel.processes=") for o in spec.overrides):
-        # a helper generation process on the other core where generation runs on one thread (postrl.accel.helpers)
-        overrides.append("accel.processes=2")
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, spec.work_dir)
     proto.find_children()
