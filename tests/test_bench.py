@@ -265,7 +265,7 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
     """With numpy decode steps the generation probe times numpy's products with numpy's BLAS limited to each
     candidate count, and leaves numpy's BLAS thread count as it found it."""
     from postrl.models.tiny import build_model, build_tokenizer
-    from postrl.rollout import decoder
+    from postrl.accel import decoder
 
     model = build_model(build_tokenizer(), size="medium")  # hidden 512: generation is measured, not pinned
     assert ThreadPolicy.for_model(model).numpy == ()
