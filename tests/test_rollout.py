@@ -507,3 +507,21 @@ def test_plain_cpu_sampling_matches_the_general_sampler():
         assert (fast[0] % 3 != 0).all()
         want = torch.log_softmax(logits / temperature, -1).gather(1, fast[0][:, None]).squeeze(1)
         torch.testing.assert_close(fast[1], want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "static-decoder"])
+def test_ignore_eos_runs_every_row_to_max_new_tokens(tok, eos_model, fast):
+    """SamplingParams.ignore_eos: EOS does not end a row (equal work, as the benchmark needs); up to each row's first
+    EOS the tokens and log-probs are those of the ordinary run (same seed, same draws)."""
+    gen = _fast(eos_model, tok) if fast else HFGenerator(eos_model, tok)
+    prompts = _ids(tok, PROMPTS)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    ended = gen.generate(prompts, 3, params, seed=4)
+    full = gen.generate(prompts, 3, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True), seed=4)
+    assert (ended.completion_mask.sum(1) < 12).any()  # without it, some rows end early at EOS
+    assert full.completion_mask.shape == (12, 12) and bool(full.completion_mask.all()) and bool(full.truncated.all())
+    for r in range(12):
+        n = int(ended.completion_mask[r].sum())
+        assert full.completion_ids[r, :n].tolist() == ended.completion_ids[r, :n].tolist()
+        torch.testing.assert_close(full.logprobs[r, :n], ended.logprobs[r, :n], atol=1e-5, rtol=0)
+    assert (full.completion_ids == tok.eos_token_id).any()  # EOS was sampled and did not stop the row
