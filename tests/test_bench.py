@@ -334,8 +334,8 @@ print(sorted(counts)[len(counts) // 2])  # the median step: robust to the odd fa
 
 
 def test_load_meter_counts_other_processes_and_refuses_the_ratio_under_load(tmp_path):
-    """The benchmark's background load: a process spinning outside the benchmark's tree counts as background, the
-    same process inside it (a worker) does not; a summary measured with a busy core prints no ratio, and says why."""
+    """The benchmark's background load: a process spinning outside the measured tree counts as background, the same
+    process inside it (a child, as a worker is) does not, and counts once; a summary measured with a busy core prints no ratio, and says why."""
     import subprocess
     import sys
     import time
@@ -346,7 +346,7 @@ def test_load_meter_counts_other_processes_and_refuses_the_ratio_under_load(tmp_
     try:
         time.sleep(0.3)
         c0 = psutil.Process(spin.pid).cpu_times()
-        inside, outside = bench.LoadMeter([spin.pid]), bench.LoadMeter([])
+        inside, outside = bench.LoadMeter([os.getpid(), spin.pid]), bench.LoadMeter([])
         inside.start()
         outside.start()
         time.sleep(1.5)

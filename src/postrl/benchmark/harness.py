@@ -252,32 +252,34 @@ def _machine_busy_s() -> float:
 
 
 def _tree_cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) the live processes ``pids`` and all their descendants have used so far."""
+    """CPU seconds (user + system) the live processes ``pids`` and all their descendants have used so far, each
+    process counted once."""
     import psutil
 
-    total = 0.0
+    procs: dict[int, Any] = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            procs = [proc, *proc.children(recursive=True)]
+            procs.update((p.pid, p) for p in (proc, *proc.children(recursive=True)))
         except psutil.Error:
             continue
-        for p in procs:
-            try:
-                c = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += c.user + c.system
+    total = 0.0
+    for p in procs.values():
+        try:
+            c = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += c.user + c.system
     return total
 
 
 class LoadMeter:
     """The CPU the rest of the machine uses while the benchmark runs: machine-wide busy seconds (``psutil.cpu_times``,
-    i.e. /proc/stat) minus those of the benchmark's own process tree (this process, the workers and their
-    children), per wall second: the average number of cores other processes kept busy."""
+    i.e. /proc/stat) minus those of the benchmark's own processes (``pids`` and their descendants: the parent, its
+    workers and their children), per wall second: the average number of cores other processes kept busy."""
 
     def __init__(self, pids: list[int]):
-        self.pids = [os.getpid(), *pids]
+        self.pids = list(pids)
         self.t0 = self.busy0 = self.own0 = None
 
     def start(self) -> None:
@@ -626,7 +628,7 @@ def run_pair(spec: Spec, root: Path, variants: dict[str, dict] | None = None,
             workers[name] = Worker(s, root / f"{name}.log")
         ready = {name: w.wait_ready() for name, w in workers.items()}
         steps: dict[str, list[dict]] = {name: [] for name in workers}
-        meter = LoadMeter([w.proc.pid for w in workers.values()]) if spec.device == "cpu" else None
+        meter = LoadMeter([os.getpid()]) if spec.device == "cpu" else None  # this process and the workers
         load = None
         for i in range(spec.total_steps):
             if i == spec.warmup and meter is not None:

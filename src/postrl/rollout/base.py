@@ -66,4 +66,4 @@ class GenerationBackend(ABC):
         """Make the backend generate with ``model``'s current weights (a no-op when it shares the module)."""
 
     def close(self) -> None:  # pragma: no cover - trivial for in-process backends
-        """Release what the backend holds besides the model (helper processes); it may generate again later."""
+        """Release what the backend holds besides the model (processes, servers); it may generate again later."""

@@ -759,7 +759,7 @@ class Trainer:
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                 self.save(done)
         after = self.evaluate("after", cfg.train.steps)
-        self.backend.close()  # helper generation processes (rollout.processes)
+        self.backend.close()  # what the backend holds besides the model
         self.save(cfg.train.steps)
         summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
                    "model_path": str(self.model_path), "run_dir": str(self.run_dir),
