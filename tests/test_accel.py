@@ -1,25 +1,22 @@
 """The CPU speed layer (postrl.accel) computes what the plain Hugging Face path computes: log-probs, entropies,
-logits and gradients of the shared-prompt and fused paths against the model's one forward per row; and
-``accel.mode=off`` really runs the plain path."""
+logits and gradients of the fused path against the model's one forward per row; and ``accel.mode=off`` really
+runs the plain path."""
 
 import pytest
 import torch
 
 from postrl.accel import Accel
 from postrl.accel.cpu import ThreadPolicy
-from postrl.accel.logprobs import FUSED_MAX_POSITIONS, SHARE_MIN_SAVING, _min_saving, _shared_prompts
+from postrl.accel.fused import FUSED_MAX_POSITIONS
 from postrl.models import completion_logprobs
 from postrl.models.tiny import build_model, build_tokenizer
 from test_rollout import _reinit, _tiny_qwen2
 
 
-def _accel(fused: bool = False, share_prompt: bool = False) -> Accel:
-    return Accel("auto", ThreadPolicy(torch.get_num_threads()), fused=fused, share_prompt=share_prompt)
-
-
-def logprobs(model, pid, pm, cid, temperature=1.0, *, groups=None, fused=False, **kw):
-    """The speed layer's log-probs: shared prompts where ``groups`` is given, the fused function with ``fused``."""
-    return _accel(fused, groups is not None).logprobs(model, pid, pm, cid, temperature, groups=groups, **kw)
+def logprobs(model, pid, pm, cid, temperature=1.0, *, fused=False, **kw):
+    """The speed layer's log-probs (the fused function with ``fused``)."""
+    return Accel("auto", ThreadPolicy(torch.get_num_threads()), fused=fused).logprobs(model, pid, pm, cid, temperature,
+                                                                                      **kw)
 
 
 @pytest.fixture(scope="module")
@@ -50,57 +47,14 @@ def _batch(U=3, G=4, P=10, T=6, seed=0):
     return pid.repeat_interleave(G, 0), pm.repeat_interleave(G, 0), cid, torch.arange(U).repeat_interleave(G)
 
 
-def _run(model, pid, pm, cid, groups):
+def _run(model, pid, pm, cid):
+    """The plain path: the model's one forward per row."""
     model.train()
     model.zero_grad(set_to_none=True)
-    logp, ent, logits = logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True, groups=groups)
+    logp, ent, logits = completion_logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (weights * logp).sum().backward()
     return logp.detach(), ent, logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-@pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _gpt2], ids=["llama", "qwen2-gqa-bias", "gpt2"])
-def test_shared_prompt_equals_one_forward(tok, make):
-    model = make(tok)
-    pid, pm, cid, groups = _batch()
-    assert _shared_prompts(model, pid, cid.shape[1], groups) is not None  # the shared path is taken
-    full = _run(model, pid, pm, cid, None)
-    shared = _run(model, pid, pm, cid, groups)
-    for a, b in zip(full[:3], shared[:3]):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-    for ga, gb in zip(full[3], shared[3]):  # gradients: the rows' contributions summed into the shared prompt
-        torch.testing.assert_close(gb, ga, atol=1e-4 * float(ga.abs().max()) + 1e-7, rtol=1e-4)
-
-
-def test_single_token_completions(tok):
-    model = _llama(tok)
-    pid, pm, cid, groups = _batch(T=1)
-    full, shared = _run(model, pid, pm, cid, None), _run(model, pid, pm, cid, groups)
-    torch.testing.assert_close(shared[0], full[0], atol=1e-5, rtol=1e-5)
-
-
-def test_when_prompts_are_shared(tok):
-    model = _llama(tok)
-    pid, pm, cid, groups = _batch(U=2, G=4, P=10, T=6)
-    first, inverse = _shared_prompts(model, pid, 6, groups)
-    assert first.tolist() == [0, 4] and inverse.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    # Too little to save: 6 of 8 prompts' 10 tokens vs 25% of 8 x (10 + 200) tokens.
-    assert (8 - 2) * 10 < SHARE_MIN_SAVING * 8 * 210 and _shared_prompts(model, pid, 200, groups) is None
-    assert _shared_prompts(model, pid, 6, None) is None
-    assert _shared_prompts(model, pid, 6, torch.arange(8)) is None  # every prompt distinct
-    other = pid.clone()
-    other[1, -1] += 1  # a row whose prompt differs despite its group id: the one-forward path
-    assert _shared_prompts(model, other, 6, groups) is None
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-    assert _shared_prompts(model, pid, 6, groups) is None
-
-
-def test_larger_models_share_for_smaller_savings():
-    big = torch.nn.Linear(1, 1)
-    big.extra = torch.nn.Parameter(torch.empty(20_000_000))  # 20M parameters (never touched)
-    assert _min_saving(big) == pytest.approx(SHARE_MIN_SAVING / 10, rel=1e-3)
-    assert _min_saving(torch.nn.Linear(4, 4)) == SHARE_MIN_SAVING
 
 
 # ------------------------------------------------------------------------------------------ fused training forward
@@ -130,14 +84,13 @@ def _llama_gqa_bias(tok):
     return _reinit(LlamaForCausalLM(cfg), std=0.2)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "shared-prompt"])
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
 @pytest.mark.parametrize("make", [_llama, _tiny_qwen2, _llama_gqa_bias], ids=["llama-tied", "qwen2-gqa-bias",
                                                                                 "llama-gqa-bias-untied"])
-def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
+def test_fused_forward_and_backward_equal_the_model(tok, make, onednn):
     """The hand-written forward and backward (postrl.accel.fused) against autograd through the Hugging Face
     model's one forward per row: log-probs, entropies, logits and every parameter's gradient, with left-padded
-    prompts; each row's own prompt, or (``shared``) each distinct prompt once for its rows, in shuffled order."""
+    prompts."""
     from postrl.accel import fused, matmul
 
     model = make(tok)
@@ -145,14 +98,11 @@ def test_fused_forward_and_backward_equal_the_model(tok, make, onednn, shared):
         if not matmul.onednn_available():
             pytest.skip("this torch build has no oneDNN")
         matmul.use_onednn(model)
-    pid, pm, cid, groups = _batch()
-    order = torch.randperm(len(pid), generator=torch.Generator().manual_seed(2))  # a group's rows need not touch
-    pid, pm, cid, groups = pid[order], pm[order], cid[order], groups[order] + 7
+    pid, pm, cid, _ = _batch()
     assert fused.supports(model.train())
-    ref = _run(model, pid, pm, cid, None)
+    ref = _run(model, pid, pm, cid)
     model.zero_grad(set_to_none=True)
-    logp, ent, logits = logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True,
-                                 fused=True, groups=groups if shared else None)
+    logp, ent, logits = logprobs(model, pid, pm, cid, 0.7, with_entropy=True, return_logits=True, fused=True)
     assert _fused_ran(logp)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (weights * logp).sum().backward()
@@ -182,10 +132,7 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     drop = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, attention_dropout=0.1))
     assert not fused.supports(drop.train()) and fused.supports(drop.eval())
-    # a shared-prompt batch takes the fused path too, each distinct prompt once (test above)
-    pid, pm, cid, groups = _batch()
-    logp, _ = logprobs(llama.train(), pid, pm, cid, groups=groups, fused=True)
-    assert _fused_ran(logp)
+    assert _fused_ran(logprobs(llama.train(), *_batch()[:3], fused=True)[0])
     # long sequences take the model's own forward (its attention kernel keeps no score matrix)
     pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 10)
     assert _fused_ran(logprobs(llama, pid, pm, cid, fused=True)[0])
@@ -220,13 +167,12 @@ def _cfg(model_dir, out, *extra):
 
 def _forbid_speed_layer(monkeypatch):
     """Every piece of the speed layer raises when it runs."""
-    from postrl.accel import cpu, decoder, fused, logprobs, matmul
+    from postrl.accel import cpu, decoder, fused, matmul
 
     def boom(*a, **k):
         raise RuntimeError("speed layer ran")
 
     monkeypatch.setattr(fused, "fused_completion_logits", boom)
-    monkeypatch.setattr(logprobs, "_shared_prompt_logits", boom)
     monkeypatch.setattr(decoder.StaticDecoder, "__init__", boom)
     monkeypatch.setattr(matmul, "use_onednn", boom)
     monkeypatch.setattr(cpu, "keep_freed_memory", boom)

@@ -187,9 +187,6 @@ class AccelConfig(_Strict):
     fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
                         "function for Llama-family float32 models on a CPU in one process, up to 192 positions "
                         "(same log-probs and gradients up to float rounding, fewer operators; postrl.accel.fused)")
-    share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
-                               "(same log-probs up to float rounding; on a CPU, by the fused forward wherever a prompt "
-                               "repeats, by the model's own forward when it saves enough work; postrl.accel.logprobs)")
     keep_freed_memory: bool = Field(True, description="on a CPU, make glibc's malloc reuse freed memory instead of "
                                     "returning it to the OS (no page faults on each step's new buffers; the process "
                                     "keeps its peak heap; postrl.accel.cpu.keep_freed_memory)")

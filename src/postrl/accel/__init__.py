@@ -7,7 +7,7 @@ layer to a model and returns the :class:`Accel` object the trainer uses for ever
 * :meth:`Accel.generator`: the generation backend; Llama-family models decode with
   :class:`~postrl.accel.decoder.StaticDecoder` (``decoder.py``: fused projections, a static KV cache, numpy steps);
 * :meth:`Accel.logprobs`: per-token log-probs for the update, by the hand-written fused forward and backward
-  (``fused.py``) or by sharing each prompt among its completions (``logprobs.py``);
+  (``fused.py``);
 * the policy's linear layers on oneDNN where MKL is slow (``matmul.py``), glibc's malloc keeping freed memory
   (``cpu.keep_freed_memory``), and tokenizers encoding on the calling thread (``TOKENIZERS_PARALLELISM=false``).
 
@@ -40,14 +40,13 @@ class Accel:
 
     ``threads``: torch threads per phase; ``matmul``: the library of the policy's linear layers ('onednn' or
     'torch'); ``decode``: the library of the static decoder's steps ('numpy' or 'torch'), None for the model's own
-    forward; ``fused`` / ``share_prompt``: the update's log-prob paths."""
+    forward; ``fused``: the update's log-probs by the fused function where it applies."""
 
     mode: str
     threads: ThreadPolicy
     matmul: str = "torch"
     decode: str | None = None
     fused: bool = False
-    share_prompt: bool = False
 
     def use(self, phase: str, rows: int = 1, work: float | None = None) -> AbstractContextManager[int]:
         """Run the body with the phase's torch thread count (:meth:`ThreadPolicy.use`)."""
@@ -72,16 +71,16 @@ class Accel:
         return HFGenerator(model, tokenizer, batch_size, decoder=decoder, threads=self.threads)
 
     def logprobs(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                 temperature: float = 1.0, *, groups: torch.Tensor | None = None, **kw):
-        """:func:`postrl.models.completion_logprobs` (same arguments and returns), its logits by the fused function
-        or shared prompts where they apply (``groups`` [N]: rows with the same id share a prompt; used only with
-        ``share_prompt``). With mode off: the model's own forward."""
+                 temperature: float = 1.0, **kw):
+        """:func:`postrl.models.completion_logprobs` (same arguments and returns), its logits by
+        :func:`postrl.accel.fused.fused_completion_logits` where that applies (``fused``, a supported model, at most
+        ``FUSED_MAX_POSITIONS`` positions); else, and with mode off, by the model's own forward."""
         logits = None
-        if self.mode != "off":
-            from postrl.accel.logprobs import fast_logits
+        if self.fused:
+            from postrl.accel import fused
 
-            logits = fast_logits(model, prompt_ids, prompt_mask, completion_ids,
-                                 groups if self.share_prompt else None, self.fused)
+            if fused.applies(model, prompt_ids.shape[1], completion_ids.shape[1]):
+                logits = fused.fused_completion_logits(model, prompt_ids, prompt_mask, completion_ids)
         return completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, logits=logits, **kw)
 
 
@@ -122,7 +121,7 @@ def prepare(model: torch.nn.Module, cfg=None, device: torch.device | str | None 
                               f"use auto or torch")
         # the host's thread count is not measured on an accelerator (the CPU probe would time the wrong thing)
         return Accel("auto", ThreadPolicy(cfg.threads or torch.get_num_threads()),
-                     decode="torch" if supported else None, fused=cfg.fused, share_prompt=cfg.share_prompt)
+                     decode="torch" if supported else None, fused=cfg.fused)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.keep_freed_memory:
         keep_freed_memory()
@@ -133,5 +132,4 @@ def prepare(model: torch.nn.Module, cfg=None, device: torch.device | str | None 
     except ValueError as e:  # accel.decode=numpy for a model numpy cannot decode
         raise ConfigError(f"accel.decode: {e}") from None
     threads = ThreadPolicy.for_model(model, cfg.threads, decode=decode if supported else "torch")
-    return Accel("auto", threads, matmul=lib, decode=decode if supported else None, fused=cfg.fused,
-                 share_prompt=cfg.share_prompt)
+    return Accel("auto", threads, matmul=lib, decode=decode if supported else None, fused=cfg.fused)

@@ -474,8 +474,7 @@ class Trainer:
         dev = self.acc.device
         out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                   batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                  groups=batch.group_ids[idx])
+                                  with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
