@@ -138,6 +138,13 @@ def test_fused_path_is_taken_only_where_it_computes_the_same(tok):
     assert _fused_ran(logprobs(llama, pid, pm, cid, fused=True)[0])
     pid, pm, cid, _ = _batch(U=1, P=10, T=FUSED_MAX_POSITIONS - 9)
     assert not _fused_ran(logprobs(llama, pid, pm, cid, fused=True)[0])
+    # wider models take the model's own forward (bound by their products, the fusion does not pay there)
+    from postrl.accel.fused import FUSED_MAX_HIDDEN
+
+    wide = _reinit(LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=2 * FUSED_MAX_HIDDEN,
+                                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)))
+    pid, pm, cid, _ = _batch(U=1)
+    assert fused.supports(wide) and not _fused_ran(logprobs(wide.train(), pid, pm, cid, fused=True)[0])
     # no double backward: a clear error, not a wrong second derivative
     pid, pm, cid, _ = _batch(U=1)
     logp, _ = logprobs(llama, pid, pm, cid, fused=True)
