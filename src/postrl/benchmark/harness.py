@@ -991,15 +991,13 @@ def add_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m postrl.benchmark worker SPEC`` / ``run-steps SPEC OUT``: the processes the benchmark starts. The
+    benchmark itself is ``postrl bench`` (the CLI, which sets the environment first)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
         return worker_main(argv[1:])
     if argv and argv[0] == "run-steps":
         return run_steps_main(argv[1:])
-    from postrl.cli import main as cli_main
-
-    return cli_main(["bench", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print("usage: python -m postrl.benchmark {worker SPEC | run-steps SPEC OUT} (the benchmark's own processes); "
+          "run the benchmark with: postrl bench", file=sys.stderr)
+    return 2
