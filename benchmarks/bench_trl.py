@@ -1,6 +1,6 @@
 """postrl's training step vs TRL's GRPOTrainer, side by side at equal work, on CPU.
 
-The same as ``postrl bench`` (the harness lives in ``postrl.bench`` so the CLI can run it); for example::
+The same as ``postrl bench`` (the harness lives in ``postrl.benchmark.harness``); for example::
 
     python benchmarks/bench_trl.py --quick                 # < 1 minute: 1M model, 32 tokens
     python benchmarks/bench_trl.py --also trl@1            # full tables (+ TRL on 1 thread) and the scaling table
@@ -11,7 +11,7 @@ Needs ``pip install 'postrl[bench]'`` (trl). Results and how to read them: docs/
 
 import sys
 
-from postrl.bench import main
+from postrl.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -12,13 +12,13 @@ import os
 import pytest
 import torch
 
-from postrl import bench
+from postrl.benchmark import harness as bench
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
 from postrl.errors import PostrlError
 from postrl.models import load_model_and_tokenizer
 from postrl.models.tiny import build_local
-from postrl.perf import ThreadPolicy
+from postrl.accel.cpu import ThreadPolicy
 from postrl.train.trainer import Trainer
 
 
@@ -80,7 +80,7 @@ def _postrl_first_update(model_dir, tmp_path, batch, epochs: int):
                              "loss.eps_low=0.2", "loss.eps_high=0.2", "loss.agg=token_mean", "kl.coef=0.0",
                              f"train.epochs={epochs}", "train.mini_batches=1", "train.micro_batch_size=64",
                              "optim.max_grad_norm=null", "rollout.temperature=1.0", "rollout.max_new_tokens=6",
-                             "train.threads=1"])
+                             "accel.threads=1"])
     trainer = Trainer(cfg, tmp_path)
     seen: dict = {}
     backward, step = trainer.acc.backward, trainer.optimizer.step
@@ -166,12 +166,12 @@ def test_small_models_pin_generation_and_measure_the_update():
     p = ThreadPolicy.for_model(model, max_threads=2)
     assert p.threads_for("generation", rows=8) == 1 and "generation" not in p.timings  # pinned: never measured
     assert p.threads_for("update", rows=256) in (1, 2) and set(p.timings["update"]) == {1, 2}
-    assert ThreadPolicy.for_model(model, 2, max_threads=2).threads_for("generation") == 2  # train.threads wins
+    assert ThreadPolicy.for_model(model, 2, max_threads=2).threads_for("generation") == 2  # accel.threads wins
 
 
 def test_update_is_bitwise_identical_on_one_and_two_threads():
     """What lets small models measure the update's thread count without losing bit-reproducibility
-    (postrl.perf): SFT steps (forward, backward, AdamW) give the same weights on 1 and 2 threads."""
+    (postrl.accel.cpu): SFT steps (forward, backward, AdamW) give the same weights on 1 and 2 threads."""
     from postrl.data import load_source
     from postrl.models.tiny import build_model, build_tokenizer
     from postrl.train.sft import run_sft
@@ -249,7 +249,7 @@ def test_thread_policy_measures_again_early_in_a_run(monkeypatch):
 
 
 def test_thread_policy_probes_the_products_the_phase_runs():
-    from postrl.models import matmul
+    from postrl.accel import matmul
     from postrl.models.tiny import build_model, build_tokenizer
 
     model = build_model(build_tokenizer(), size="nano")
@@ -265,13 +265,13 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
     """With numpy decode steps the generation probe times numpy's products with numpy's BLAS limited to each
     candidate count, and leaves numpy's BLAS thread count as it found it."""
     from postrl.models.tiny import build_model, build_tokenizer
-    from postrl.rollout import decoder
+    from postrl.accel import decoder
 
     model = build_model(build_tokenizer(), size="medium")  # hidden 512: generation is measured, not pinned
     assert ThreadPolicy.for_model(model).numpy == ()
     p = ThreadPolicy.for_model(model, decode="numpy", max_threads=2)
     assert p.numpy == ("generation",)
-    from postrl.models import matmul
+    from postrl.accel import matmul
 
     if matmul.onednn_available():  # layers on oneDNN: the numpy steps' products are oneDNN's, and so is the probe
         dnn = copy.deepcopy(model)
@@ -296,7 +296,7 @@ def test_thread_policy_probes_numpy_products_for_numpy_decode_steps(monkeypatch)
 def test_keep_freed_memory_stops_page_faults_of_training_steps():
     """A forward and backward of the 1M benchmark model page-faults thousands of times a step under glibc's
     default thresholds (freed buffers unmapped or trimmed, the next ones faulted in again); after
-    postrl.perf.keep_freed_memory almost never. Run in fresh processes: the setting is process-wide."""
+    postrl.accel.cpu.keep_freed_memory almost never. Run in fresh processes: the setting is process-wide."""
     import platform
     import subprocess
     import sys
@@ -305,7 +305,7 @@ def test_keep_freed_memory_stops_page_faults_of_training_steps():
         pytest.skip("mallopt is glibc's")
     script = """
 import resource, sys, torch
-from postrl.perf import keep_freed_memory
+from postrl.accel.cpu import keep_freed_memory
 from postrl.models.tiny import build_model, build_tokenizer
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
@@ -331,3 +331,45 @@ print(sorted(counts)[len(counts) // 2])  # the median step: robust to the odd fa
                                          check=True, env=env).stdout.split()[-1]) for mode in ("keep", "default")}
     assert faults["keep"] < 20, faults  # measured: 0-1 a step
     assert faults["default"] > 1000, faults  # measured: 14,000-16,000 a step
+
+
+def test_load_meter_counts_other_processes_and_refuses_the_ratio_under_load(tmp_path):
+    """The benchmark's background load: a process spinning outside the measured tree counts as background, the same
+    process inside it (a child, as a worker is) does not, and counts once; a summary measured with a busy core prints no ratio, and says why."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        time.sleep(0.3)
+        c0 = psutil.Process(spin.pid).cpu_times()
+        inside, outside = bench.LoadMeter([os.getpid(), spin.pid]), bench.LoadMeter([])
+        inside.start()
+        outside.start()
+        time.sleep(1.5)
+        a, b = inside.stop(), outside.stop()
+        c1 = psutil.Process(spin.pid).cpu_times()
+    finally:
+        spin.kill()
+        spin.wait()
+    spun = (c1.user + c1.system - c0.user - c0.system) / a["wall_s"]  # cores the spinner used (~1 on a quiet machine)
+    assert spun > 0.1
+    assert b["background_cores"] - a["background_cores"] == pytest.approx(spun, abs=0.1)  # counted once, outside
+    assert a["own_cores"] - b["own_cores"] == pytest.approx(spun, abs=0.1)
+    quiet = {"background_cores": 0.05, "own_cores": 2.0, "machine_cores": 2.05, "wall_s": 1.0, "cpus": 2}
+    busy = dict(quiet, background_cores=1.0)
+    assert bench.load_verdict(quiet) is None and bench.load_verdict(None) is None
+    assert "1.00 of 2 cores busy" in bench.load_verdict(busy)
+    sides = {"postrl": {"threads": "1/2", "matmul": "torch", "wall": 1.0, "tok_s": 1.0, "cpu_busy": 1.0,
+                        "rss_mib": 1.0, "phase_tok_s": {"generation": 1.0, "reward": 1.0, "ref": None, "update": 1.0},
+                        "update_flops_per_s": 1.0, "gen_bound_tok_s": 1.0}}
+    sides["trl"] = dict(sides["postrl"], speedup_of_postrl=2.5)
+    peaks = {"copy_bytes_per_s": 1e10, "matmul_flops": 1e10, "matmul_n": 8, "matmul_threads": 1, "copy_threads": 1,
+             "copy_mib": 1}
+    base = {"size": "1m", "params": 1e6, "T": 32, "rows": 8, "epochs": 1, "sides": sides}
+    assert "2.50x" in bench.format_tables([dict(base, load=quiet, refused=None)], peaks)
+    table = bench.format_tables([dict(base, load=busy, refused=bench.load_verdict(busy))], peaks)
+    assert "2.50x" not in table and "not printed" in table and "rerun on a quiet machine" in table

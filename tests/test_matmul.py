@@ -1,11 +1,11 @@
-"""oneDNN linear layers (postrl.models.matmul): the same function and gradients as torch's, on any thread count."""
+"""oneDNN linear layers (postrl.accel.matmul): the same function and gradients as torch's, on any thread count."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from postrl.models import matmul
-from postrl.models.matmul import OneDNNLinear, onednn_linear, use_onednn
+from postrl.accel import matmul
+from postrl.accel.matmul import OneDNNLinear, onednn_linear, use_onednn
 
 pytestmark = pytest.mark.skipif(not matmul.onednn_available(), reason="this torch build has no oneDNN")
 

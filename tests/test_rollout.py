@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from postrl.accel.decoder import StaticDecoder
 from postrl.models.tiny import build_model, build_tokenizer
 from postrl.rollout.base import SamplingParams
 from postrl.rollout.hf import HFGenerator, left_pad
@@ -47,6 +48,11 @@ def eos_model(tok, model):
         head.bias[tok.eos_token_id] = 1.5
     m.lm_head = head
     return m.eval()
+
+
+def _fast(model, tok, library: str = "auto", **kw) -> HFGenerator:
+    """The generator with the speed layer's static decoder (``library``: of its steps), as postrl.accel builds it."""
+    return HFGenerator(model, tok, decoder=lambda m: StaticDecoder(m, library), **kw)
 
 
 def _ids(tok, texts):
@@ -260,9 +266,17 @@ def test_rows_are_prompt_major_and_batch_size_invariant(tok, model):
 def test_without_cache_compaction_same_result(tok, eos_model, monkeypatch):
     prompts = _ids(tok, PROMPTS)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, stop=["e"])
+    from postrl.accel.decoder import _StaticStepper
+    from postrl.rollout.hf import _HFStepper
+
     a = HFGenerator(eos_model, tok).generate(prompts, 3, params, seed=2)
-    monkeypatch.setattr(HFGenerator, "_can_compact", staticmethod(lambda cache: False))
+    c = _fast(eos_model, tok).generate(prompts, 3, params, seed=2)
+    monkeypatch.setattr(_HFStepper, "_can_compact", staticmethod(lambda cache: False))
+    monkeypatch.setattr(_StaticStepper, "can_compact", False)
     b = HFGenerator(eos_model, tok).generate(prompts, 3, params, seed=2)
+    d = _fast(eos_model, tok).generate(prompts, 3, params, seed=2)
+    assert torch.equal(c.completion_ids, d.completion_ids)
+    torch.testing.assert_close(c.logprobs, d.logprobs, atol=1e-4, rtol=0)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.completion_mask, b.completion_mask)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
@@ -311,19 +325,18 @@ def _tiny_qwen2(tok, hidden: int = 64):
 def test_static_decoder_supports_llama_family_only(tok, model):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from postrl.rollout.decoder import StaticDecoder
+    from postrl import accel
 
     assert StaticDecoder.supports(model) and StaticDecoder.supports(_tiny_qwen2(tok))
-    assert HFGenerator(model, tok).static_cache
+    assert accel.prepare(copy.deepcopy(model)).generator(model, tok).decoder is not None
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    assert not StaticDecoder.supports(gpt2) and not HFGenerator(gpt2, tok).static_cache
+    assert not StaticDecoder.supports(gpt2) and accel.prepare(copy.deepcopy(gpt2)).generator(gpt2, tok).decoder is None
     scaled = copy.deepcopy(model)
     scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert not StaticDecoder.supports(scaled)  # a RoPE variant it does not implement: the model's own forward
-    with pytest.raises(ValueError):
-        HFGenerator(gpt2, tok, static_cache=True)
     # An unsupported model still generates (through its forward with a DynamicCache).
-    out = HFGenerator(gpt2.eval(), tok).generate(_ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=5), seed=0)
+    out = accel.prepare(copy.deepcopy(gpt2)).generator(gpt2.eval(), tok).generate(
+        _ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=5), seed=0)
     assert out.completion_ids.shape == (4, 5)
 
 
@@ -333,15 +346,15 @@ def test_static_decoder_supports_llama_family_only(tok, model):
 def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model, which, library):
     """Same tokens, EOS ends, stop strings and log-probs from the static decoder (decode steps in numpy or in torch)
     and from the model's forward; sampled with top-k/top-p, rows finishing at different steps (cache compaction),
-    chunked batches. qwen2_onednn: layers on oneDNN (postrl.models.matmul) and wide enough for the decoder's steps
+    chunked batches. qwen2_onednn: layers on oneDNN (postrl.accel.matmul) and wide enough for the decoder's steps
     (torch or numpy) to run their products on it too."""
     if which == "eos_model":
         m = eos_model
     elif which == "qwen2":
         m = _tiny_qwen2(tok)
     else:
-        from postrl.models import matmul
-        from postrl.rollout import decoder
+        from postrl.accel import matmul
+        from postrl.accel import decoder
 
         if not matmul.onednn_available():
             pytest.skip("this torch build has no oneDNN")
@@ -360,9 +373,9 @@ def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model,
     prompts = _ids(tok, PROMPTS)
     for params in (SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, top_p=0.95, stop=["e"]),
                    SamplingParams(max_new_tokens=12, temperature=0.0)):
-        a = HFGenerator(m, tok, static_cache=True, decode=library).generate(prompts, 3, params, seed=5)
-        b = HFGenerator(m, tok, static_cache=False).generate(prompts, 3, params, seed=5)
-        c = HFGenerator(m, tok, batch_size=5, static_cache=True, decode=library).generate(prompts, 3, params, seed=5)
+        a = _fast(m, tok, library).generate(prompts, 3, params, seed=5)
+        b = HFGenerator(m, tok).generate(prompts, 3, params, seed=5)
+        c = _fast(m, tok, library, batch_size=5).generate(prompts, 3, params, seed=5)
         for o in (b, c):
             assert torch.equal(a.completion_ids, o.completion_ids)
             assert torch.equal(a.completion_mask, o.completion_mask)
@@ -378,7 +391,7 @@ def test_static_cache_and_dynamic_cache_give_the_same_generation(tok, eos_model,
 
 
 def test_generation_thread_policy(tok, model):
-    from postrl.perf import ThreadPolicy
+    from postrl.accel.cpu import ThreadPolicy
 
     before = torch.get_num_threads()
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -391,18 +404,18 @@ def test_generation_thread_policy(tok, model):
 
 
 def test_decode_library_choice_and_errors(tok, model):
-    from postrl.rollout import decoder
+    from postrl.accel import decoder
 
     assert decoder.numpy_blas() is not None  # numpy from PyPI ships OpenBLAS
     assert decoder.decode_library(model) == "numpy" and decoder.decode_library(model, "torch") == "torch"
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     assert decoder.decode_library(bf16) == "torch"  # numpy has no bfloat16: auto falls back
     with pytest.raises(ValueError, match="bfloat16, numpy decodes float32 only"):
-        HFGenerator(bf16, tok, decode="numpy")
+        decoder.decode_library(bf16, "numpy")
     with pytest.raises(ValueError, match="auto, numpy, torch"):
-        HFGenerator(model, tok, decode="jax")
+        decoder.decode_library(model, "jax")
     # bfloat16 still generates through the static decoder's torch steps
-    out = HFGenerator(bf16, tok).generate(_ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=4), seed=0)
+    out = _fast(bf16, tok).generate(_ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=4), seed=0)
     assert out.completion_ids.shape == (4, 4)
 
 
@@ -411,7 +424,7 @@ def test_numpy_and_torch_decode_steps_agree_and_silu_overflow_is_silent(tok, mod
     reach hundreds (exp(-g) overflows in the numpy SiLU: g / inf = -0, no warning, no NaN)."""
     import warnings
 
-    from postrl.rollout import decoder
+    from postrl.accel import decoder
 
     m = copy.deepcopy(model)
     with torch.no_grad():
@@ -435,7 +448,7 @@ def test_numpy_and_torch_decode_steps_agree_and_silu_overflow_is_silent(tok, mod
 
 
 def test_prefill_runs_each_distinct_prompt_once(tok, model, monkeypatch):
-    from postrl.rollout import decoder
+    from postrl.accel import decoder
 
     widths = []
     real = decoder.StaticDecoder.prefill
@@ -443,10 +456,10 @@ def test_prefill_runs_each_distinct_prompt_once(tok, model, monkeypatch):
                         lambda self, ids, mask, n: widths.append(len(ids)) or real(self, ids, mask, n))
     prompts = _ids(tok, PROMPTS[:3])
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
-    shared = HFGenerator(model, tok).generate(prompts, 4, params, seed=3)
+    shared = _fast(model, tok).generate(prompts, 4, params, seed=3)
     assert widths == [3]  # 12 rows, 3 prompts
     # the same samples as one row at a time (no prompt repeated within a batch)
-    alone = HFGenerator(model, tok, batch_size=1).generate(prompts, 4, params, seed=3)
+    alone = _fast(model, tok, batch_size=1).generate(prompts, 4, params, seed=3)
     assert widths[1:] == [1] * 12
     assert torch.equal(shared.completion_ids, alone.completion_ids)
     torch.testing.assert_close(shared.logprobs, alone.logprobs, atol=1e-4, rtol=0)
@@ -454,20 +467,20 @@ def test_prefill_runs_each_distinct_prompt_once(tok, model, monkeypatch):
 
 
 def test_numpy_blas_runs_with_the_generation_thread_count(tok, model, monkeypatch):
-    from postrl.perf import ThreadPolicy
-    from postrl.rollout import hf
+    from postrl.accel import decoder
+
+    from postrl.accel.cpu import ThreadPolicy
 
     seen = []
-    real = hf.blas_threads
-    monkeypatch.setattr(hf, "blas_threads", lambda n: seen.append(n) or real(n))
+    real = decoder.blas_threads
+    monkeypatch.setattr(decoder, "blas_threads", lambda n: seen.append(n) or real(n))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        HFGenerator(model, tok, threads=ThreadPolicy(1)).generate(_ids(tok, PROMPTS[:1]), 2,
-                                                                 SamplingParams(max_new_tokens=3), seed=0)
-        HFGenerator(model, tok).generate(_ids(tok, PROMPTS[:1]), 2, SamplingParams(max_new_tokens=3), seed=0)
-        HFGenerator(model, tok, decode="torch").generate(_ids(tok, PROMPTS[:1]), 2,
-                                                        SamplingParams(max_new_tokens=3), seed=0)
+        _fast(model, tok, threads=ThreadPolicy(1)).generate(_ids(tok, PROMPTS[:1]), 2,
+                                                           SamplingParams(max_new_tokens=3), seed=0)
+        _fast(model, tok).generate(_ids(tok, PROMPTS[:1]), 2, SamplingParams(max_new_tokens=3), seed=0)
+        _fast(model, tok, "torch").generate(_ids(tok, PROMPTS[:1]), 2, SamplingParams(max_new_tokens=3), seed=0)
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2]  # the policy's count; else torch's; torch decode steps leave numpy's BLAS alone
@@ -494,3 +507,21 @@ def test_plain_cpu_sampling_matches_the_general_sampler():
         assert (fast[0] % 3 != 0).all()
         want = torch.log_softmax(logits / temperature, -1).gather(1, fast[0][:, None]).squeeze(1)
         torch.testing.assert_close(fast[1], want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "static-decoder"])
+def test_ignore_eos_runs_every_row_to_max_new_tokens(tok, eos_model, fast):
+    """SamplingParams.ignore_eos: EOS does not end a row (equal work, as the benchmark needs); up to each row's first
+    EOS the tokens and log-probs are those of the ordinary run (same seed, same draws)."""
+    gen = _fast(eos_model, tok) if fast else HFGenerator(eos_model, tok)
+    prompts = _ids(tok, PROMPTS)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    ended = gen.generate(prompts, 3, params, seed=4)
+    full = gen.generate(prompts, 3, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True), seed=4)
+    assert (ended.completion_mask.sum(1) < 12).any()  # without it, some rows end early at EOS
+    assert full.completion_mask.shape == (12, 12) and bool(full.completion_mask.all()) and bool(full.truncated.all())
+    for r in range(12):
+        n = int(ended.completion_mask[r].sum())
+        assert full.completion_ids[r, :n].tolist() == ended.completion_ids[r, :n].tolist()
+        torch.testing.assert_close(full.logprobs[r, :n], ended.logprobs[r, :n], atol=1e-5, rtol=0)
+    assert (full.completion_ids == tok.eos_token_id).any()  # EOS was sampled and did not stop the row

@@ -152,7 +152,7 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
     """accelerate launch --cpu --num_processes 2: DDP over gloo trains, and with per-sequence aggregation the
     metrics equal a 1-process run on the same prompts (the rollouts do not depend on the process count)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = ("loss.agg=seq_mean_token_mean", "train.steps=3", "train.save_every=0", "train.threads=1")
+    extra = ("loss.agg=seq_mean_token_mean", "train.steps=3", "train.save_every=0", "accel.threads=1")
     # the reference on the CPU as well, also where a GPU is present (--cpu hides it from the two workers)
     r = cli("train", "--quiet", *small(model_dir, one, *extra), env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -303,18 +303,18 @@ def test_sft_then_eval_cli(model_dir, tmp_path):
 
 
 def test_onednn_layers_train_the_same_function(model_dir, tmp_path):
-    """train.matmul=onednn (postrl.models.matmul) vs torch's products: the same first step up to float rounding,
+    """accel.matmul=onednn (postrl.accel.matmul) vs torch's products: the same first step up to float rounding,
     checkpoints that load as plain HF models."""
-    from postrl.models import matmul
+    from postrl.accel import matmul
 
     if not matmul.onednn_available():
         pytest.skip("this torch build has no oneDNN")
     a, b = tmp_path / "a", tmp_path / "b"
-    cfg = load_config(None, small(model_dir, a, "train.matmul=onednn", "train.steps=2", "train.threads=1"))
+    cfg = load_config(None, small(model_dir, a, "accel.matmul=onednn", "train.steps=2", "accel.threads=1"))
     t = Trainer(cfg, cfg.output_dir)
-    assert t.matmul == "onednn" and any(type(m) is matmul.OneDNNLinear for m in t.policy.modules())
+    assert t.accel.matmul == "onednn" and any(type(m) is matmul.OneDNNLinear for m in t.policy.modules())
     t.train()
-    run_inprocess(small(model_dir, b, "train.matmul=torch", "train.steps=2", "train.threads=1"))
+    run_inprocess(small(model_dir, b, "accel.matmul=torch", "train.steps=2", "accel.threads=1"))
     ma, mb = metrics(a), metrics(b)
     for key in ("reward/mean", "pg_loss", "entropy", "grad_norm", "length/mean"):
         assert ma[0][key] == pytest.approx(mb[0][key], rel=1e-4, abs=1e-6), key
@@ -327,7 +327,7 @@ def test_onednn_layers_train_the_same_function(model_dir, tmp_path):
 
 def test_numpy_decode_with_bfloat16_mixed_precision_decodes_the_float32_weights(model_dir, tmp_path):
     """model.dtype=bfloat16 keeps float32 master weights, so numpy (float32 only) can still decode them."""
-    r = cli("train", "--quiet", *small(model_dir, tmp_path / "run"), "model.dtype=bfloat16", "rollout.decode=numpy")
+    r = cli("train", "--quiet", *small(model_dir, tmp_path / "run"), "model.dtype=bfloat16", "accel.decode=numpy")
     assert r.returncode == 0, r.stderr
 
 

@@ -101,15 +101,8 @@ class RolloutConfig(_Strict):
     top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
     stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
-    decode: Literal["auto", "numpy", "torch"] = Field(
-        "auto", description="library of the hf backend's prefill and decode steps for Llama-family models (auto: "
-        "numpy for a float32 model on a CPU, torch otherwise; the same function, numpy's operations cost less; "
-        "postrl.rollout.decoder)")
-    processes: int = Field(1, ge=1, description="generation processes on a CPU: processes - 1 helper processes "
-                           "(started in the background at set-up, ~3 s; the parameters in shared memory) each "
-                           "generate a block of the step's prompts once ready, where generation runs on one thread "
-                           "(tiny models), every process on cores / processes threads; the tokens of one process up "
-                           "to the float rounding of smaller batches (postrl.rollout.helpers)")
+    ignore_eos: bool = Field(False, description="EOS does not end a completion: every completion runs to "
+                             "max_new_tokens unless a stop string ends it (equal work per row, for benchmarks)")
 
 
 class RewardConfig(_Strict):
@@ -214,27 +207,45 @@ class TrainConfig(_Strict):
     epochs: int = Field(1, ge=1, description="optimisation passes over each rollout batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (batch split in this many)")
     micro_batch_size: int = Field(64, ge=1, description="rows per forward/backward (gradient accumulation)")
-    share_prompt: bool = Field(True, description="run each prompt once per micro-batch for all its completions "
-                               "(same log-probs up to float rounding; on a CPU, by the fused forward wherever a prompt "
-                               "repeats, by the model's own forward when it saves enough work; postrl.models)")
-    fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
-                        "function for Llama-family float32 models on a CPU in one process, up to 192 positions "
-                        "(same log-probs and gradients up to float rounding, fewer operators; postrl.models.fused)")
-    keep_freed_memory: bool = Field(True, description="on a CPU, make glibc's malloc reuse freed memory instead of "
-                                    "returning it to the OS (no page faults on each step's new buffers; the process "
-                                    "keeps its peak heap; postrl.perf.keep_freed_memory)")
     save_every: int = Field(20, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
     samples_every: int = Field(10, ge=1, description="log sample completions every N steps")
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps (0: only before and after)")
     eval_size: int = Field(200, ge=1, le=MAX_ROWS_PER_STEP, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: on a CPU chosen per phase by a "
-                                "short measurement, postrl.perf, on a GPU torch's default; fix it for bitwise-reproducible runs)")
+
+
+class AccelConfig(_Strict):
+    """The CPU speed layer (postrl.accel): the same functions as the plain Hugging Face path, computed faster."""
+
+    mode: Literal["auto", "off"] = Field(
+        "auto", description="auto: the speed layer where it applies (CPU, float32, Llama-family models); off: the "
+        "plain Hugging Face forward and KV-cache decoding everywhere, torch's thread count")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None: with mode auto on a CPU "
+                                "chosen per phase by a short measurement, postrl.accel.cpu, else torch's default; "
+                                "fix it for bitwise-reproducible runs)")
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="library for the policy's linear layers on CPU (float32): torch's default (MKL), "
         "oneDNN, or auto = oneDNN on AMD CPUs with AVX-512, where it is up to ~2x faster than MKL "
-        "(postrl.models.matmul); same function, float rounding differs")
+        "(postrl.accel.matmul); same function, float rounding differs")
+    fused: bool = Field(True, description="the policy's forward and backward in the update as one hand-written "
+                        "function for Llama-family float32 models on a CPU in one process, up to 192 positions "
+                        "(same log-probs and gradients up to float rounding, fewer operators; postrl.accel.fused)")
+    keep_freed_memory: bool = Field(True, description="on a CPU, make glibc's malloc reuse freed memory instead of "
+                                    "returning it to the OS (no page faults on each step's new buffers; the process "
+                                    "keeps its peak heap; postrl.accel.cpu.keep_freed_memory)")
+    decode: Literal["auto", "numpy", "torch"] = Field(
+        "auto", description="library of the static decoder's prefill and decode steps for Llama-family models "
+        "(auto: numpy for a float32 model on a CPU, torch otherwise; the same function, numpy's operations cost "
+        "less; postrl.accel.decoder)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_off(cls, data: Any) -> Any:
+        """YAML reads a bare ``off`` as false: ``accel.mode=off`` means the mode 'off'."""
+        if isinstance(data, dict) and data.get("mode") is False:
+            data = {**data, "mode": "off"}
+        return data
 
 
 class SFTConfig(_Strict):
@@ -273,6 +284,7 @@ class Config(_Strict):
                                                 description="loss regularisers in order, each {name, coef, params}")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    accel: AccelConfig = Field(default_factory=AccelConfig, description="the CPU speed layer (auto | off)")
     sft: SFTConfig = Field(default_factory=SFTConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig,
                                            description="monitors and alarm thresholds (docs/metrics.md)")

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for command in _BEFORE_BENCH:
         command.add_parser(sub)
-    from postrl.bench import add_parser as add_bench_parser  # postrl bench: side by side with TRL's GRPOTrainer
+    from postrl.benchmark.harness import add_parser as add_bench_parser  # postrl bench: side by side with TRL
 
     add_bench_parser(sub)
     for command in _AFTER_BENCH:
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_openmp_spin(environ=os.environ) -> bool:
     """Set ``GOMP_SPINCOUNT=10000`` (libgomp's idle threads spin about 0.2 ms, not its default ~7 ms, before they
     sleep) unless it is set, and only before torch (and with it libgomp) is loaded; True when set. A phase on fewer
-    threads, or a helper generation process (``rollout.processes``), then has the other cores at once after the
-    update; the update's back-to-back parallel regions are as fast (``postrl.rollout.helpers``)."""
+    threads then has the other cores at once after the update; the update's back-to-back parallel regions are as
+    fast (``postrl.accel``)."""
     if "torch" in sys.modules or "GOMP_SPINCOUNT" in environ:
         return False
     environ["GOMP_SPINCOUNT"] = "10000"

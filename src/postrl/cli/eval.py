@@ -14,7 +14,7 @@ def run(args) -> int:
     from postrl.data import load_source
     from postrl.evaluate import evaluate
     from postrl.models import load_model_and_tokenizer
-    from postrl.rollout.hf import HFGenerator
+    from postrl import accel
 
     add_import_paths()
     model_path = resolve_model_folder(args.target, "")
@@ -26,10 +26,7 @@ def run(args) -> int:
     source = load_source(cfg.task.model_dump())
     model, tokenizer = load_model_and_tokenizer(model_path, cfg.model.dtype)
     rows = source.eval_rows(args.n, cfg.seed)
-    try:
-        gen = HFGenerator(model, tokenizer, decode=cfg.rollout.decode)
-    except ValueError as e:
-        raise ConfigError(f"rollout.decode: {e}") from None
+    gen = accel.prepare(model, cfg.accel).generator(model, tokenizer)
     res = evaluate(gen, tokenizer, source, rows,
                    max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,

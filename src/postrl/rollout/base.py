@@ -19,6 +19,8 @@ class SamplingParams:
 
     ``logprobs`` are always of the temperature-scaled, *unfiltered* distribution (log_softmax(logits / T)), the
     convention TRL and verl use when they recompute old log-probs, so sampler and trainer log-probs agree.
+    ``ignore_eos``: EOS does not end a completion (every completion runs to ``max_new_tokens`` unless a stop string
+    ends it), as vLLM's ``ignore_eos`` and ``generate(eos_token_id=None)``: equal work per row, for benchmarks.
     """
 
     max_new_tokens: int = 32
@@ -26,6 +28,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -63,9 +66,4 @@ class GenerationBackend(ABC):
         """Make the backend generate with ``model``'s current weights (a no-op when it shares the module)."""
 
     def close(self) -> None:  # pragma: no cover - trivial for in-process backends
-        """Release what the backend holds besides the model (helper processes); it may generate again later."""
-
-    def start_helpers(self, wait: float | None = None) -> bool:  # pragma: no cover - trivial for other backends
-        """Start any helper processes in the background (``wait``: seconds to wait for them); whether they are
-        ready."""
-        return False
+        """Release what the backend holds besides the model (processes, servers); it may generate again later."""

@@ -3,9 +3,10 @@
 :class:`HFGenerator` samples with the model's KV cache: one forward over the left-padded prompts (with an
 explicit attention mask and position ids), then one token per step, feeding only the new token. Rows that
 finish (EOS or a stop string) are dropped from the running batch and its cache, so a long straggler does not
-pay for the rows that are already done. Llama-family models (llama, mistral, qwen2) are decoded by
-:class:`~postrl.rollout.decoder.StaticDecoder`: the same function with fused projections and a KV cache allocated
-once for the whole generation; other models go through their own ``forward`` with a ``DynamicCache``.
+pay for the rows that are already done. The steps run through the model's own ``forward`` with a
+``DynamicCache``, unless a ``decoder`` is given: the CPU speed layer (:mod:`postrl.accel`) passes its
+:class:`~postrl.accel.decoder.StaticDecoder` for Llama-family models, the same function with fused projections and a
+KV cache allocated once for the whole generation.
 
 Sampling draws only from a ``torch.Generator`` seeded with ``seed``: one uniform number per (row, step), turned
 into a token by the inverse CDF of that row's (top-k / top-p filtered) distribution. So the same seed gives the
@@ -23,9 +24,7 @@ import numpy as np
 import torch
 
 from postrl.models import cache_keyword, output_cache
-from postrl.perf import ThreadPolicy, usable_cores
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
-from postrl.rollout.decoder import StaticDecoder, blas_threads, decode_library
 
 __all__ = ["HFGenerator", "left_pad"]
 
@@ -112,6 +111,17 @@ class _HFStepper:
         self.t = 0
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self.first_logits, self.cache = gen._forward(ids, mask, positions, gen._new_cache())
+        self.can_compact = self._can_compact(self.cache)
+
+    @staticmethod
+    def _can_compact(cache) -> bool:
+        """Finished rows can be dropped from caches whose every layer is a plain (or sliding) dynamic KV layer."""
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError:  # pragma: no cover - older transformers
+            return False
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         col = self.width + self.t
@@ -125,40 +135,6 @@ class _HFStepper:
         self.attn = self.attn[idx]
 
 
-class _StaticStepper:
-    """Incremental decoding with :class:`~postrl.rollout.decoder.StaticDecoder` (static KV cache)."""
-
-    compact_below = 0.75  # a compaction copies the filled cache: do it once a quarter of the rows has finished
-
-    def __init__(self, decoder: StaticDecoder, rows: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
-                 max_new: int):
-        self.cache = decoder
-        # Prefill sharing: rows with the same prompt (the n samples of a prompt) run through the model once; the
-        # keys and values are then copied to each of its rows (the same numbers up to the float rounding of a
-        # smaller batch). 8 rows of 2 prompts, 1M model: 2.3 instead of 4.7 ms.
-        index: dict[tuple[int, ...], int] = {}
-        first: list[int] = []
-        inverse: list[int] = []
-        for i, r in enumerate(rows):
-            key = tuple(r)
-            if key not in index:
-                index[key] = len(first)
-                first.append(i)
-            inverse.append(index[key])
-        if len(first) == len(rows):
-            self.first_logits = decoder.prefill(ids, mask, max_new)
-            return
-        first_t, inverse_t = torch.tensor(first, device=ids.device), torch.tensor(inverse, device=ids.device)
-        self.first_logits = decoder.prefill(ids[first_t], mask[first_t], max_new)[inverse_t]
-        decoder.select(inverse_t)
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return self.cache.decode(tokens, positions, live)
-
-    def select(self, idx: torch.Tensor) -> None:
-        self.cache.select(idx)
-
-
 class HFGenerator(GenerationBackend):
     """Generate with a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids, cache)``, the
     cache named ``past_key_values`` before transformers 5.24).
@@ -166,25 +142,19 @@ class HFGenerator(GenerationBackend):
     ``batch_size`` caps the rows (prompts x n) run through the model at once; ``None`` runs all rows together.
     Results depend on ``seed`` but not on ``batch_size`` (up to float noise in batched matmuls).
 
-    ``static_cache``: decode Llama-family models with :class:`~postrl.rollout.decoder.StaticDecoder` (fused
-    projections, a KV cache allocated once); ``None`` (default) uses it whenever it supports the model, ``False``
-    always uses the model's forward with a ``DynamicCache``. Both compute the same tokens and log-probs.
-    ``decode``: the library of the static decoder's decode steps (``auto``: numpy for a float32 model on a CPU,
-    torch otherwise; see :func:`~postrl.rollout.decoder.decode_library`). numpy's BLAS then runs with torch's
-    thread count.
-    ``threads``: torch intra-op threads while generating: an int, a :class:`~postrl.perf.ThreadPolicy` (phase
-    ``generation``), or ``None`` to leave the current setting.
-    ``processes``: on a CPU, generate in this many processes, ``processes - 1`` of them helpers
-    (:mod:`postrl.rollout.helpers`) that each take a contiguous block of the prompts when seeds are given per
-    prompt; each process then runs (usable cores) / ``processes`` threads. :meth:`close` stops the helpers.
+    ``decoder``: ``decoder(model)`` builds, once per :meth:`generate` call, the object that runs the prefill and
+    decode steps instead of the model's forward (the speed layer's
+    :class:`~postrl.accel.decoder.StaticDecoder`): it has ``stepper(rows, ids, mask, max_new)`` (an object like
+    ``_HFStepper``) and ``threads(n)`` (a context for the body's thread count). ``None``: the model's own forward
+    with a ``DynamicCache``. Both compute the same tokens and log-probs up to float rounding.
+    ``threads``: an object whose ``use("generation", rows=, work=)`` context sets the torch threads while generating
+    (:class:`~postrl.accel.cpu.ThreadPolicy`), or ``None`` to leave the current setting.
+    Without ``decoder`` and ``threads`` this is plain Hugging Face decoding.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int | None = None, *, static_cache: bool | None = None,
-                 threads: ThreadPolicy | int | None = None, decode: str = "auto", processes: int = 1):
+    def __init__(self, model, tokenizer, batch_size: int | None = None, *, decoder=None, threads=None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-        if processes < 1:
-            raise ValueError(f"processes must be >= 1, got {processes}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -199,35 +169,8 @@ class HFGenerator(GenerationBackend):
             params = {}
         self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._cache_kw = cache_keyword(model) or "past_key_values"
-        supported = StaticDecoder.supports(model)
-        if static_cache and not supported:
-            raise ValueError(f"static_cache=True: no static decoder for model type "
-                             f"'{getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)}'")
-        self.static_cache = supported if static_cache is None else bool(static_cache)
-        self.decode = decode
-        decode_library(model, decode)  # a bad or impossible choice fails here, not at the first generate
-        self.threads = ThreadPolicy(threads) if isinstance(threads, int) else threads
-        self.helpers = None
-        self.last_processes = 1  # processes the last generation ran in
-        if processes > 1:
-            from postrl.rollout.helpers import HelperPool
-
-            if next(model.parameters()).device.type != "cpu":
-                raise ValueError(f"processes={processes}: helper generation processes run on a CPU only")
-            per_process = max(1, usable_cores() // processes)  # torch threads of each process while generating
-            self.split_threads = ThreadPolicy(per_process)
-            self.helpers = HelperPool(model, tokenizer, processes - 1, {
-                "batch_size": batch_size, "static_cache": static_cache, "decode": decode, "threads": per_process})
-
-    def start_helpers(self, wait: float | None = None) -> bool:
-        """Spawn the helper processes (``processes`` > 1) in the background; with ``wait``, wait up to that many
-        seconds for them to start. Returns whether they are ready (False without helpers)."""
-        return self.helpers is not None and self.helpers.ready(timeout=wait or 0.0)
-
-    def close(self) -> None:
-        """Stop the helper processes (``processes`` > 1); :meth:`start_helpers` starts them again."""
-        if self.helpers is not None:
-            self.helpers.close()
+        self.decoder = decoder
+        self.threads = threads
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> list[int]:
@@ -258,53 +201,9 @@ class HFGenerator(GenerationBackend):
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if self._split(prompt_ids, n, params, seed):
-            return self._generate_split(prompt_ids, n, params, [int(s) for s in seed])
-        self.last_processes = 1
-        return self._generate(prompt_ids, n, params, seed, self.threads)
+        return self._generate(prompt_ids, n, params, seed)
 
-    def _split(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed) -> bool:
-        """Whether the helpers take part: started, seeds per prompt, two prompts or more, and one thread for this
-        batch's generation (the thread policy's choice: where a second thread speeds up the decode steps, it runs
-        in this process instead)."""
-        if self.helpers is None or params.max_new_tokens == 0 or not isinstance(seed, (list, tuple)) \
-                or not len(seed) == len(prompt_ids) >= 2 or not self.helpers.ready():
-            return False
-        rows = self.batch_size or len(prompt_ids) * n
-        return self.threads is None or self.threads.threads_for("generation", rows=rows) == 1
-
-    def _generate_split(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
-                        seeds: list[int]) -> Generation:
-        """The prompts in contiguous blocks, one per process (this one takes the first), each block with its own
-        seeds: the rows of the single-process generation up to the rounding of smaller batches
-        (``postrl.rollout.helpers``)."""
-        from postrl.rollout.helpers import merge_generations
-
-        k = self.last_processes = min(self.helpers.count + 1, len(prompt_ids))
-        bounds = [len(prompt_ids) * i // k for i in range(k + 1)]
-        for i in range(1, k):
-            a, b = bounds[i], bounds[i + 1]
-            self.helpers.submit(i - 1, prompt_ids[a:b], n, params, seeds[a:b], self.eos_ids)
-        error: BaseException | None = None
-        try:
-            # the whole of this process's part on its share of the cores (the decoder's set-up too: a torch operator
-            # on more threads leaves OpenMP threads spinning on the helper's core)
-            with self.split_threads.use("generation"):
-                own = self._generate(prompt_ids[:bounds[1]], n, params, seeds[:bounds[1]], None)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, once the helpers' replies are read
-            error = e
-        parts = []
-        for i in range(1, k):  # every reply is read, even after a failure, so that the pipes stay in step
-            try:
-                parts.append(self.helpers.result(i - 1))
-            except RuntimeError as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return merge_generations([own] + parts, self.pad_id)
-
-    def _generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int | list[int],
-                  thread_policy: ThreadPolicy | None) -> Generation:
+    def _generate(self, prompt_ids: list[list[int]], n: int, params: SamplingParams, seed: int | list[int]) -> Generation:
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         num_rows = len(rows)
         all_prompt_ids, all_prompt_mask = left_pad(rows, self.pad_id)
@@ -318,13 +217,14 @@ class HFGenerator(GenerationBackend):
         device = self._device()
         chunk = self.batch_size or max(num_rows, 1)
         was_training = model.training
-        threads = thread_policy.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
-            if thread_policy is not None else nullcontext()
+        threads = self.threads.use("generation", rows=chunk, work=num_rows * max(max_new, 1)) \
+            if self.threads is not None else nullcontext()
         try:
-            decoder = StaticDecoder(model, self.decode) if self.static_cache and max_new > 0 else None
+            decoder = self.decoder(model) if self.decoder is not None and max_new > 0 else None
             if decoder is None:  # the model's forward runs: eval mode (no dropout); the static decoder has none
                 model.eval()
-            with torch.inference_mode(), threads as n_threads, self._blas_threads(decoder, n_threads):
+            with torch.inference_mode(), threads as n_threads, \
+                    decoder.threads(n_threads or torch.get_num_threads()) if decoder is not None else nullcontext():
                 # One uniform draw per (row, step), taken up front: a row's samples depend on the seed and its own
                 # logits only, not on batch_size or on which rows have already finished.
                 noise = None
@@ -367,13 +267,6 @@ class HFGenerator(GenerationBackend):
         )
 
     # ------------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _blas_threads(decoder: StaticDecoder | None, n: int | None):
-        """numpy decode steps: numpy's BLAS on as many threads as torch (the phase's count)."""
-        if decoder is None or decoder.library != "numpy":
-            return nullcontext()
-        return blas_threads(n or torch.get_num_threads())
-
     def _device(self) -> torch.device:
         dev = getattr(self.model, "device", None)
         if isinstance(dev, torch.device):
@@ -408,21 +301,8 @@ class HFGenerator(GenerationBackend):
 
         return DynamicCache(config=self.model.config)
 
-    @staticmethod
-    def _can_compact(cache) -> bool:
-        """Finished rows can be dropped from the static decoder's cache and from caches whose every layer is a plain
-        (or sliding) dynamic KV layer."""
-        if isinstance(cache, StaticDecoder):
-            return True
-        try:
-            from transformers.cache_utils import DynamicLayer
-        except ImportError:  # pragma: no cover - older transformers
-            return False
-        layers = getattr(cache, "layers", None)
-        return bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
-
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, noise: torch.Tensor | None, device,
-                        decoder: StaticDecoder | None = None):
+                        decoder=None):
         """Generate for one chunk of rows; returns (ids [B, M], logprobs [B, M], lengths [B], ended [B]) on CPU."""
         num = len(rows)
         max_new = params.max_new_tokens
@@ -434,15 +314,15 @@ class HFGenerator(GenerationBackend):
 
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        stepper = _StaticStepper(decoder, rows, ids, mask, max_new) if decoder is not None \
+        stepper = decoder.stepper(rows, ids, mask, max_new) if decoder is not None \
             else _HFStepper(self, ids, mask, max_new)
         logits = stepper.first_logits
-        compact = self._can_compact(stepper.cache)
+        compact = stepper.can_compact
         next_pos = mask.sum(-1)  # position of the next token in each row
         rows_idx: torch.Tensor | None = None  # original row of each running row (None: all rows, in order)
         live = torch.ones(num, dtype=torch.bool, device=device)  # rows still generating in the running batch
         all_live = True
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        eos = torch.tensor([] if params.ignore_eos else self.eos_ids, dtype=torch.long, device=device)
         stops = [s for s in params.stop if s]
         # Host-side copy of every row's sampled tokens, for stop-string checks.
         history: list[list[int]] = [[] for _ in range(num)]

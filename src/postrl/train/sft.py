@@ -15,7 +15,7 @@ import torch
 from postrl.data.base import PromptSource
 from postrl.errors import DataError
 from postrl.models import encode_prompt
-from postrl.perf import ThreadPolicy
+from postrl.accel.cpu import ThreadPolicy
 
 
 def _sft_batch(tokenizer, rows: list[dict], chat_template: str):
@@ -45,7 +45,7 @@ def run_sft(model, tokenizer, source: PromptSource, *, steps: int, batch_size: i
     """Train ``model`` in place for ``steps`` steps of ``batch_size`` rows; returns the loss per step.
 
     AdamW, linear warmup then cosine decay to 10% of ``lr``. ``threads``: torch threads (None: measured per
-    phase, 1 or all, see ``postrl.perf``; the choice changes speed only). Rows come from ``source.train_rows(step, ...)``,
+    phase, 1 or all, see ``postrl.accel.cpu``; the choice changes speed only). Rows come from ``source.train_rows(step, ...)``,
     so the run is deterministic given ``seed``.
     """
     torch.manual_seed(seed)
@@ -59,7 +59,7 @@ def run_sft(model, tokenizer, source: PromptSource, *, steps: int, batch_size: i
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    threads = ThreadPolicy.for_model(model, threads)  # 1 or all threads, measured (postrl.perf)
+    threads = ThreadPolicy.for_model(model, threads)  # 1 or all threads, measured (postrl.accel.cpu)
     losses = []
     for step in range(steps):
         rows = source.train_rows(step, batch_size, seed)

@@ -34,11 +34,10 @@ from postrl.report.samples import append_samples
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
-from postrl.models import completion_logprobs, load_model_and_tokenizer, matmul, prepare_tokenizer
-from postrl.perf import ThreadPolicy, keep_freed_memory
+from postrl import accel
+from postrl.models import load_model_and_tokenizer, prepare_tokenizer
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
-from postrl.rollout.decoder import decode_library
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
 from postrl.train.optim import clip_into_step, make_scheduler
@@ -68,8 +67,6 @@ class Trainer:
 
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         self.acc = Accelerator(cpu=not torch.cuda.is_available(),
                                kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
         # model.dtype=bfloat16: float32 master weights (the optimizer's) and the model's forward under bf16 autocast
@@ -95,22 +92,12 @@ class Trainer:
             self.model_path, self.tokenizer = None, tokenizer
             prepare_tokenizer(tokenizer)
         model.config.use_cache = False
-        if self.acc.device.type == "cpu":
-            if cfg.train.keep_freed_memory:
-                keep_freed_memory()  # glibc: reuse freed buffers instead of page-faulting new ones (postrl.perf)
-            # the library of the linear layers' products on CPU (postrl.models.matmul): oneDNN where it is faster
-            # (under mixed precision torch's own products, which autocast casts)
-            self.matmul = matmul.choose("torch" if self.mixed else cfg.train.matmul, model)
-            matmul.use_onednn(model, self.matmul == "onednn")
-            try:  # the library of the decode steps (postrl.rollout.decoder)
-                decode = decode_library(model, cfg.rollout.decode)
-            except ValueError as e:  # rollout.decode=numpy for a model numpy cannot decode
-                raise ConfigError(f"rollout.decode: {e}") from None
-            # torch threads per phase (postrl.perf), probed with the products each phase runs
-            self.threads = ThreadPolicy.for_model(model, cfg.train.threads, decode=decode)
-        else:  # on an accelerator the host's thread count is not measured (the CPU probe would time the wrong thing)
-            self.threads = ThreadPolicy(cfg.train.threads or torch.get_num_threads())
-            self.matmul = "torch"
+        # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
+        # fused update runs on one process in float32 only (under DDP every process must run the same forwards,
+        # chosen here from its own data; under bf16 autocast the model's own products, which autocast casts)
+        acfg = cfg.accel.model_copy(update={"matmul": "torch"}) if self.mixed else cfg.accel
+        self.accel = accel.prepare(model, acfg, self.acc.device)
+        self.accel.fused = self.accel.fused and self.world == 1 and not self.mixed
         # the stages: objective (loss, KL, regularisers), rewards + shaping, advantage, batch selection
         self.objective = Objective(cfg)
         if self.objective.warning:
@@ -120,7 +107,7 @@ class Trainer:
             self.ref_model = copy.deepcopy(model) if self.model_path is None else \
                 load_model_and_tokenizer(self.model_path, "float32")[0]
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
-            matmul.use_onednn(self.ref_model, self.matmul == "onednn")
+            self.accel.apply(self.ref_model)
         self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
         # optimisation
         torch.manual_seed(cfg.seed)
@@ -141,12 +128,12 @@ class Trainer:
         self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
         self.backend = self._make_backend()
-        self.backend.start_helpers()  # rollout.processes > 1: helper generation processes start in the background
         r = cfg.rollout
         self.ctx = ModelContext(self.policy, self.tokenizer, self.acc.device, temperature=r.temperature or 1.0,
                                 micro_batch_size=cfg.train.micro_batch_size, chat_template=cfg.model.chat_template,
                                 sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                                        top_p=r.top_p, top_k=r.top_k, stop=list(r.stop)),
+                                                        top_p=r.top_p, top_k=r.top_k, stop=list(r.stop),
+                                                        ignore_eos=r.ignore_eos),
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
                                 score=lambda b: self.scorer.score(b, observe=False))
         self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
@@ -198,17 +185,7 @@ class Trainer:
     def _make_backend(self):
         if self.cfg.rollout.backend == "vllm":
             raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
-        from postrl.rollout.hf import HFGenerator
-
-        processes = self.cfg.rollout.processes
-        if processes > 1 and self.acc.device.type != "cpu":
-            raise ConfigError(f"rollout.processes={processes}: helper generation processes run on a CPU only; "
-                              f"use 1 on {self.acc.device.type}")
-        try:
-            return HFGenerator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size,
-                               threads=self.threads, decode=self.cfg.rollout.decode, processes=processes)
-        except ValueError as e:  # rollout.decode=numpy where numpy cannot decode (not on a CPU, not float32)
-            raise ConfigError(f"rollout.decode: {e}") from None
+        return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
 
     @property
     def stateful(self) -> dict[str, list[stages.Stage]]:
@@ -262,16 +239,10 @@ class Trainer:
                   entropy_grad: bool = False, with_logits: bool = False):
         """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
         dev = self.acc.device
-        # under DDP every process must run the same forwards (a shared prompt is a second forward, the fused path
-        # none of DDP's; both are chosen from the data, which differs between processes): the model's one forward.
-        # Under mixed precision the model's own forward too (the fused path computes in float32)
-        solo = self.world == 1 and not self.mixed
-        groups = batch.group_ids[idx] if self.cfg.train.share_prompt and solo else None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
-            out = completion_logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
+            out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                       batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                      with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                      return_logits=with_logits, groups=groups, fused=self.cfg.train.fused and solo)
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits)
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
@@ -383,7 +354,7 @@ class Trainer:
         metrics.update(self.batches.metrics)  # filters, prompt selectors
         rows = min(len(batch), self.cfg.train.micro_batch_size) * (batch.prompt_ids.shape[1]
                                                                    + batch.completion_ids.shape[1])
-        with self.threads.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
+        with self.accel.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
         gen_time = self.batches.generation_time
@@ -475,7 +446,7 @@ class Trainer:
                             self.save(done)
                         raise stop.stop(self.run_dir, done, signum, self.main)
                 after = self._eval_after or self.evaluate("after", cfg.train.steps)
-                self.backend.close()  # helper generation processes (rollout.processes)
+                self.backend.close()  # what the backend holds besides the model
                 if saved != cfg.train.steps:
                     self.save(cfg.train.steps)
                 if self.main:

@@ -16,19 +16,16 @@ out, with fewer operators:
 * attention as two batched products and a softmax, grouped-query heads as groups of rows of one product, its
   backward ``ds = p (dp - sum(dp p))``;
 * SwiGLU ``silu(g) u``, ``silu'(g) = s (1 + g (1 - s))`` with ``s = sigmoid(g)`` (torch's ``silu_backward``);
-* only the rows that predict a completion token through the final norm and the LM head;
-* shared prompts (GRPO's G completions of a prompt): each distinct prompt's tokens run once; the completions
-  attend to their prompt's keys and values, gathered for each row, and the rows' gradients of them are summed
-  back (``_Layout``). A prompt's positions do not see its completions, so this is the same function.
+* only the rows that predict a completion token through the final norm and the LM head.
 
 Measured on an AMD EPYC Zen 5 VM (2 cores, oneDNN products), the 1M benchmark model, 8 rows of 12 + 32 tokens:
 forward + backward 14.4 instead of 16.3 ms alone; inside a GRPO update 0.4-0.9 ms of 19 (2-4%). A 20M model,
-bound by its products, gains nothing measurable from the fusion; the prompt sharing gains what it saves in tokens
-(8 rows, 2 prompts of 12 tokens, 32 completion tokens: 125 vs 139 ms forward + backward at 20M, against
-the model's own shared-prompt path). The gradients are those of the model's own forward up to float
+bound by its products, gains nothing measurable from the fusion and keeps more memory: the update uses it for
+models up to ``FUSED_MAX_HIDDEN`` (:func:`applies`). (Sharing each distinct prompt among its
+completions inside it was deleted: ``postrl bench --quick`` side by side measured no gain at 1M or 20M.) The gradients are those of the model's own forward up to float
 rounding (``tests/test_models.py`` compares
-every parameter's gradient with autograd through the Hugging Face model). It is used (``train.fused``) for models
-:class:`postrl.rollout.decoder.StaticDecoder` supports, in float32 on a CPU, without attention dropout, gradient
+every parameter's gradient with autograd through the Hugging Face model). It is used (``accel.fused``) for models
+:class:`postrl.accel.decoder.StaticDecoder` supports, in float32 on a CPU, without attention dropout, gradient
 checkpointing or a wrapper (DDP's gradient hooks expect its own forward). Its backward is not differentiable
 again: the sharpness diagnostic, which differentiates a gradient, uses the model's forward.
 """
@@ -40,7 +37,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from postrl.models.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
+from postrl.accel.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Spec, or None when not supported
@@ -52,7 +49,7 @@ def spec_for(model) -> _Spec | None:
     if not isinstance(model, torch.nn.Module):
         return None
     if model not in _SPECS:
-        from postrl.rollout.decoder import StaticDecoder
+        from postrl.accel.decoder import StaticDecoder
 
         _SPECS[model] = _Spec(model) if StaticDecoder.supports(model) else None
     spec = _SPECS[model]
@@ -75,9 +72,29 @@ def supports(model) -> bool:
     return spec_for(model) is not None
 
 
+# The fused function writes the attention out as products and a softmax over every (query, key) pair, read again in
+# the backward; the model's own forward runs torch's fused attention kernel, which does not keep them. Measured on a
+# 2-core Zen 5, 32 rows, 12-token prompts: the fused update 1.14x as fast at 140 positions (1M model), 0.91x at 268
+# (1M) and 0.76x at 268 (20M). Above this many positions the model's own forward runs.
+FUSED_MAX_POSITIONS = 192
+# Models up to this hidden size only: the fusion saves operators, which is what a tiny model's step is made of. At
+# hidden size 512 the step is bound by its products: ``postrl bench --quick`` side by side (three runs, 8 rows of
+# 12 + 32 tokens) measured the 20M model's step 0.86x, 0.95x and 1.16x as fast with it (median 0.95x), its peak
+# RSS 70 MiB higher (the attention scores kept for the backward); the 1M model's (hidden 128) 1.16x, 0.94x, 1.09x,
+# update 1.23x.
+FUSED_MAX_HIDDEN = 256
+
+
+def applies(model, P: int, T: int) -> bool:
+    """Whether the update runs :func:`fused_completion_logits` for ``P`` prompt and ``T`` completion positions: a
+    model it supports with a hidden size up to ``FUSED_MAX_HIDDEN``, at most ``FUSED_MAX_POSITIONS`` positions."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or 0
+    return 0 < P and 0 < T and P + T <= FUSED_MAX_POSITIONS and hidden <= FUSED_MAX_HIDDEN and supports(model)
+
+
 def _products(onednn: bool):
     """(x W^T, g W, g^T x) for x [M, in], W [out, in], g [M, out]: oneDNN's (as the oneDNN linear layers compute
-    them, postrl.models.matmul) or torch's (MKL's)."""
+    them, postrl.accel.matmul) or torch's (MKL's)."""
     if onednn:
         return _mm, onednn_grad_input, onednn_grad_weight
     return (lambda x, w: x @ w.t()), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)
@@ -129,7 +146,7 @@ class _Spec:
 
     def same_params(self, model) -> bool:
         """Whether the model still holds the parameters (and linear layer classes) this spec was made from."""
-        from postrl.rollout.decoder import _LINEAR
+        from postrl.accel.decoder import _LINEAR
 
         if list(model.model.layers) != self.layers or any(
                 type(lin) not in _LINEAR for layer in self.layers
@@ -178,99 +195,48 @@ def _causal_bias(real: torch.Tensor) -> torch.Tensor:
 
 
 class _Layout:
-    """Where the packed token rows come from, and what each attends to.
-
-    Per row (``inverse`` None): rows ``[n L, (n + 1) L)`` are row n's prompt (``P`` positions, left-padded) and
-    completion (``T`` positions), ``L = P + T``, with causal attention. Shared prompts (``inverse`` [N]): rows
-    ``[0, U P)`` are the ``U`` distinct prompts, rows ``[U P, U P + N T)`` the ``N`` completions; completion row n
-    continues prompt ``inverse[n]`` and attends to its real positions, then causally to its own. ``keep`` [N T]: the
-    packed row whose hidden state predicts each completion token (the prompt's last position, then the
+    """Where the packed token rows come from, and what each attends to: rows ``[n L, (n + 1) L)`` are row n's prompt
+    (``P`` positions, left-padded) and completion (``T`` positions), ``L = P + T``, with causal attention. ``keep``
+    [N T]: the packed row whose hidden state predicts each completion token (the prompt's last position, then the
     completion's positions ``0..T-2``)."""
 
-    def __init__(self, prompt_mask: torch.Tensor, T: int, inverse: torch.Tensor | None):
-        self.U, self.P = prompt_mask.shape
-        self.N = self.U if inverse is None else len(inverse)
+    def __init__(self, prompt_mask: torch.Tensor, T: int):
+        self.N, self.P = prompt_mask.shape
         self.T = T
-        self.inverse = inverse
-        U, P, N = self.U, self.P, self.N
-        real = prompt_mask.bool()
-        if inverse is None:
-            L = P + T
-            self.M = N * L
-            self.keep = (torch.arange(N)[:, None] * L + P - 1 + torch.arange(T)).reshape(-1)
-            self.bias = _causal_bias(torch.cat([real, torch.ones((N, T), dtype=torch.bool)], dim=1))
-            return
-        self.M = U * P + N * T
-        keep = torch.empty((N, T), dtype=torch.long)
-        keep[:, 0] = inverse * P + P - 1
-        keep[:, 1:] = U * P + torch.arange(N)[:, None] * T + torch.arange(T - 1)
-        self.keep = keep.reshape(-1)
-        self.bias_p = _causal_bias(real)
-        allowed = torch.cat([real[inverse][:, None, :].expand(N, T, P),
-                             torch.ones((T, T), dtype=torch.bool).tril().expand(N, T, T)], dim=2)
-        self.bias_c = torch.zeros((N, 1, 1, T, P + T)).masked_fill_(~allowed[:, None, None], float("-inf"))
+        N, L = self.N, self.P + T
+        self.M = N * L
+        self.keep = (torch.arange(N)[:, None] * L + self.P - 1 + torch.arange(T)).reshape(-1)
+        self.bias = _causal_bias(torch.cat([prompt_mask.bool(), torch.ones((N, T), dtype=torch.bool)], dim=1))
 
     def positions(self, prompt_mask: torch.Tensor) -> torch.Tensor:
         """The position id of every packed row [M], as the one forward over [prompt; completion] numbers them."""
-        T = self.T
-        if self.inverse is None:
-            attn = torch.cat([prompt_mask, torch.ones((self.N, T), dtype=prompt_mask.dtype)], dim=1)
-            return (attn.cumsum(-1) - 1).clamp(min=0).reshape(-1)
-        start = prompt_mask.sum(-1)[self.inverse]
-        return torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0).reshape(-1),
-                          (start[:, None] + torch.arange(T)).reshape(-1)])
+        attn = torch.cat([prompt_mask, torch.ones((self.N, self.T), dtype=prompt_mask.dtype)], dim=1)
+        return (attn.cumsum(-1) - 1).clamp(min=0).reshape(-1)
 
     def attend(self, qkv: torch.Tensor, K: int, G: int) -> tuple[torch.Tensor, tuple]:
         """Attention of the packed rows: (o [M, H D], what :meth:`attend_back` needs) from qkv [M, H + 2K, D],
         queries and keys rotated."""
         H, D = K * G, qkv.shape[-1]
         o = torch.empty((self.M, H * D), dtype=qkv.dtype)
-        if self.inverse is None:
-            N, L = self.N, self.P + self.T
-            qkv4 = qkv.view(N, L, H + 2 * K, D)
-            q = _to_heads(qkv4[:, :, :H], N, L, K, G, D)
-            k, v = qkv4[:, :, H:H + K].transpose(1, 2), qkv4[:, :, H + K:].transpose(1, 2)  # [N, K, L, D]
-            p, o4 = _attention(q, k, v, self.bias)
-            _from_heads(o4, o, N, L, K, G, D)
-            return o, (q, k, v, p)
-        U, P, N, T = self.U, self.P, self.N, self.T
-        UP = U * P
-        # prompts: causal attention within each distinct prompt
-        qkv_p = qkv[:UP].view(U, P, H + 2 * K, D)
-        q_p = _to_heads(qkv_p[:, :, :H], U, P, K, G, D)
-        kv_p = qkv_p[:, :, H:].transpose(1, 2)  # [U, 2K, P, D]: keys, then values
-        p_p, o_p = _attention(q_p, kv_p[:, :K], kv_p[:, K:], self.bias_p)
-        _from_heads(o_p, o[:UP], U, P, K, G, D)
-        # completions: their prompt's keys and values (one copy per row), then their own
-        qkv_c = qkv[UP:].view(N, T, H + 2 * K, D)
-        q_c = _to_heads(qkv_c[:, :, :H], N, T, K, G, D)
-        kv_c = torch.cat([kv_p[self.inverse], qkv_c[:, :, H:].transpose(1, 2)], dim=2)  # [N, 2K, P + T, D]
-        p_c, o_c = _attention(q_c, kv_c[:, :K], kv_c[:, K:], self.bias_c)
-        _from_heads(o_c, o[UP:], N, T, K, G, D)
-        return o, ((q_p, kv_p[:, :K], kv_p[:, K:], p_p), (q_c, kv_c[:, :K], kv_c[:, K:], p_c))
+        N, L = self.N, self.P + self.T
+        qkv4 = qkv.view(N, L, H + 2 * K, D)
+        q = _to_heads(qkv4[:, :, :H], N, L, K, G, D)
+        k, v = qkv4[:, :, H:H + K].transpose(1, 2), qkv4[:, :, H + K:].transpose(1, 2)  # [N, K, L, D]
+        p, o4 = _attention(q, k, v, self.bias)
+        _from_heads(o4, o, N, L, K, G, D)
+        return o, (q, k, v, p)
 
     def attend_back(self, do: torch.Tensor, saved: tuple, K: int, G: int) -> torch.Tensor:
         """dL/d[q k v] [M, H + 2K, D] (queries and keys still rotated) given dL/do [M, H D]."""
         H = K * G
         D = do.shape[-1] // H
+        N, L = self.N, self.P + self.T
         dqkv = torch.empty((self.M, H + 2 * K, D), dtype=do.dtype)  # [dq dk dv], written in place
-        if self.inverse is None:
-            N, L = self.N, self.P + self.T
-            dq, dk, dv = _attention_back(_to_heads(do, N, L, K, G, D), *saved)
-            parts = [(dqkv, N, L, dq, dk, dv)]
-        else:
-            U, P, N, T = self.U, self.P, self.N, self.T
-            UP = U * P
-            dq_c, dk_c, dv_c = _attention_back(_to_heads(do[UP:], N, T, K, G, D), *saved[1])
-            dq_p, dk_p, dv_p = _attention_back(_to_heads(do[:UP], U, P, K, G, D), *saved[0])
-            dk_p.index_add_(0, self.inverse, dk_c[:, :, :P])  # each row's share of its prompt's keys and values
-            dv_p.index_add_(0, self.inverse, dv_c[:, :, :P])
-            parts = [(dqkv[:UP], U, P, dq_p, dk_p, dv_p), (dqkv[UP:], N, T, dq_c, dk_c[:, :, P:], dv_c[:, :, P:])]
-        for rows, B, L, dq, dk, dv in parts:
-            _from_heads(dq, rows[:, :H], B, L, K, G, D)
-            rows = rows.view(B, L, H + 2 * K, D)
-            rows[:, :, H:H + K] = dk.transpose(1, 2)
-            rows[:, :, H + K:] = dv.transpose(1, 2)
+        dq, dk, dv = _attention_back(_to_heads(do, N, L, K, G, D), *saved)
+        _from_heads(dq, dqkv[:, :H], N, L, K, G, D)
+        rows = dqkv.view(N, L, H + 2 * K, D)
+        rows[:, :, H:H + K] = dk.transpose(1, 2)
+        rows[:, :, H + K:] = dv.transpose(1, 2)
         return dqkv
 
 
@@ -365,7 +331,7 @@ class _Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dlogits: torch.Tensor):
         if torch.is_grad_enabled():
-            raise RuntimeError("the fused training forward (train.fused) has no double backward; run the model's "
+            raise RuntimeError("the fused training forward (accel.fused) has no double backward; run the model's "
                                "own forward where a gradient is differentiated")
         spec, lay = ctx.spec, ctx.lay
         _, dxp, dwp = _products(spec.onednn)
@@ -448,24 +414,18 @@ class _Fused(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
-def fused_completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                            first: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> torch.Tensor:
+def fused_completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                            completion_ids: torch.Tensor) -> torch.Tensor:
     """The float32 logits [N, T, V] that predict each completion token, ``model(cat(prompt_ids, completion_ids),
     cat(prompt_mask, 1), positions).logits[:, P-1:P+T-1]``, for a model :func:`supports` accepts, through the
-    hand-written forward and backward (module docstring). ``prompt_ids``/``prompt_mask`` [N, P] are left-padded.
-
-    With ``first`` [U] and ``inverse`` [N] (rows ``first`` hold the U distinct prompts, row n has prompt
-    ``inverse[n]``) each distinct prompt runs once and its keys and values serve all its rows, whose gradients sum
-    into it: the same function, with the prompt work divided by the number of rows per prompt."""
+    hand-written forward and backward (module docstring). ``prompt_ids``/``prompt_mask`` [N, P] are left-padded."""
     spec = spec_for(model)
     if spec is None:
-        raise ValueError("fused_completion_logits: this model is not supported (postrl.models.fused.supports)")
+        raise ValueError("fused_completion_logits: this model is not supported (postrl.accel.fused.supports)")
     if prompt_ids.shape[1] == 0 or completion_ids.shape[1] == 0:
         raise ValueError("fused_completion_logits: needs at least one prompt and one completion position")
-    if first is not None:
-        prompt_ids, prompt_mask = prompt_ids[first], prompt_mask[first]
     T = completion_ids.shape[1]
-    lay = _Layout(prompt_mask, T, inverse)
+    lay = _Layout(prompt_mask, T)
     with torch.no_grad():
         positions = lay.positions(prompt_mask)
         cos, sin = spec.rotary(torch.empty(0, dtype=torch.float32), positions[None])  # [1, M, D]: HF's own table
@@ -474,9 +434,7 @@ def fused_completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.
         scale = torch.ones(spec.H + spec.K, 1, dtype=torch.float32)
         scale[:spec.H] = spec.scaling
         rot = (rot * scale).contiguous()  # [M, H + K, D/2]: queries pre-scaled
-    ids = torch.cat([prompt_ids, completion_ids], dim=1) if inverse is None else \
-        torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
-    ids = ids.reshape(-1)
+    ids = torch.cat([prompt_ids, completion_ids], dim=1).reshape(-1)
     params = spec.params()
     grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     return _Fused.apply(spec, grad, ids, lay, rot, *params)

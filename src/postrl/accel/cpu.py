@@ -21,7 +21,7 @@ and 8 after 10 (``tests/test_bench.py`` checks 1 against 2), while a decode step
 digit. So small models (hidden size up to ``SMALL_HIDDEN``) pin generation to one
 thread, which also is the faster count for their tiny decode operators, and measure only the update: their runs
 stay bitwise reproducible whatever the load. Larger models measure both phases; their metrics are bitwise
-reproducible with a fixed ``train.threads``, and with the default whenever runs choose the same counts.
+reproducible with a fixed ``accel.threads``, and with the default whenever runs choose the same counts.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ class ThreadPolicy:
         self.choices: dict[str, tuple[int, float]] = {}  # phase -> (threads, when measured)
         self.timings: dict[str, dict[int, float]] = {}  # phase -> threads -> probe seconds (last measurement)
         self.pace: dict[str, tuple[int, float]] = {}  # phase -> (threads, seconds per unit of work) of the last use
-        # phase -> whether its products run on oneDNN (postrl.models.matmul): the probe then times oneDNN's, whose
+        # phase -> whether its products run on oneDNN (postrl.accel.matmul): the probe then times oneDNN's, whose
         # gain from a second thread differs from MKL's
         self.onednn = dict(onednn or {})
         # phases whose products run in numpy (the static decoder's numpy decode steps): probed with numpy's products,
-        # its BLAS limited to the candidate count (postrl.rollout.decoder.blas_threads)
+        # its BLAS limited to the candidate count (postrl.accel.decoder.blas_threads)
         self.numpy = tuple(numpy)
         # Early re-measurements: a choice is measured again after this many further uses of the phase, then after
         # refresh_s only. The first measurements of a run are the least reliable (other processes starting or
@@ -76,14 +76,14 @@ class ThreadPolicy:
     @classmethod
     def for_model(cls, model, threads: int | None = None, decode: str = "torch", **kw) -> ThreadPolicy:
         """The policy for ``model``'s phases; ``decode``: the library of its decode steps ("numpy" or "torch", as
-        :func:`postrl.rollout.decoder.decode_library` resolves ``rollout.decode``)."""
+        :func:`postrl.accel.decoder.decode_library` resolves ``accel.decode``)."""
         cfg = getattr(model, "config", None)
         hidden = getattr(cfg, "hidden_size", None) or 256
         inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
         if threads is None and hidden <= SMALL_HIDDEN:
             kw.setdefault("pinned", {"generation": 1})  # tiny decode operators; bit-reproducible sampling
-        from postrl.models.matmul import OneDNNLinear
-        from postrl.rollout.decoder import _ONEDNN_MIN_HIDDEN
+        from postrl.accel.matmul import OneDNNLinear
+        from postrl.accel.decoder import _ONEDNN_MIN_HIDDEN
 
         onednn_gen = False
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
@@ -130,7 +130,7 @@ class ThreadPolicy:
 
             return unit_np, reps
         if self.onednn.get(phase):
-            from postrl.models.matmul import _mm as linear
+            from postrl.accel.matmul import _mm as linear
 
             def grad_w(h, x):  # [inter, hidden], as the oneDNN layer's backward computes it
                 return linear(x.t(), h.t()).t()
@@ -172,7 +172,7 @@ class ThreadPolicy:
             if phase in self.numpy:
                 blas.limit(limits=c)  # undone when ``blas`` exits
 
-        from postrl.rollout.decoder import blas_controller
+        from postrl.accel.decoder import blas_controller
 
         blas = blas_controller() if phase in self.numpy else None
         try:

@@ -18,7 +18,7 @@ product) differs. oneDNN's results are bitwise identical on 1 and 2 threads (tes
 A backward that builds a graph (double backward, as the sharpness diagnostic does) uses torch's differentiable
 products instead.
 
-``train.matmul`` picks it: ``torch`` never, ``onednn`` always (where oneDNN exists), ``auto`` (default) on AMD
+``accel.matmul`` picks it: ``torch`` never, ``onednn`` always (where oneDNN exists), ``auto`` (default) on AMD
 CPUs with AVX-512 (:func:`choose`). Only float32 CPU layers are switched; any other layer keeps ``F.linear``.
 """
 
@@ -130,7 +130,7 @@ def cpu_has_avx512() -> bool:
 
 
 def choose(setting: str, model: torch.nn.Module) -> str:
-    """The library for ``train.matmul = setting`` (auto / torch / onednn) and this model: 'onednn' or 'torch'.
+    """The library for ``accel.matmul = setting`` (auto / torch / onednn) and this model: 'onednn' or 'torch'.
 
     ``auto`` is a rule, not a timing, so that every run and every process of a run on a machine makes the same
     choice (a timed choice could differ between two runs and change their last bits): oneDNN on AMD CPUs, where

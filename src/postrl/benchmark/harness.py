@@ -16,11 +16,11 @@ What is compared (both sides, every setting equal):
   * AdamW, the same learning rate, betas, eps, no weight decay, constant schedule, grad-norm clip 1.0.
   * TRL's ``gradient_checkpointing`` (on by default in GRPOConfig) is turned off: postrl does not recompute
     activations, so leaving it on would make TRL do more work.
-  * Equal completion lengths: EOS does not stop generation on either side (postrl: the sampler's ``eos_ids``
-    emptied; TRL: ``eos_token_id=None`` in its generation config and no EOS cut in its completion mask), so
+  * Equal completion lengths: EOS does not stop generation on either side (postrl: ``rollout.ignore_eos=true``;
+    TRL: ``eos_token_id=None`` in its generation config and no EOS cut in its completion mask), so
     every completion has exactly ``T`` tokens on both sides and both train on all of them. Each step checks it.
 
-How it is run: each side lives in its own worker subprocess (``python -m postrl.bench worker ...``) that holds
+How it is run: each side lives in its own worker subprocess (``python -m postrl.benchmark worker ...``) that holds
 its trainer; the parent tells the two workers to take one step each in turn (A B A B ...), so both see the same
 machine load, and a per-step ratio is robust to load that changes over minutes. The first ``WARMUP_STEPS`` steps
 of each side are a warm-up and are not counted.
@@ -54,11 +54,11 @@ from postrl.errors import PostrlError
 
 SIDES = ("postrl", "trl")
 REWARD_WEIGHTS = (1.0, 0.2)
-# Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.perf) measures each
+# Steps per side not counted: set-up that a long run amortises. postrl's thread policy (postrl.accel.cpu) measures each
 # phase at its first use and again after 2 and 4 more uses (a few ms each time); TRL's first steps build its caches.
 WARMUP_STEPS = 6
-REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.bench:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
-                    f"{{name: 'postrl.bench:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
+REWARDS_OVERRIDE = (f"rewards=[{{name: 'postrl.benchmark.harness:digit_fraction', weight: {REWARD_WEIGHTS[0]}}}, "
+                    f"{{name: 'postrl.benchmark.harness:correct_reward', weight: {REWARD_WEIGHTS[1]}}}]")
 
 
 # ------------------------------------------------------------------------------------------------ rewards
@@ -93,6 +93,7 @@ class Spec:
     model_dir: str = ""
     work_dir: str = ""
     side: str = "postrl"
+    overrides: tuple[str, ...] = ()  # postrl side: config overrides of this variant (``--also postrl:KEY=VALUE,...``)
 
     @property
     def rows(self) -> int:
@@ -109,12 +110,12 @@ def measure_peaks(quick: bool = False) -> dict:
 
     Each is the best of several repetitions on 1 thread and on torch's default thread count (a peak: on a machine
     shared with other jobs the full count can be the slower one); the count that reached it is reported. The
-    matmul runs through torch's default library (MKL) and through oneDNN (``postrl.models.matmul``), and the peak is
+    matmul runs through torch's default library (MKL) and through oneDNN (``postrl.accel.matmul``), and the peak is
     the faster of the two (``matmul_lib``): on AMD CPUs with AVX-512 MKL reaches about half of oneDNN's rate.
     """
     import torch
 
-    from postrl.models import matmul as mm_lib
+    from postrl.accel import matmul as mm_lib
 
     old = torch.get_num_threads()
     n = 1024 if quick else 2048
@@ -233,6 +234,75 @@ def build_bench_model(path: str | Path, size: str, seed: int = 0) -> Path:
     return path
 
 
+# ------------------------------------------------------------------------------------------------ background load
+# A ratio is printed only when the rest of the machine used less than this many cores on average while the measured
+# steps ran. With one core busy in the background, TRL's two OpenMP threads stall at every barrier while postrl's
+# thread policy drops to one thread: the quick ratio then read 17-20x instead of ~2.3x, a number nobody could
+# reproduce on a quiet machine.
+MAX_BACKGROUND_CORES = 0.25
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process of the machine has used so far (all cores; idle and I/O wait excluded, time stolen
+    by the hypervisor for other guests included)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _tree_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the live processes ``pids`` and all their descendants have used so far, each
+    process counted once."""
+    import psutil
+
+    procs: dict[int, Any] = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs.update((p.pid, p) for p in (proc, *proc.children(recursive=True)))
+        except psutil.Error:
+            continue
+    total = 0.0
+    for p in procs.values():
+        try:
+            c = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += c.user + c.system
+    return total
+
+
+class LoadMeter:
+    """The CPU the rest of the machine uses while the benchmark runs: machine-wide busy seconds (``psutil.cpu_times``,
+    i.e. /proc/stat) minus those of the benchmark's own processes (``pids`` and their descendants: the parent, its
+    workers and their children), per wall second: the average number of cores other processes kept busy."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = list(pids)
+        self.t0 = self.busy0 = self.own0 = None
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _machine_busy_s(), _tree_cpu_s(self.pids)
+
+    def stop(self) -> dict:
+        from postrl.accel.cpu import usable_cores
+
+        wall = time.perf_counter() - self.t0
+        busy, own = _machine_busy_s() - self.busy0, _tree_cpu_s(self.pids) - self.own0
+        return {"wall_s": wall, "machine_cores": busy / wall, "own_cores": own / wall,
+                "background_cores": max(0.0, busy - own) / wall, "cpus": usable_cores()}
+
+
+def load_verdict(load: dict | None) -> str | None:
+    """Why a ratio measured under ``load`` (:meth:`LoadMeter.stop`) is not printed; None when it is."""
+    if load is None or load["background_cores"] < MAX_BACKGROUND_CORES:
+        return None
+    return (f"other processes kept {load['background_cores']:.2f} of {load['cpus']} cores busy during the measured "
+            f"steps (limit {MAX_BACKGROUND_CORES}): the sides' thread policies react differently to a busy machine, "
+            f"so the ratio would not be reproducible; rerun on a quiet machine")
+
+
 # ------------------------------------------------------------------------------------------------ workers
 def _children() -> list:
     import psutil
@@ -267,16 +337,16 @@ class _Proto:
         self.children: list = []
 
     def send(self, msg: dict) -> None:
-        # peak RSS of this process plus that of its children (the helpers share the parameters with it, so this
-        # counts them twice: an upper bound)
+        # peak RSS of this process plus that of its child processes (any a side starts; shared pages count twice:
+        # an upper bound)
         msg["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 + sum(
             _peak_rss_kib(c.pid) for c in self.children) / 1024.0
         self.out.write(json.dumps(msg) + "\n")
         self.out.flush()
 
     def cpu_s(self) -> float:
-        """CPU seconds (user + system, all threads) this process and its child processes (postrl's generation
-        helpers, listed once by :meth:`find_children`) have used so far."""
+        """CPU seconds (user + system, all threads) this process and its child processes (listed once by
+        :meth:`find_children`) have used so far."""
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime + sum(t.user + t.system for t in (c.cpu_times() for c in self.children))
 
@@ -305,24 +375,18 @@ def _sync(spec: Spec) -> None:
         torch.cuda.synchronize()
 
 
-def _policy_threads(policy, backend=None) -> str:
-    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step); ``PxT`` for a
-    generation split over P processes of T threads each (``rollout.processes``)."""
+def _policy_threads(policy) -> str:
+    """``"generation/update"`` thread counts of a ThreadPolicy (as chosen for the last step)."""
     ch = policy.choices
     only = policy.max_threads if len(policy.candidates()) == 1 else "?"
-    out = [str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
-           for k in ("generation", "update")]
-    procs = getattr(backend, "last_processes", 1)
-    if procs > 1:
-        out[0] = f"{procs}x{backend.split_threads.fixed}"
-    return "/".join(out)
+    return "/".join(str(ch[k][0] if k in ch else (policy.fixed or policy.pinned.get(k) or only))
+                    for k in ("generation", "update"))
 
 
 def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     import torch
 
     from postrl.config import load_config
-    from postrl.perf import usable_cores
     from postrl.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -331,7 +395,7 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         "task.name=arithmetic", "model.chat_template=none",
         REWARDS_OVERRIDE,
         f"rollout.group_size={spec.group_size}", f"rollout.max_new_tokens={spec.max_new_tokens}",
-        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "rollout.ignore_eos=true",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", "train.mini_batches=1", f"train.steps={spec.total_steps}",
         "train.save_every=0", "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0",
@@ -340,15 +404,11 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         f"optim.lr={spec.lr}", "optim.weight_decay=0.0", "optim.warmup_steps=0", "optim.schedule=constant",
         "optim.max_grad_norm=1.0",
     ]
+    overrides += list(spec.overrides)
     if spec.threads:
-        overrides.append(f"train.threads={spec.threads}")
-    elif spec.device == "cpu" and usable_cores() >= 2:
-        # a helper generation process on the other core where generation runs on one thread (postrl.rollout.helpers)
-        overrides.append("rollout.processes=2")
+        overrides.append(f"accel.threads={spec.threads}")
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, spec.work_dir)
-    trainer.backend.eos_ids = []  # equal work: EOS does not end a completion (TRL side: eos_token_id=None)
-    trainer.backend.start_helpers(wait=120.0)  # their start-up is set-up time (init_s), as the trainer's own
     proto.find_children()
     proto.send({"ready": True, "init_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
     step = 0
@@ -359,10 +419,10 @@ def _postrl_worker(spec: Spec, proto: _Proto) -> None:
         _sync(spec)
         wall, cpu = time.perf_counter() - t, proto.cpu_s() - c
         step += 1
-        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
+        threads = spec.threads or _policy_threads(trainer.accel.threads)
         proto.send({"wall": wall, "generation": m["time/generation"], "reward": m["time/reward"],
                     "ref": m["time/ref"], "len_min": m["length/min"], "len_max": m["length/max"],
-                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.matmul})
+                    "loss": m.get("pg_loss"), "threads": threads, "cpu_s": cpu, "matmul": trainer.accel.matmul})
 
 
 def _trl_worker(spec: Spec, proto: _Proto) -> None:
@@ -513,7 +573,7 @@ class Worker:
         # Both sides in the same environment, the postrl command's (GOMP_SPINCOUNT=10000 unless set,
         # postrl.cli.quiet_openmp_spin): with libgomp's default spin, a side's idle OpenMP threads spin for ~7 ms into
         # the other side's step (TRL's generation took 53 instead of 45 ms after postrl's update)
-        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.bench", "worker", json.dumps(asdict(spec))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "postrl.benchmark", "worker", json.dumps(asdict(spec))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, **hide, **(env or {})})
         self.ready: dict | None = None
@@ -568,7 +628,11 @@ def run_pair(spec: Spec, root: Path, variants: dict[str, dict] | None = None,
             workers[name] = Worker(s, root / f"{name}.log")
         ready = {name: w.wait_ready() for name, w in workers.items()}
         steps: dict[str, list[dict]] = {name: [] for name in workers}
+        meter = LoadMeter([os.getpid()]) if spec.device == "cpu" else None  # this process and the workers
+        load = None
         for i in range(spec.total_steps):
+            if i == spec.warmup and meter is not None:
+                meter.start()
             for name, w in workers.items():
                 rec = w.step()
                 n = spec.max_new_tokens
@@ -579,10 +643,12 @@ def run_pair(spec: Spec, root: Path, variants: dict[str, dict] | None = None,
                 steps[name].append(rec)
                 log(f"  {name:<12} step {i + 1}/{spec.total_steps}  {rec['wall']:.2f}s"
                     + ("  (warm-up)" if rec["warmup"] else ""))
+        if meter is not None and meter.t0 is not None:
+            load = meter.stop()
     finally:
         for w in workers.values():
             w.close()
-    return {"spec": asdict(spec), "ready": ready, "steps": steps}
+    return {"spec": asdict(spec), "ready": ready, "steps": steps, "load": load}
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -596,7 +662,7 @@ def summarize(result: dict, peaks: dict, prompt_len: int) -> dict:
     rows, T, E = spec["prompts"] * spec["group_size"], spec["max_new_tokens"], spec["epochs"]
     tokens = rows * T
     out: dict[str, Any] = {"size": spec["size"], "params": shape["params"], "T": T, "rows": rows, "epochs": E,
-                           "sides": {}}
+                           "sides": {}, "load": result.get("load"), "refused": load_verdict(result.get("load"))}
     for name, recs in result["steps"].items():
         meas = [r for r in recs if not r["warmup"]]
         wall = _median([r["wall"] for r in meas])
@@ -640,11 +706,20 @@ def format_tables(summaries: list[dict], peaks: dict) -> str:
             def f(v):
                 return "-" if v is None else f"{v:,.0f}"
             sp = d.get("speedup_of_postrl")
+            cell = "" if sp is None else "not printed (load)" if s.get("refused") else f"{sp:.2f}x"
             lines.append(f"| {s['size']} ({s['params'] / 1e6:.2f}M) | {s['T']} | {name} | {d['threads']} "
                          f"| {d.get('matmul') or '-'} | {_fmt_s(d['wall'])} | {d['tok_s']:,.0f} | {f(pt['generation'])} | {f(pt['reward'])} "
                          f"| {f(pt['ref']) if s['epochs'] > 1 else '-'} | {f(pt['update'])} | {d['cpu_busy']:.2f} "
                          f"| {d['rss_mib']:.0f} "
-                         f"| {'' if sp is None else f'{sp:.2f}x'} |")
+                         f"| {cell} |")
+    for s in summaries:
+        load = s.get("load")
+        if load is not None:
+            lines.append("")
+            lines.append(f"{s['size']} T={s['T']}: background load during the measured steps "
+                         f"{load['background_cores']:.2f} cores of {load['cpus']} (the benchmark itself "
+                         f"{load['own_cores']:.2f})" + (f"; ratio not printed: {s['refused']}" if s.get("refused")
+                                                         else ""))
     lines.append("")
     by_lib = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.get("matmul_by_lib", {}).items())
     if peaks.get("device") == "cuda":
@@ -677,7 +752,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
     s = replace(spec, side="postrl", work_dir=str(root))
     out = root / "steps.json"
     if procs == 1:
-        cmd = [sys.executable, "-m", "postrl.bench", "run-steps", json.dumps(asdict(s)), str(out)]
+        cmd = [sys.executable, "-m", "postrl.benchmark", "run-steps", json.dumps(asdict(s)), str(out)]
     else:
         import socket
 
@@ -687,7 +762,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
         # torch.distributed.run (torchrun): what `accelerate launch --cpu --num_processes N -m postrl train` ends
         # up running (postrl.launch); each worker is DDP over gloo with OMP_NUM_THREADS=1.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), "-m", "postrl.bench", "run-steps", json.dumps(asdict(s)),
+               "127.0.0.1", "--master_port", str(port), "-m", "postrl.benchmark", "run-steps", json.dumps(asdict(s)),
                str(out)]
     with open(root / "log.txt", "w") as f:  # on the CPU, as the tables it extends
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -702,7 +777,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
 
 
 def run_steps_main(argv: list[str]) -> int:
-    """``python -m postrl.bench run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
+    """``python -m postrl.benchmark run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
     from postrl.config import load_config
     from postrl.train.trainer import Trainer
 
@@ -711,20 +786,20 @@ def run_steps_main(argv: list[str]) -> int:
         f"model.path={spec.model_dir}", f"output_dir={spec.work_dir}", f"seed={spec.seed}", "model.chat_template=none",
         REWARDS_OVERRIDE,
         f"rollout.group_size={spec.group_size}", f"rollout.max_new_tokens={spec.max_new_tokens}",
+        "rollout.ignore_eos=true",
         f"train.prompts_per_step={spec.prompts}", f"train.micro_batch_size={spec.rows}",
         f"train.epochs={spec.epochs}", f"train.steps={spec.total_steps}", "train.save_every=0",
         "train.samples_every=1000000", "diagnostics.edge_of_stability.every=0", "advantage.eps=1e-4", "kl.coef=0.0",
         f"optim.lr={spec.lr}",
     ]
     if spec.threads:
-        overrides.append(f"train.threads={spec.threads}")
+        overrides.append(f"accel.threads={spec.threads}")
     trainer = Trainer(load_config(None, overrides), spec.work_dir)
-    trainer.backend.eos_ids = []
     recs = []
     for step in range(spec.total_steps):
         t = time.perf_counter()
         m = trainer.train_step(step)
-        threads = spec.threads or _policy_threads(trainer.threads, trainer.backend)
+        threads = spec.threads or _policy_threads(trainer.accel.threads)
         recs.append({"wall": time.perf_counter() - t, "threads": threads, "len_min": m["length/min"],
                      "len_max": m["length/max"], "processes": trainer.world})
     if trainer.main:
@@ -789,6 +864,21 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
+def parse_variant(name: str) -> dict:
+    """``SIDE``, ``SIDE@THREADS`` or ``postrl:KEY=VALUE,KEY=VALUE`` (postrl with config overrides) as the Spec
+    fields of a variant."""
+    if name.startswith("postrl:"):
+        items = tuple(x for x in name[len("postrl:"):].split(",") if x)
+        if not items or not all("=" in x for x in items):
+            raise PostrlError(f"bench --also '{name}': expected postrl:KEY=VALUE[,KEY=VALUE...]")
+        return {"side": "postrl", "overrides": items}
+    side, _, n = name.partition("@")
+    if side not in SIDES or (n and not n.isdigit()):
+        raise PostrlError(f"bench --also '{name}': expected SIDE, SIDE@THREADS with SIDE in {', '.join(SIDES)}, "
+                          f"or postrl:KEY=VALUE,...")
+    return {"side": side, "threads": int(n) if n else None}
+
+
 def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] | None = None,
         prompts: int | None = None, group_size: int | None = None, steps: int | None = None, epochs: int = 1,
         lr: float = 1e-5, scaling: bool | None = None, also: list[str] | None = None,
@@ -812,11 +902,8 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     peaks = measure(quick)
     log(f"matmul peak {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     variants = {"postrl": {"side": "postrl"}, "trl": {"side": "trl"}}
-    for name in also or []:  # e.g. trl@1: TRL with 1 torch thread
-        side, _, n = name.partition("@")
-        if side not in SIDES or (n and not n.isdigit()):
-            raise PostrlError(f"bench --also '{name}': expected SIDE or SIDE@THREADS with SIDE in {', '.join(SIDES)}")
-        variants[name] = {"side": side, "threads": int(n) if n else None}
+    for name in also or []:  # e.g. trl@1: TRL with 1 torch thread; postrl:accel.mode=off: postrl with overrides
+        variants[name] = parse_variant(name)
     summaries = []
     from postrl.models.tiny import build_tokenizer
 
@@ -831,7 +918,8 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
             res = run_pair(spec, root / f"{size}-T{T}", variants, log=log)
             summaries.append(summarize(res, peaks, plen))
             sp = summaries[-1]["sides"]["trl"]["speedup_of_postrl"]
-            log(f"  -> speed-up of postrl over TRL: {sp:.2f}x")
+            why = summaries[-1]["refused"]
+            log(f"  -> speed-up of postrl over TRL: {sp:.2f}x" if why is None else f"  -> no ratio: {why}")
     end = peaks if quick else measure(quick)  # the load may have changed: keep the better of the two
     start = peaks
     mm = max(start, end, key=lambda p: p["matmul_flops"])
@@ -903,15 +991,13 @@ def add_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m postrl.benchmark worker SPEC`` / ``run-steps SPEC OUT``: the processes the benchmark starts. The
+    benchmark itself is ``postrl bench`` (the CLI, which sets the environment first)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
         return worker_main(argv[1:])
     if argv and argv[0] == "run-steps":
         return run_steps_main(argv[1:])
-    from postrl.cli import main as cli_main
-
-    return cli_main(["bench", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print("usage: python -m postrl.benchmark {worker SPEC | run-steps SPEC OUT} (the benchmark's own processes); "
+          "run the benchmark with: postrl bench", file=sys.stderr)
+    return 2

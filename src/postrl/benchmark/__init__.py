@@ -1,0 +1,1 @@
+"""``postrl bench``: postrl's Trainer against TRL's GRPOTrainer side by side (:mod:`postrl.benchmark.harness`)."""
