@@ -1,0 +1,112 @@
+"""Seed methods of issue 17 section 4: hand-computed values for each (CANON, GTPO, GRPO-S, BRME, Co-Reward, ...)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from postrl import registry
+from postrl.advantages.entropy import canon_entropy, canon_length, grpo_s, gtpo
+from postrl.shaping.transforms import ensemble_brme
+from postrl.stages import build
+
+nan = float("nan")
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert (torch.isnan(a) == torch.isnan(b)).all(), (a, b)
+    assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), atol=tol), (a, b)
+
+
+# ------------------------------------------------------------------------------------------------ BRME
+def test_ensemble_brme_mixes_mean_and_min():
+    r = T([[1.0, 3.0, 1.0], [0.0, nan, 0.0], [2.0, 4.0, 0.0]])
+    names, w = ["rm1", "rm2", "correct"], T([1.0, 1.0, 0.5])
+    out = ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=0.25)
+    # row 0: 0.25 * 2 + 0.75 * 1 = 1.25; row 2: 0.25 * 3 + 0.75 * 2 = 2.25; a NaN member -> NaN
+    close(out["rewards"][:, 0], [1.25, nan, 2.25])
+    assert out["reward_names"] == ["ensemble", "correct"]
+    close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.0)["rewards"][:, 0], [2.0, nan, 3.0])
+    close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=0.0)["rewards"][:, 0], [1.0, nan, 2.0])
+    with pytest.raises(ValueError, match="ensemble_brme.lam"):
+        ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.5)
+    assert registry.entry("shaping", "ensemble_brme").source.startswith("Reward-Robust RLHF")
+
+
+# ------------------------------------------------------------------------------------------------ CANON
+def test_canon_length_between_plus_within_half():
+    r, g, lengths = T([1.0, 0.0, 0.0, 0.0]), T([0, 0, 0, 0]), T([10.0, 20.0, 30.0, 40.0])
+    # halves by mean length 25: low {0, 1} mean reward 0.5, high {2, 3} mean 0
+    # row 0: within 0.5 + between 0.5 = 1; row 1: -0.5 + 0.5 = 0; rows 2, 3: 0 + (0 - 0.5) = -0.5
+    close(canon_length(r, g, lengths, scale="none"), [1.0, 0.0, -0.5, -0.5])
+    # between = 0: plain within-half baseline
+    close(canon_length(r, g, lengths, scale="none", between=0.0), [0.5, -0.5, 0.0, 0.0])
+    # scale='group': divided by the unbiased std of [1, 0, 0, 0] = 0.5
+    close(canon_length(r, g, lengths), [2.0, 0.0, -1.0, -1.0], tol=1e-4)
+    # the direction of the metric is not presumed: with the reward on the long side, the long half wins
+    close(canon_length(r.flip(0), g, lengths, scale="none"), [-0.5, -0.5, 0.0, 1.0])
+
+
+def test_canon_equal_metric_is_grpo_and_invalid_rows_are_out():
+    r, g = T([1.0, 0.0, 1.0, 5.0, 1.0, 0.0]), T([0, 0, 0, 0, 1, 1])
+    lengths = T([7.0, 7.0, 7.0, 7.0, 3.0, 9.0])
+    valid = T([True, True, True, False, True, True])
+    out = canon_length(r, g, lengths, valid, scale="none")
+    # group 0: one half only (all equal lengths) -> r - mean over the valid rows (2/3); row 3 invalid -> 0
+    # group 1: halves of one each: within 0, between = own - other = +-1
+    close(out, [1 / 3, -2 / 3, 1 / 3, 0.0, 1.0, -1.0])
+
+
+def test_canon_entropy_splits_by_mean_token_entropy():
+    r, g = T([1.0, 1.0, 0.0, 0.0]), T([0, 0, 0, 0])
+    mask = T([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    H = T([[2.0, 4.0], [3.0, 99.0], [0.5, 0.5], [1.0, 2.0]])  # masked 99 ignored: means 3, 3, 0.5, 1.5
+    # mean 2: high {0, 1} reward mean 1, low {2, 3} mean 0 -> A = r - other half's mean
+    close(canon_entropy(r, g, H, mask, scale="none"), [1.0, 1.0, -1.0, -1.0])
+    st = build("advantage", "canon_entropy", {"scale": "none"})
+    assert "token_entropy" in st.reads and "groups" in st.needs
+
+
+# ------------------------------------------------------------------------------------------------ GTPO / GRPO-S
+def test_gtpo_token_rewards_weighted_by_entropy():
+    r, g = T([1.0, 1.0, 0.0]), T([0, 0, 0])
+    mask = torch.ones(3, 2)
+    H = T([[1.0, 3.0], [3.0, 1.0], [2.0, 2.0]])
+    out = gtpo(r, g, H, mask, alpha=0.1, eps=0.0)
+    # positives {0, 1}: mean entropy 2 at both positions -> w = [[0.5, 1.5], [1.5, 0.5]]; negative {2}: w = 1
+    rt = T([[1.05, 1.15], [1.15, 1.05], [-0.1, -0.1]], dtype=torch.float64)
+    want = (rt - rt.mean()) / rt.flatten().std()
+    close(out, want)
+    # higher-entropy tokens of a correct completion get more credit
+    assert out[0, 1] > out[0, 0] and out[1, 0] > out[1, 1]
+    # all-equal rewards: no bonus, advantage 0
+    close(gtpo(T([1.0, 1.0]), T([0, 0]), T([[1.0, 5.0], [2.0, 2.0]]), torch.ones(2, 2)), torch.zeros(2, 2))
+
+
+def test_gtpo_negatives_blame_confident_tokens_and_respects_alive_tokens():
+    r, g = T([1.0, 0.0, 0.0]), T([0, 0, 0])
+    mask = T([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    H = T([[1.0, 1.0], [1.0, 0.5], [0.25, 7.0]])
+    out = gtpo(r, g, H, mask, alpha=1.0, eps=0.0)
+    # negatives at t=0: 1/H = [1, 4], mean 2.5 -> w = [0.4, 1.6]; t=1 only row 1 alive -> w = 1
+    rt = T([[1.0 + 1.0, 1.0 + 1.0], [-0.4, -1.0], [-1.6, 0.0]], dtype=torch.float64)
+    tok = T([2.0, 2.0, -0.4, -1.0, -1.6], dtype=torch.float64)
+    want = (rt - tok.mean()) / tok.std() * mask
+    close(out, want)
+    assert out[2, 1] == 0.0
+
+
+def test_grpo_s_sequence_bonus():
+    r, g = T([1.0, 1.0, 0.0, 0.0]), T([0, 0, 0, 0])
+    mask = torch.ones(4, 2)
+    H = T([[1.0, 1.0], [3.0, 3.0], [2.0, 2.0], [0.5, 0.5]])
+    out = grpo_s(r, g, H, mask, alpha=0.1, eps=0.0)
+    # positives Hbar 1, 3 (mean 2): w 0.5, 1.5; negatives 1/Hbar = 0.5, 2 (mean 1.25): w 0.4, 1.6
+    shaped = T([1.05, 1.15, -0.04, -0.16], dtype=torch.float64)
+    close(out, (shaped - shaped.mean()) / shaped.std())
+    assert out[1] > out[0] and out[3] < out[2]
