@@ -110,3 +110,31 @@ def test_grpo_s_sequence_bonus():
     shaped = T([1.05, 1.15, -0.04, -0.16], dtype=torch.float64)
     close(out, (shaped - shaped.mean()) / shaped.std())
     assert out[1] > out[0] and out[3] < out[2]
+
+
+# ------------------------------------------------------------------------------------------------ Co-Reward
+def test_co_reward_cross_references_the_paraphrase_majority():
+    from postrl.rewards.label_free import co_reward
+
+    comp = [r"\boxed{3}", r"\boxed{3}", r"\boxed{4}",      # question A (group 0): own majority 3
+            r"\boxed{4}", r"\boxed{4}", r"\boxed{3}",      # paraphrase A' (group 1): own majority 4
+            r"\boxed{7}", "no answer",                    # question B (group 2)
+            r"\boxed{7.0}", r"\boxed{8}"]                  # paraphrase B' (group 3)
+    groups = [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    para = ["a"] * 6 + ["b"] * 4
+    out = co_reward([""] * 10, comp, groups, para)
+    # group 0 is rewarded against A''s majority (4), group 1 against A's (3): the cross reference
+    assert out[:6] == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    # B' votes 7.0 and 8 (tie: first seen, 7 by value); B votes only 7 (no answer does not vote)
+    assert out[6:] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_co_reward_without_partner_fails_the_group_and_missing_column_is_named():
+    from postrl.rewards.label_free import co_reward
+
+    out = co_reward(["", "", ""], [r"\boxed{1}", r"\boxed{1}", r"\boxed{1}"], [0, 1, 2], ["a", "a", "b"])
+    assert out[:2] == [1.0, 1.0] and isinstance(out[2], ValueError) and "'b'" in str(out[2])
+    with pytest.raises(ValueError, match="no 'paraphrase_id' column"):
+        co_reward(["x"], ["y"], [0])
+    with pytest.raises(ValueError, match="row 1 has no 'paraphrase_id'"):
+        co_reward(["x", "x"], ["y", "y"], [0, 1], ["a", None])

@@ -143,3 +143,50 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
             val = 1.0 - (alpha * sum(s) / len(s) + (1.0 - alpha) * max(s))
             out[i] = min(1.0, max(0.0, val)) if math.isfinite(val) else None
     return out
+
+
+@register("reward", "co_reward", source="Co-Reward: Self-supervised Reinforcement Learning for Large Language Model "
+                                        "Reasoning via Contrastive Agreement")
+def co_reward(prompts, completions, group_ids, paraphrase_id=None, *, extract: str = "auto"):
+    """1.0 when the completion's answer equals the majority answer of its paraphrases' completions (label-free).
+
+    "Co-Reward": each training question comes with an analogous (paraphrased) question; each question's
+    surrogate label is the majority vote of its own rollouts, and the reward cross-refers the labels of the
+    pair, so that the model must answer consistently across analogous inputs (harder to collapse than
+    ``majority_vote``'s self-agreement). Here: rows whose data column ``paraphrase_id`` holds the same value are
+    the paraphrases of one question (each a prompt with its own group of completions); for completion i of group
+    g in paraphrase set P,
+      label_{-g} = the most frequent answer over the completions of the other groups of P (ties: first seen),
+      r_i = 1[a_i = label_{-g}].
+    With a pair (the paper's setting) label_{-g} is the partner question's own majority answer; with more
+    paraphrases the votes of all others are pooled (assumed). A completion without an answer gets 0.0 and does
+    not vote. A group whose paraphrases are not in the batch has no label: its entries fail (NaN, excluded from
+    the advantage) with the reason, so the data must put a question and its paraphrases in the same batch (e.g.
+    consecutive rows with ``data.shuffle`` off, or a file whose rows already pair them). Answers are extracted
+    with ``extract`` (default 'auto') and compared after normalisation (numbers by value).
+    Columns: paraphrase_id [N] (any hashable value; a row without one is an error naming the row).
+    """
+    if paraphrase_id is None:
+        raise ValueError("co_reward: the rows have no 'paraphrase_id' column (the id shared by a question and its "
+                         "paraphrases)")
+    for i, p in enumerate(paraphrase_id):
+        if p is None:
+            raise ValueError(f"co_reward: row {i} has no 'paraphrase_id'")
+    keys = [_answer_key(extract_answer(c, extract)) for c in completions]
+    groups = _groups(group_ids)
+    sets: dict = defaultdict(list)  # paraphrase id -> group ids (in order of first appearance)
+    for g, rows in groups.items():
+        sets[paraphrase_id[rows[0]]].append(g)
+    out: list = [0.0] * len(completions)
+    for members in sets.values():
+        for g in members:
+            voters = [i for h in members if h != g for i in groups[h]]
+            if not voters:
+                for i in groups[g]:
+                    out[i] = ValueError(f"co_reward: no paraphrase of this question (paraphrase_id "
+                                        f"{paraphrase_id[i]!r}) in the batch")
+                continue
+            label = _majority([keys[i] for i in voters], [1.0] * len(voters))
+            for i in groups[g]:
+                out[i] = float(label is not None and keys[i] == label)
+    return out
