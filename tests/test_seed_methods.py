@@ -138,3 +138,48 @@ def test_co_reward_without_partner_fails_the_group_and_missing_column_is_named()
         co_reward(["x"], ["y"], [0])
     with pytest.raises(ValueError, match="row 1 has no 'paraphrase_id'"):
         co_reward(["x", "x"], ["y", "y"], [0, 1], ["a", None])
+
+
+# ------------------------------------------------------------------------------------------------ alarms
+def _run(rows, config):
+    from postrl.diagnostics.monitors import Watchdog
+
+    w = Watchdog(config)
+    return [[a for a in w.step(m)] for m in rows]
+
+
+def test_teacher_variance_alarm_on_low_within_prompt_variance():
+    cfg = {"rewards": [{"name": "model"}], "diagnostics": {"teacher_variance": {"patience": 2}}}
+    # within-prompt std 0.3 of a batch std 0.5: fine; 0.02 of 0.5 (4%): the reward scores prompts, not completions
+    rows = [{"step": i + 1, "reward/group_std": g, "reward/std": 0.5} for i, g in enumerate([0.3, 0.02, 0.02, 0.3])]
+    got = [[a.name for a in s if a.name == "teacher_variance"] for s in _run(rows, cfg)]
+    assert got == [[], [], ["teacher_variance"], []]
+    # absolute floor: std 0.005 < min_std 0.01 fires even when the batch std is as small
+    rows = [{"step": i + 1, "reward/group_std": 0.005, "reward/std": 0.005} for i in range(5)]
+    alarms = [a for s in _run(rows, {"rewards": [{"name": "model"}]}) for a in s if a.name == "teacher_variance"]
+    assert [a.step for a in alarms] == [5] and "0.005" in alarms[0].message
+
+
+def test_intrinsic_collapse_names_the_collapse_step():
+    lf = {"rewards": [{"name": "majority_vote"}]}
+    means = [0.5, 0.7, 0.9, 0.97, 0.99]
+    stds = [0.4, 0.3, 0.1, 0.04, 0.01]
+    rows = [{"step": 10 * (i + 1), "reward/mean": r, "reward/group_std": s} for i, (r, s) in enumerate(zip(means, stds))]
+    got = _run(rows, lf)
+    names = [[a.name for a in s if a.name == "intrinsic_collapse"] for s in got]
+    assert names == [[], [], [], ["intrinsic_collapse"], ["intrinsic_collapse"]]
+    last = [a for a in got[-1] if a.name == "intrinsic_collapse"][0]
+    assert "since step 40, the model collapse step" in last.message
+    # a run with a verifiable reward is not label-free: no alarm
+    assert not any(a.name == "intrinsic_collapse" for s in _run(rows, {"rewards": [{"name": "correct"}]}) for a in s)
+
+
+def test_intrinsic_collapse_rise_then_fall_of_accuracy():
+    cfg = {"rewards": [{"name": "co_reward"}], "diagnostics": {"intrinsic_collapse": {"window": 2, "max_drop": 0.2}}}
+    acc = [0.3, 0.5, 0.6, 0.6, 0.4, 0.3]
+    rows = [{"step": i + 1, "reward/mean": 0.5 + 0.05 * i, "reward/group_std": 0.3, "accuracy": a}
+            for i, a in enumerate(acc)]
+    got = [[a for a in s if a.name == "intrinsic_collapse"] for s in _run(rows, cfg)]
+    # window means (end step): 0.4 (2), 0.55 (3), 0.6 (4), 0.5 (5), 0.35 (6): drop 0.25 >= 0.2 at step 6
+    assert [len(s) for s in got] == [0, 0, 0, 0, 0, 1]
+    assert "0.600 (window mean at step 4" in got[-1][0].message
