@@ -183,3 +183,43 @@ def test_intrinsic_collapse_rise_then_fall_of_accuracy():
     # window means (end step): 0.4 (2), 0.55 (3), 0.6 (4), 0.5 (5), 0.35 (6): drop 0.25 >= 0.2 at step 6
     assert [len(s) for s in got] == [0, 0, 0, 0, 0, 1]
     assert "0.600 (window mean at step 4" in got[-1][0].message
+
+
+# ------------------------------------------------------------------------------------------------ teacher variance
+def test_teacher_variance_metric_hand_computed():
+    from postrl.reward_models.metrics import teacher_variance
+
+    r = [1.0, 3.0, 10.0, 10.0, 10.0, 7.0]
+    groups = ["a", "a", "b", "b", "b", "c"]  # c has one completion: left out
+    out = teacher_variance(r, groups)
+    # a: var 2 (unbiased), b: 0 -> mean 1; within SS 2 of total SS around the mean 6.8 of the five kept entries:
+    # (1-6.8)^2 + (3-6.8)^2 + 3 * 3.2^2 = 33.64 + 14.44 + 30.72 = 78.8
+    assert out["teacher/prompts"] == 2
+    assert math.isclose(out["teacher/variance"], 1.0)
+    assert math.isclose(out["teacher/variance_share"], 2.0 / 78.8)
+    assert math.isnan(teacher_variance([1.0, 2.0], ["a", "b"])["teacher/variance"])
+
+
+def test_rm_eval_samples_reports_teacher_variance(tmp_path, capsys):
+    import json
+
+    from postrl.cli import main as cli_main
+    from postrl.reward_models.backbones import load_backbone
+    from postrl.reward_models.metrics import teacher_variance
+    from postrl.reward_models.model import RewardModel
+
+    bb, tok = load_backbone("bag:4", seed=0)
+    rm = RewardModel(bb, tok, max_length=64, chat_template="none")
+    rm.save_pretrained(tmp_path / "rm")
+    rows = [{"prompt": p, "completion": c} for p in ("1+1=", "2+2=") for c in ("2", "4", "22 4")]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli_main(["rm", "eval", str(tmp_path / "rm"), "--samples", str(tmp_path / "s.jsonl"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = rm.score([r["prompt"] for r in rows], [r["completion"] for r in rows])[:, 0]
+    want = teacher_variance(s, [r["prompt"] for r in rows])
+    assert res["samples"] == 6 and res["teacher/prompts"] == 2
+    assert math.isclose(res["teacher/variance"], want["teacher/variance"], rel_tol=1e-5)
+    assert res["teacher/variance"] > 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    assert cli_main(["rm", "eval", str(tmp_path / "rm"), "--samples", str(tmp_path / "bad.jsonl")]) == 2
+    assert "row 0 has no text 'completion'" in capsys.readouterr().err
