@@ -223,3 +223,110 @@ def test_rm_eval_samples_reports_teacher_variance(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     assert cli_main(["rm", "eval", str(tmp_path / "rm"), "--samples", str(tmp_path / "bad.jsonl")]) == 2
     assert "row 0 has no text 'completion'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ RED / attention credit
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory):
+    from postrl.reward_models.backbones import load_backbone
+    from postrl.reward_models.model import RewardModel
+
+    bb, tok = load_backbone("tiny:nano", seed=0)
+    rm = RewardModel(bb, tok, max_length=128, chat_template="none", seed=3)
+    with torch.no_grad():
+        rm.heads.bias.fill_(0.25)
+    path = tmp_path_factory.mktemp("rm") / "rm"
+    rm.save_pretrained(path)
+    from postrl.rewards.model import load_cached
+
+    return str(path), load_cached(str(path)), tok
+
+
+def _batch(tok, prompts, texts, width):
+    from postrl.batch import RolloutBatch
+
+    ids = torch.zeros(len(texts), width, dtype=torch.long)
+    mask = torch.zeros(len(texts), width)
+    for i, t in enumerate(texts):
+        x = tok(t, add_special_tokens=False)["input_ids"]
+        ids[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x)] = 1.0
+    n = len(texts)
+    return RolloutBatch(prompt_ids=torch.zeros(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1),
+                        completion_ids=ids, completion_mask=mask, group_ids=torch.arange(n),
+                        sampler_logprobs=torch.zeros(n, width), truncated=torch.zeros(n, dtype=torch.bool),
+                        prompts=list(prompts), completions=list(texts))
+
+
+def test_red_token_rewards_are_prefix_score_differences(tiny_rm):
+    from postrl.context import ModelContext
+    from postrl.fields import produce
+
+    path, rm, tok = tiny_rm
+    prompts, texts = ["1+1=", "3*3="], ["2 is it", "9"]
+    batch = _batch(tok, prompts, texts, 8)
+    stage = build("advantage", "red", {"reward_model": path, "whiten": False})
+    assert "red_token_reward" in stage.reads
+    produce(ModelContext(model=None, tokenizer=tok), batch, stage)
+    r = batch.extra["red_token_reward"]
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        # the tiny tokenizer is one token per character: the prefix o_<=k is t[:k + 1]
+        want = [float(rm.score([p], [t[:k + 1]])[0, 0] - rm.score([p], [t[:k]])[0, 0]) for k in range(len(t))]
+        close(r[i, :len(t)], want, tol=1e-4)
+        assert (r[i, len(t):] == 0).all()
+        # telescoping: the token rewards sum to RM(q, o) - RM(q)
+        assert math.isclose(float(r[i].sum()), float(rm.score([p], [t])[0, 0] - rm.score([p], [""])[0, 0]),
+                            abs_tol=1e-4)
+    # the advantage: undiscounted returns G_t = sum_{s >= t} r_s = RM(q, o) - RM(q, o_<t)
+    adv = stage(batch)
+    G = r.flip(-1).cumsum(-1).flip(-1) * batch.completion_mask
+    close(adv, G, tol=1e-5)
+    s1 = rm.score([prompts[0]], [texts[0]])[0, 0] - rm.score([prompts[0]], [texts[0][:2]])[0, 0]
+    assert math.isclose(float(adv[0, 2]), float(s1), abs_tol=1e-4)
+    # whitened (default): zero mean, unit variance over the valid tokens
+    w = build("advantage", "red", {"reward_model": path})(batch)
+    m = batch.completion_mask.bool()
+    assert abs(float(w[m].mean())) < 1e-5 and math.isclose(float(w[m].std()), 1.0, rel_tol=1e-3)
+
+
+def test_attention_credit_spreads_the_score_by_last_layer_attention(tiny_rm):
+    from postrl.context import ModelContext
+    from postrl.fields import produce
+
+    path, rm, tok = tiny_rm
+    prompts, texts = ["1+1=", "2+5="], ["2 ok", "7"]
+    batch = _batch(tok, prompts, texts, 6)
+    stage = build("advantage", "attention_credit", {"reward_model": path, "whiten": False})
+    produce(ModelContext(model=None, tokenizer=tok), batch, stage)
+    r = batch.extra["attention_token_reward"]
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        R = float(rm.score([p], [t])[0, 0])
+        assert math.isclose(float(r[i].sum()), R, rel_tol=1e-4)  # the whole score is redistributed
+        ids = torch.tensor([tok(p + t, add_special_tokens=False)["input_ids"]])
+        att = rm.backbone(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True).attentions[-1]
+        a = att[0].mean(0)[-1, len(p):].detach()
+        close(r[i, :len(t)], R * a / a.sum(), tol=1e-5)
+    batch.extra.pop("attention_token_reward")
+    sparse = build("advantage", "attention_credit", {"reward_model": path, "beta": 0.0, "whiten": False})
+    produce(ModelContext(model=None, tokenizer=tok), batch, sparse)
+    r0 = batch.extra["attention_token_reward"]
+    assert (r0[0, :3] == 0).all() and math.isclose(float(r0[0, 3]), float(rm.score([prompts[0]], [texts[0]])[0, 0]),
+                                                    rel_tol=1e-4)
+
+
+def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, tmp_path):
+    from postrl.context import ModelContext
+    from postrl.errors import PostrlError
+    from postrl.fields import produce
+
+    path, rm, tok = tiny_rm
+    with pytest.raises(ValueError, match="advantage.reward_model: expected the folder"):
+        produce(ModelContext(model=None, tokenizer=tok), _batch(tok, ["q"], ["a"], 2), build("advantage", "red", {}))
+    from postrl.reward_models.backbones import load_backbone
+    from postrl.reward_models.model import RewardModel
+    from postrl.rewards.dense import attention_token_rewards
+
+    bb, _ = load_backbone("bag:4")
+    RewardModel(bb, tok, max_length=32).save_pretrained(tmp_path / "bag")
+    with pytest.raises(PostrlError, match="no attention weights"):
+        attention_token_rewards(str(tmp_path / "bag"), ["x"], torch.tensor([[5]]), torch.ones(1, 1), tok)

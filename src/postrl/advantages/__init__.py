@@ -108,4 +108,4 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 
 # Estimators in submodules register themselves on import.
-from postrl.advantages import entropy, gae, outcome, shaped, tournament  # noqa: E402,F401
+from postrl.advantages import entropy, gae, outcome, shaped, token_rewards, tournament  # noqa: E402,F401

@@ -68,7 +68,6 @@ _CANON_DOC = """
     are left out of every statistic and get 0; a group whose rewards are all equal gets 0."""
 
 
-@register("advantage", "canon_entropy", source=_CANON_SRC + ", metric = entropy", needs=("groups",))
 def canon_entropy(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Tensor,
                   completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *, between: float = 1.0,
                   scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
@@ -76,7 +75,6 @@ def canon_entropy(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: 
                  scale=scale, eps=eps)
 
 
-@register("advantage", "canon_length", source=_CANON_SRC + ", metric = response length", needs=("groups",))
 def canon_length(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
                  valid: torch.Tensor | None = None, *, between: float = 1.0, scale: str = "group",
                  eps: float = 1e-6) -> torch.Tensor:
@@ -93,6 +91,8 @@ canon_length.__doc__ = ("Conditional advantage (CANON): halves of a group split 
     m_i = the completion's length in tokens (``lengths``).
     Shapes: reward [N], group_ids [N], lengths [N], valid [N] -> [N].
     """)
+register("advantage", "canon_entropy", source=_CANON_SRC + ", metric = entropy", needs=("groups",))(canon_entropy)
+register("advantage", "canon_length", source=_CANON_SRC + ", metric = response length", needs=("groups",))(canon_length)
 
 
 # ------------------------------------------------------------------------------------------------------ GTPO / GRPO-S
