@@ -427,6 +427,8 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "sampler_logprobs": -torch.rand(N, T, generator=gen) * mask, "token_entropy": torch.rand(N, T) * mask,
             "greedy_reward": torch.zeros(N), "prompt_logprob": -torch.rand(N, generator=gen) - 1,
             "info_gain": torch.zeros(N), "values": torch.zeros(N, T), "completion_hidden": torch.randn(N, T, 8), "columns": {"role": ["r"] * N},
+            "red_token_reward": torch.randn(N, T, generator=gen) * mask,
+            "attention_token_reward": torch.rand(N, T, generator=gen) * mask,
             "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)]}
 
 
@@ -449,7 +451,8 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
     assert torch.all(a[1] == 0) and torch.all(a[4] == 0)
 
 
-@pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae"}))
+@pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae",
+                                                                            "red", "attention_credit"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
     a = call_stage(make(name), batch_fields(equal=True), {})
     assert torch.all(a.abs() < 1e-6), name  # all-equal rewards: no signal (rl_zvp's entropy shaping aside)

@@ -40,7 +40,7 @@ _OPTS = """
 
 
 def red(red_token_reward: torch.Tensor, completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *,
-        reward_model: str, gamma: float = 1.0, whiten: bool = True, device: str = "cpu",
+        reward_model: str | None = None, gamma: float = 1.0, whiten: bool = True, device: str = "cpu",
         rm_batch_size: int = 8) -> torch.Tensor:
     v = torch.ones(completion_mask.shape[0], dtype=torch.bool) if valid is None else valid.bool()
     return token_return_advantage(red_token_reward, completion_mask, v, gamma, whiten)
@@ -63,8 +63,8 @@ register("advantage", "red", source="RED: Unleashing Token-Level Rewards from Ho
 
 
 def attention_credit(attention_token_reward: torch.Tensor, completion_mask: torch.Tensor,
-                     valid: torch.Tensor | None = None, *, reward_model: str, beta: float = 1.0, gamma: float = 1.0,
-                     whiten: bool = True, device: str = "cpu", rm_batch_size: int = 8) -> torch.Tensor:
+                     valid: torch.Tensor | None = None, *, reward_model: str | None = None, beta: float = 1.0,
+                     gamma: float = 1.0, whiten: bool = True, device: str = "cpu", rm_batch_size: int = 8) -> torch.Tensor:
     v = torch.ones(completion_mask.shape[0], dtype=torch.bool) if valid is None else valid.bool()
     return token_return_advantage(attention_token_reward, completion_mask, v, gamma, whiten)
 
