@@ -164,7 +164,8 @@ def test_intrinsic_collapse_names_the_collapse_step():
     lf = {"rewards": [{"name": "majority_vote"}]}
     means = [0.5, 0.7, 0.9, 0.97, 0.99]
     stds = [0.4, 0.3, 0.1, 0.04, 0.01]
-    rows = [{"step": 10 * (i + 1), "reward/mean": r, "reward/group_std": s} for i, (r, s) in enumerate(zip(means, stds))]
+    rows = [{"step": 10 * (i + 1), "reward/mean": r, "reward/group_std": s}
+            for i, (r, s) in enumerate(zip(means, stds))]
     got = _run(rows, lf)
     names = [[a.name for a in s if a.name == "intrinsic_collapse"] for s in got]
     assert names == [[], [], [], ["intrinsic_collapse"], ["intrinsic_collapse"]]
@@ -225,7 +226,7 @@ def test_rm_eval_samples_reports_teacher_variance(tmp_path, capsys):
     assert "row 0 has no text 'completion'" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------ RED / attention credit
+# ---------------------------------------------------------------------------------------- RED / attention credit
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     from postrl.reward_models.backbones import load_backbone

@@ -46,7 +46,7 @@ def red(red_token_reward: torch.Tensor, completion_mask: torch.Tensor, valid: to
     return token_return_advantage(red_token_reward, completion_mask, v, gamma, whiten)
 
 
-red.__doc__ = """Token rewards redistributed from a reward model (RED): r_t = RM(o_<=t) - RM(o_<t); A = whitened returns.
+red.__doc__ = """RED token rewards r_t = RM(o_<=t) - RM(o_<t) of a reward model; A = their whitened returns.
 
     RED ("Unleashing Token-Level Rewards from Holistic Feedback via Reward Redistribution") credits each token
     with the change it makes to an off-the-shelf reward model's score, with no change to the reward model:
@@ -64,12 +64,13 @@ register("advantage", "red", source="RED: Unleashing Token-Level Rewards from Ho
 
 def attention_credit(attention_token_reward: torch.Tensor, completion_mask: torch.Tensor,
                      valid: torch.Tensor | None = None, *, reward_model: str | None = None, beta: float = 1.0,
-                     gamma: float = 1.0, whiten: bool = True, device: str = "cpu", rm_batch_size: int = 8) -> torch.Tensor:
+                     gamma: float = 1.0, whiten: bool = True, device: str = "cpu",
+                     rm_batch_size: int = 8) -> torch.Tensor:
     v = torch.ones(completion_mask.shape[0], dtype=torch.bool) if valid is None else valid.bool()
     return token_return_advantage(attention_token_reward, completion_mask, v, gamma, whiten)
 
 
-attention_credit.__doc__ = """The reward model's score spread over the completion's tokens by its attention; A = whitened returns.
+attention_credit.__doc__ = """A reward model's score spread over the tokens by its attention; A = whitened returns.
 
     "Dense Reward for Free in Reinforcement Learning from Human Feedback": the reward model's last-layer attention
     from the scoring position to the completion tokens redistributes its scalar R (potential-based shaping):
