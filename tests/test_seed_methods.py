@@ -331,3 +331,31 @@ def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, t
     RewardModel(bb, tok, max_length=32).save_pretrained(tmp_path / "bag")
     with pytest.raises(PostrlError, match="no attention weights"):
         attention_token_rewards(str(tmp_path / "bag"), ["x"], torch.tensor([[5]]), torch.ones(1, 1), tok)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@registry.register("reward", "seed_methods_sevens", source="test: sevens and length")
+def _sevens(prompts, completions, **_):
+    """Fraction of '7' characters plus 0.1 per character (varies within every group)."""
+    return [c.count("7") / max(1, len(c)) + 0.1 * len(c) for c in completions]
+
+
+@pytest.mark.parametrize("name", ["gtpo", "canon_entropy", "red", "attention_credit"])
+def test_trainer_produces_the_fields_and_trains(name, tiny_rm, tmp_path):
+    import json
+
+    from postrl.config import load_config
+    from postrl.models.tiny import build_local
+    from postrl.train.trainer import Trainer
+
+    build_local(tmp_path / "nano", size="nano", seed=0)
+    extra = [f"advantage.reward_model={tiny_rm[0]}"] if name in ("red", "attention_credit") else []
+    cfg = load_config(None, [f"model.path={tmp_path / 'nano'}", f"output_dir={tmp_path / 'run'}",
+                             "task.name=arithmetic", "task.digits=1", "rollout.max_new_tokens=4",
+                             "rollout.group_size=4", "rollout.temperature=1.5", "train.prompts_per_step=4",
+                             "train.steps=2", "train.eval_size=4", "rewards=[{name: seed_methods_sevens}]",
+                             f"advantage.name={name}", *extra])
+    Trainer(cfg, cfg.output_dir).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert all(r["advantages/std"] > 0 and math.isfinite(r["advantages/abs_mean"]) for r in rows)
