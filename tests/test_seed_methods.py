@@ -134,10 +134,35 @@ def test_co_reward_without_partner_fails_the_group_and_missing_column_is_named()
 
     out = co_reward(["", "", ""], [r"\boxed{1}", r"\boxed{1}", r"\boxed{1}"], [0, 1, 2], ["a", "a", "b"])
     assert out[:2] == [1.0, 1.0] and isinstance(out[2], ValueError) and "'b'" in str(out[2])
-    with pytest.raises(ValueError, match="no 'paraphrase_id' column"):
+    with pytest.raises(ValueError, match="neither a 'paraphrase_id' column .* nor a 'paraphrase' column"):
         co_reward(["x"], ["y"], [0])
-    with pytest.raises(ValueError, match="row 1 has no 'paraphrase_id'"):
-        co_reward(["x", "x"], ["y", "y"], [0, 1], ["a", None])
+
+
+def test_co_reward_samples_the_paraphrase_when_it_is_not_in_the_batch():
+    from postrl.models.tiny import build_tokenizer
+    from postrl.rewards.core import RewardContext
+    from postrl.rewards.label_free import co_reward
+
+    tok = build_tokenizer()
+
+    class Policy:  # returns, after the prompt, the answers 5, 6, 5 for the n = 3 samples
+        def generate(self, input_ids, **kw):
+            self.kw = kw
+            outs = [tok(a, add_special_tokens=False)["input_ids"] for a in ("5", "6", "5")]
+            return torch.cat([input_ids, torch.tensor(outs)], 1)
+
+    ctx = RewardContext(model=Policy(), tokenizer=tok, chat_template="none")
+    comp = ["5", "6", "5.0"]
+    out = co_reward(["q"] * 3, comp, [0, 0, 0], None, ["q paraphrased"] * 3, ctx, votes=3, max_new_tokens=4,
+                    extract="none")
+    assert out == [1.0, 0.0, 1.0]  # label = the sampled paraphrase completions' majority, 5
+    assert ctx.model.kw["max_new_tokens"] == 4 and ctx.model.kw["do_sample"]
+    # in-batch partners take precedence: group 1's partner is group 0 (answers 5, 6, 5 -> 5)
+    out = co_reward(["q"] * 4, comp + ["6"], [0, 0, 0, 1], ["a"] * 4, ["p"] * 4, ctx, votes=3, extract="none")
+    assert out[3] == 0.0 and out[:3] == [0.0, 1.0, 0.0]  # group 0 against group 1's label 6
+    # no partner, no policy: the group fails with the reason
+    out = co_reward(["q"], ["5"], [0], None, ["p"], None, extract="none")
+    assert isinstance(out[0], ValueError) and "no policy" in str(out[0])
 
 
 # ------------------------------------------------------------------------------------------------ alarms
