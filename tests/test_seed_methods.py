@@ -183,6 +183,10 @@ def test_teacher_variance_alarm_on_low_within_prompt_variance():
     rows = [{"step": i + 1, "reward/group_std": 0.005, "reward/std": 0.005} for i in range(5)]
     alarms = [a for s in _run(rows, {"rewards": [{"name": "model"}]}) for a in s if a.name == "teacher_variance"]
     assert [a.step for a in alarms] == [5] and "0.005" in alarms[0].message
+    # groups whose rewards are all identical are zero_variance_groups' case, not this one
+    for m in rows:
+        m["zero_variance_groups/frac"] = 0.9
+    assert not any(a.name == "teacher_variance" for s in _run(rows, {"rewards": [{"name": "model"}]}) for a in s)
 
 
 def test_intrinsic_collapse_names_the_collapse_step():

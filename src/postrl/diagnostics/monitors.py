@@ -505,8 +505,9 @@ def teacher_variance(h: list[dict], ctx: Context, p) -> Alarm | None:
     ("What Makes a Reward Model a Good Teacher? An Optimization Perspective")."""
     cur = h[-1]
     gs, sd = _num(cur, "reward/group_std"), _num(cur, "reward/std")
-    if gs is None:
-        return None
+    zv = _num(cur, "zero_variance_groups/frac")
+    if gs is None or (zv is not None and zv >= ctx.get("diagnostics.zero_variance_groups.max_frac", 0.8)):
+        return None  # identical rewards in most groups: zero_variance_groups names that cause
     low = gs < p.min_std
     share = gs / sd if sd is not None and sd > 0 else None
     if not low and (share is None or share >= p.min_share):
