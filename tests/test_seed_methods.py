@@ -388,3 +388,41 @@ def test_trainer_produces_the_fields_and_trains(name, tiny_rm, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     assert all(r["advantages/std"] > 0 and math.isfinite(r["advantages/abs_mean"]) for r in rows)
+
+
+class _PieceTokenizer:
+    """A policy tokenizer whose tokens are multi-character pieces (id k = PIECES[k]); id 0 is a special token."""
+
+    PIECES = ["<eos>", "2 ", "is", " it", "9"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    def batch_decode(self, seqs, skip_special_tokens=False):
+        return [self.decode(s, skip_special_tokens) for s in seqs]
+
+
+def test_red_and_attention_align_other_tokenizers_by_characters(tiny_rm):
+    from postrl.rewards.dense import attention_token_rewards, red_token_rewards
+
+    path, rm, tok = tiny_rm
+    pol = _PieceTokenizer()
+    ids = torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0]])  # "2 " "is" " it" <eos> ; "9" <eos>
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    prompts = ["1+1=", "3*3="]
+    r = red_token_rewards(path, prompts, ids, mask, pol)
+    # policy token t covers characters (c_{t-1}, c_t]: the reward model scores the prefixes at those boundaries
+    ends = [[0, 2, 4, 7, 7], [0, 1, 1]]
+    text = ["2 is it", "9"]
+    for i in range(2):
+        S = [float(rm.score([prompts[i]], [text[i][:c]])[0, 0]) for c in ends[i]]
+        close(r[i, :len(ends[i]) - 1], [b - a for a, b in zip(S, S[1:])], tol=1e-4)
+    assert r[0, 3] == 0.0 and r[1, 1] == 0.0  # the special token adds no characters: no reward
+    a = attention_token_rewards(path, prompts, ids, mask, pol)
+    R = float(rm.score([prompts[0]], [text[0]])[0, 0])
+    full = tok(prompts[0] + text[0], add_special_tokens=False)["input_ids"]
+    x = torch.tensor([full])
+    att = rm.backbone(input_ids=x, attention_mask=torch.ones_like(x), output_attentions=True).attentions[-1]
+    w = att[0].mean(0)[-1, len(prompts[0]):].detach()
+    w = w / w.sum()  # per character of "2 is it"; a piece gets the attention of its characters
+    close(a[0], [R * float(w[0:2].sum()), R * float(w[2:4].sum()), R * float(w[4:7].sum()), 0.0], tol=1e-5)
