@@ -350,7 +350,7 @@ def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, t
     from postrl.fields import produce
 
     path, rm, tok = tiny_rm
-    with pytest.raises(ValueError, match="advantage.reward_model: expected the folder"):
+    with pytest.raises(PostrlError, match="advantage.reward_model: expected the folder"):
         produce(ModelContext(model=None, tokenizer=tok), _batch(tok, ["q"], ["a"], 2), build("advantage", "red", {}))
     from postrl.reward_models.backbones import load_backbone
     from postrl.reward_models.model import RewardModel

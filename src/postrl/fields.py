@@ -94,9 +94,11 @@ def completion_hidden(ctx: ModelContext, batch: RolloutBatch, params: dict) -> t
 
 
 def _rm_params(params: dict) -> tuple[str, dict]:
+    from postrl.errors import ConfigError
+
     path = params.get("reward_model")
     if not path:
-        raise ValueError("advantage.reward_model: expected the folder of a trained reward model (postrl rm train)")
+        raise ConfigError("advantage.reward_model: expected the folder of a trained reward model (postrl rm train)")
     return str(path), {"device": params.get("device", "cpu"), "batch_size": int(params.get("rm_batch_size", 8))}
 
 
