@@ -328,6 +328,10 @@ def _broken(name: str) -> list[dict]:
             m.update({"nan_guard/skipped": 1.0, "nan_guard/skipped_total": 1.0, "grad_norm": float("nan")})
         elif name == "edge_of_stability" and "stability/sharpness" in m:
             m["stability/sharpness"] = 2e5
+        elif name == "teacher_variance" and late:
+            m["reward/group_std"] = 0.005
+        elif name == "intrinsic_collapse" and late:
+            m.update({"reward/mean": 0.97, "reward/group_std": 0.03})
         elif name == "reward_all_failed" and i == n - 1:
             m.update({"reward/correct/failure_rate": 1.0, "reward/correct/failures": 8.0})
     return h
@@ -346,7 +350,10 @@ def test_healthy_history_raises_no_alarm():
 
 @pytest.mark.parametrize("name", [m.name for m in MONITORS])
 def test_each_monitor_fires_on_its_failure(name):
-    per_step, final = _run_watchdog(_broken(name))
+    cfg = load_config(None, ["rollout.max_new_tokens=32"]).model_dump(mode="json")
+    if name == "intrinsic_collapse":  # a label-free run
+        cfg["rewards"] = [{"name": "majority_vote"}]
+    per_step, final = _run_watchdog(_broken(name), cfg)
     names = {a.name for al in per_step for a in al} | {a.name for a in final}
     assert name in names, names
     alarm = next(a for al in per_step for a in al if a.name == name)

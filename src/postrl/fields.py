@@ -9,6 +9,12 @@ A stage names the fields it reads (its positional parameters, :func:`postrl.stag
     info_gain          [N]       log pi(answer | q, o) - log pi(answer | q), answer tokens summed (information_gain)
     greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
     completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
+    red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)
+    attention_token_reward [N, T] the stage's ``reward_model`` score spread by its last-layer attention
+                                  (attention_credit)
+
+The last two use a reward model that is the stage's own (its ``reward_model`` folder, :mod:`postrl.rewards.dense`),
+not the policy: of the context they use only the policy's tokenizer (to decode the completion tokens).
 """
 
 from __future__ import annotations
@@ -87,12 +93,39 @@ def completion_hidden(ctx: ModelContext, batch: RolloutBatch, params: dict) -> t
     return ctx.completion_hidden(batch)
 
 
+def _rm_params(params: dict) -> tuple[str, dict]:
+    from postrl.errors import ConfigError
+
+    path = params.get("reward_model")
+    if not path:
+        raise ConfigError("advantage.reward_model: expected the folder of a trained reward model (postrl rm train)")
+    return str(path), {"device": params.get("device", "cpu"), "batch_size": int(params.get("rm_batch_size", 8))}
+
+
+def red_token_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    from postrl.rewards.dense import red_token_rewards
+
+    path, kw = _rm_params(params)
+    return red_token_rewards(path, list(batch.prompts), batch.completion_ids, batch.completion_mask, ctx.tokenizer,
+                             **kw)
+
+
+def attention_token_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    from postrl.rewards.dense import attention_token_rewards
+
+    path, kw = _rm_params(params)
+    return attention_token_rewards(path, list(batch.prompts), batch.completion_ids, batch.completion_mask,
+                                   ctx.tokenizer, beta=float(params.get("beta", 1.0)), **kw)
+
+
 PRODUCERS: dict[str, Callable[[ModelContext, RolloutBatch, dict], torch.Tensor]] = {
     "token_entropy": token_entropy,
     "prompt_logprob": prompt_logprob,
     "info_gain": info_gain,
     "greedy_reward": greedy_reward,
     "completion_hidden": completion_hidden,
+    "red_token_reward": red_token_reward,
+    "attention_token_reward": attention_token_reward,
 }
 
 

@@ -17,6 +17,7 @@ RM_EPILOG = """examples:
   postrl rm train prefs.jsonl --backbone models/base --heads 4 --out rm-ens/     (or --seeds 4)
   postrl rm train prefs.jsonl --backbone models/base --odin --out rm-odin/
   postrl rm eval rm/ test.jsonl --compare rm-odin/
+  postrl rm eval rm/ --samples runs/x/samples.jsonl     within-prompt reward variance under the policy (teacher/*)
 """
 
 
@@ -67,11 +68,37 @@ def run_train(args) -> int:
     return 0
 
 
+def _teacher_metrics(model, path: str, aggregate: str, batch_size: int) -> dict:
+    """teacher/* of the reward model on a file of policy samples (prompt, completion; several per prompt)."""
+    from postrl.data.files import read_rows
+    from postrl.reward_models.metrics import teacher_variance
+
+    rows = read_rows(path)
+    for i, r in enumerate(rows):
+        for key in ("prompt", "completion"):
+            if not isinstance(r.get(key), str):
+                raise ConfigError(f"{path}: row {i} has no text '{key}' (expected rows with prompt and completion, "
+                                  f"several completions per prompt, e.g. a run's samples.jsonl)")
+    prompts = [r["prompt"] for r in rows]
+    s = scalar_scores(model, prompts, [r["completion"] for r in rows], aggregate, batch_size)
+    res = teacher_variance(s, prompts)
+    if res["teacher/prompts"] == 0:
+        raise ConfigError(f"{path}: no prompt has two completions; the within-prompt variance needs several "
+                          f"completions per prompt")
+    return {"samples": len(rows), **res}
+
+
 def run_eval(args) -> int:
     from postrl.reward_models import best_of_many_accuracy, load_reward_model, read_preferences, starc_distance
     from postrl.reward_models import pairwise_accuracy, preference_ece
 
+    if args.data is None and args.samples is None:
+        raise ConfigError("rm eval: give a preference file (DATA), --samples FILE, or both")
     model = load_reward_model(args.model, device=args.device)
+    if args.data is None:
+        res = {"model": str(args.model), **_teacher_metrics(model, args.samples, args.aggregate, args.batch_size)}
+        print(json.dumps(res) if args.json else format_metrics(res))
+        return 0
     rows = read_preferences(args.data, allow_lists=True)
     prompts, comps = [], []
     for p, rejected in rows:
@@ -97,6 +124,8 @@ def run_eval(args) -> int:
         s2 = scalar_scores(other, prompts, comps, args.aggregate, args.batch_size)
         res["compare"] = str(args.compare)
         res["starc_distance"] = starc_distance(s, s2, list(prompts))
+    if args.samples:
+        res.update(_teacher_metrics(model, args.samples, args.aggregate, args.batch_size))
     print(json.dumps(res) if args.json else format_metrics(res))
     return 0
 
@@ -138,9 +167,14 @@ def add_parser(sub) -> None:
     t.add_argument("--eval-fraction", type=float, default=0.1)
     t.set_defaults(fn=run_train)
 
-    e = rsub.add_parser("eval", help="pairwise / one-vs-many accuracy, preference ECE, STARC distance")
+    e = rsub.add_parser("eval", help="pairwise / one-vs-many accuracy, preference ECE, STARC distance, teacher "
+                        "variance")
     e.add_argument("model", help="reward model folder")
-    e.add_argument("data", help="preference file; 'rejected' may be a list (one correct vs many wrong)")
+    e.add_argument("data", nargs="?", default=None,
+                   help="preference file; 'rejected' may be a list (one correct vs many wrong)")
+    e.add_argument("--samples", default=None, help="completions of the policy to be trained (prompt, completion; "
+                   "several per prompt, e.g. a run's samples.jsonl): teacher/variance, teacher/variance_share "
+                   "('What Makes a Reward Model a Good Teacher?')")
     e.add_argument("--compare", default=None, help="second reward model: STARC-style distance to it")
     e.add_argument("--aggregate", choices=["mean", "min", "uwo"], default="mean", help="ensemble scalar")
     e.add_argument("--beta", type=float, default=1.0, help="P(c > r) = sigmoid(beta (r_c - r_r)) for the ECE")

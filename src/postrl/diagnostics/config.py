@@ -132,6 +132,25 @@ class PassAtKConfig(_Section):
     max_narrowing: float = Field(0.1, ge=0.0, description="alarm when pass@G fell by this while pass@1 rose")
 
 
+class TeacherVarianceConfig(_Section):
+    patience: int = _patience(5)
+    min_std: float = Field(0.01, ge=0.0, description="alarm when the mean within-prompt reward std "
+                           "(reward/group_std) stays below this (flat objective: 'What Makes a Reward Model a Good "
+                           "Teacher?')")
+    min_share: float = Field(0.1, ge=0.0, le=1.0, description="... or below this fraction of the batch reward std "
+                             "(reward/std): the reward separates prompts, not the completions of a prompt")
+
+
+class IntrinsicCollapseConfig(_Section):
+    saturation: float = Field(0.95, ge=0.0, le=1.0, description="label-free runs: the intrinsic reward counts as "
+                              "saturated when its batch mean reaches this ...")
+    max_group_std: float = Field(0.05, ge=0.0, description="... while its mean within-group std is at most this "
+                                 "(the policy agrees with itself: sharpening is complete)")
+    window: int = Field(5, ge=1, description="steps averaged for the rise-then-fall of the verifier accuracy")
+    max_drop: float = Field(0.1, gt=0.0, le=1.0, description="alarm when the verifier accuracy (when the data has "
+                            "one) fell this much below its peak window mean while the intrinsic reward did not fall")
+
+
 class DiagnosticsConfig(BaseModel):
     """Monitors with threshold alarms (METHODS.md section 7); see docs/metrics.md."""
 
@@ -152,6 +171,8 @@ class DiagnosticsConfig(BaseModel):
     echo_trap: EchoTrapConfig = Field(default_factory=EchoTrapConfig)
     edge_of_stability: EdgeOfStabilityConfig = Field(default_factory=EdgeOfStabilityConfig)
     pass_at_k: PassAtKConfig = Field(default_factory=PassAtKConfig)
+    teacher_variance: TeacherVarianceConfig = Field(default_factory=TeacherVarianceConfig)
+    intrinsic_collapse: IntrinsicCollapseConfig = Field(default_factory=IntrinsicCollapseConfig)
 
 
 class LoggingConfig(BaseModel):

@@ -500,6 +500,83 @@ def pass_at_k(h: list[dict], ctx: Context, p) -> Alarm | None:
     return None
 
 
+def teacher_variance(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Low within-prompt reward variance under the current policy: a flat objective however accurate the reward
+    ("What Makes a Reward Model a Good Teacher? An Optimization Perspective")."""
+    cur = h[-1]
+    gs, sd = _num(cur, "reward/group_std"), _num(cur, "reward/std")
+    zv = _num(cur, "zero_variance_groups/frac")
+    if gs is None or (zv is not None and zv >= ctx.get("diagnostics.zero_variance_groups.max_frac", 0.8)):
+        return None  # identical rewards in most groups: zero_variance_groups names that cause
+    low = gs < p.min_std
+    share = gs / sd if sd is not None and sd > 0 else None
+    if not low and (share is None or share >= p.min_share):
+        return None
+    what = f"mean within-prompt reward std {gs:.4g}" + (f" ({share:.0%} of the batch reward std {sd:.4g})"
+                                                         if share is not None else "")
+    return Alarm("teacher_variance",
+                 f"{what}: the reward hardly varies among the completions of a prompt, so the policy-gradient "
+                 f"objective is flat in every direction the policy can move",
+                 "the reward model induces low reward variance for this policy ('What Makes a Reward Model a Good "
+                 "Teacher?'): an accurate reward can still teach slowly; a reward that mostly scores the prompt "
+                 "(difficulty, topic) gives no within-prompt signal",
+                 f"measure it before training (`postrl rm eval --samples <completions.jsonl>`, teacher/variance), "
+                 f"prefer a reward model with higher within-prompt variance for this policy, raise "
+                 f"rollout.temperature (now {ctx.get('rollout.temperature')}) or rollout.group_size (now "
+                 f"{ctx.get('rollout.group_size')}), or mix in a verifiable reward")
+
+
+INTRINSIC_REWARDS = ("majority_vote", "co_reward", "novelty")
+
+
+def _label_free(ctx: Context) -> bool:
+    names = [r.get("name") for r in ctx.get("rewards", []) or [] if isinstance(r, dict)]
+    return bool(names) and all(n in INTRINSIC_REWARDS for n in names)
+
+
+def intrinsic_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Model collapse of a label-free run ("How Far Can Unsupervised RLVR Scale LLM Training?"): intrinsic rewards
+    sharpen the initial distribution; the reward saturates (the policy agrees with itself) and, where a verifier
+    column exists, accuracy rises then falls. The message names the model collapse step."""
+    if not _label_free(ctx):
+        return None
+
+    def saturated(m: dict) -> bool:
+        r, gs = _num(m, "reward/mean"), _num(m, "reward/group_std")
+        return r is not None and gs is not None and r >= p.saturation and gs <= p.max_group_std
+
+    step = lambda m, i: int(m.get("step", i + 1))  # noqa: E731
+    if saturated(h[-1]):
+        first = len(h) - 1
+        while first > 0 and saturated(h[first - 1]):
+            first -= 1
+        return Alarm("intrinsic_collapse",
+                     f"the intrinsic reward saturated (mean {_num(h[-1], 'reward/mean'):.3f}, within-group std "
+                     f"{_num(h[-1], 'reward/group_std'):.3f}) since step {step(h[first], first)}, the model collapse "
+                     f"step: every completion agrees with the policy's own consensus and no signal is left",
+                     "label-free rewards only sharpen the initial distribution; once it is sharp, training can only "
+                     "reinforce the consensus, right or wrong ('How Far Can Unsupervised RLVR Scale LLM Training?')",
+                     "stop here (keep the checkpoint before the collapse step), add a verifiable or external reward, "
+                     "use more diverse data or a cross-paraphrase reward (rewards: [{name: co_reward}])")
+    acc = [(i, _num(m, "accuracy")) for i, m in enumerate(h)]
+    acc = [(i, a) for i, a in acc if a is not None]
+    if len(acc) < 2 * p.window:
+        return None
+    means = [(acc[j + p.window - 1][0], _avg([a for _, a in acc[j:j + p.window]]))
+             for j in range(len(acc) - p.window + 1)]
+    peak_i, peak = max(means, key=lambda x: x[1])
+    now = means[-1][1]
+    rw = _series(h[peak_i:], "reward/mean")
+    if peak - now < p.max_drop or not rw or rw[-1] < rw[0]:
+        return None
+    return Alarm("intrinsic_collapse",
+                 f"verifier accuracy fell from {peak:.3f} (window mean at step {step(h[peak_i], peak_i)}, the model "
+                 f"collapse step) to {now:.3f} while the intrinsic reward kept rising ({rw[0]:.3f} -> {rw[-1]:.3f})",
+                 "rise-then-fall of intrinsic rewards: the policy's confidence no longer aligns with correctness, "
+                 "and sharpening now reinforces wrong consensus ('How Far Can Unsupervised RLVR Scale LLM Training?')",
+                 "stop and keep the checkpoint at the collapse step, or switch to an external / verifiable reward")
+
+
 def _narrowing(what: str, ctx: Context) -> Alarm:
     return Alarm("pass_at_k", f"{what}: RL sharpens onto fewer solutions and coverage shrinks",
                  "exploration collapse: probability mass concentrates on answers already found ('Does RL really "
@@ -528,6 +605,9 @@ MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
     MonitorSpec("advantage_collapse", advantage_collapse, "distinct advantages vs distinct reward combinations"),
     MonitorSpec("zero_variance_groups", zero_variance_groups, "groups with identical rewards (all-correct/all-wrong)"),
     MonitorSpec("pass_at_k", pass_at_k, "pass@G at zero; pass@k falling while pass@1 rises"),
+    MonitorSpec("intrinsic_collapse", intrinsic_collapse, "label-free runs: intrinsic reward saturated, or accuracy "
+                "rising then falling (model collapse step)"),
+    MonitorSpec("teacher_variance", teacher_variance, "within-prompt reward variance too low (flat objective)"),
     MonitorSpec("proxy_gold_gap", proxy_gold_gap, "proxy reward up while gold accuracy flat or down"),
     MonitorSpec("length_reward_corr", length_reward_corr, "within-group correlation of reward with length"),
     MonitorSpec("length_drift", length_drift, "mean length trend"),

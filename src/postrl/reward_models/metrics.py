@@ -12,6 +12,13 @@
   (0: same preferences up to per-prompt shift and positive scale; 2: opposite). Assumed: the L2 norm for both the
   normalisation and the metric, and the per-prompt mean as the canonicalisation (uniform distribution over the
   completions at hand).
+* teacher variance ("What Makes a Reward Model a Good Teacher? An Optimization Perspective": however accurate, a
+  reward model that induces low reward variance under the policy makes the RLHF objective flat): on completions
+  sampled from the policy, several per prompt, ``teacher/variance`` = mean over prompts of the unbiased
+  within-prompt variance of r (prompts with at least 2 completions), and ``teacher/variance_share`` = within-prompt
+  sum of squares / total sum of squares around the overall mean, in [0, 1] (the part of the reward's variance that
+  tells the completions of a prompt apart, the only part a group baseline can learn from). The same quantity is
+  watched during training by the ``teacher_variance`` alarm (``reward/group_std``).
 * ensemble aggregation (for the ``model`` reward source's ``aggregate``; "Reward Model Ensembles Help Mitigate
   Overoptimization"): mean; worst-case (WCO) min_k r_k; uncertainty-weighted (UWO) mean_k r_k - lambda Var_k r_k
   (population variance over the K members; lambda default ``UWO_LAMBDA`` = 0.5, the one default of every UWO in
@@ -25,7 +32,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["pairwise_accuracy", "best_of_many_accuracy", "preference_ece", "starc_distance", "aggregate_ensemble",
-           "canonicalise", "UWO_LAMBDA"]
+           "canonicalise", "teacher_variance", "UWO_LAMBDA"]
 
 # The UWO penalty's default, shared by every UWO aggregation (aggregate_ensemble, rewards.model's uwo_lambda,
 # shaping's ensemble_uwo). The paper tunes lambda per setting and reports UWO robust to it; 0.5 is postrl's choice.
@@ -72,6 +79,27 @@ def starc_distance(r1, r2, groups: Sequence) -> float:
         return c / n if n > 0 else c
 
     return float((norm(r1) - norm(r2)).norm())
+
+
+def teacher_variance(r, groups: Sequence) -> dict[str, float]:
+    """{'teacher/variance', 'teacher/variance_share', 'teacher/prompts'} of rewards r [n] of completions grouped by
+    prompt (module docstring); prompts with one completion are left out. NaN when no prompt has two."""
+    r = torch.as_tensor(r, dtype=torch.float64)
+    ids: dict = {}
+    gid = torch.as_tensor([ids.setdefault(g, len(ids)) for g in groups], dtype=torch.long)
+    ng = len(ids)
+    cnt = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.ones_like(r))
+    keep = (cnt >= 2)[gid]
+    if not bool(keep.any()):
+        return {"teacher/variance": float("nan"), "teacher/variance_share": float("nan"), "teacher/prompts": 0}
+    dev = canonicalise(r, groups)
+    ss = torch.zeros(ng, dtype=torch.float64).index_add_(0, gid, torch.where(keep, dev * dev, 0.0))
+    has = cnt >= 2
+    var = ss[has] / (cnt[has] - 1)
+    rk = r[keep]
+    total = float(((rk - rk.mean()) ** 2).sum())
+    share = float(ss.sum()) / total if total > 0 else float("nan")
+    return {"teacher/variance": float(var.mean()), "teacher/variance_share": share, "teacher/prompts": int(has.sum())}
 
 
 def aggregate_ensemble(scores: torch.Tensor, how: str = "mean", uwo_lambda: float = UWO_LAMBDA) -> torch.Tensor:

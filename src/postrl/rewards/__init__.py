@@ -7,8 +7,8 @@ their configuration as keyword-only arguments. :func:`score_batch` builds the na
 (parallel, with per-call timeouts and fault isolation; see :mod:`postrl.rewards.core`).
 
 Built-in sources: ``correct`` (task verifier), ``format`` (regex / strict tags), ``exact``, ``numeric``, ``math``
-(math-verify), ``reasoning_gym`` (builtin.py); ``majority_vote``, ``novelty`` (label_free.py); ``likelihood``
-(likelihood.py); ``judge`` (judge.py).
+(math-verify), ``reasoning_gym`` (builtin.py); ``majority_vote``, ``novelty``, ``co_reward`` (label_free.py);
+``likelihood`` (likelihood.py); ``judge`` (judge.py).
 """
 
 from postrl.rewards.core import RewardContext, RewardOutcome, score_batch  # noqa: F401

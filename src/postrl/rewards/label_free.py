@@ -1,6 +1,7 @@
 """Label-free reward sources computed within each group: majority vote (TTRL, RLCCF) and novelty (EVOL-RL).
 
 Both read the ``group_ids`` column (completions of one prompt share an id), which the scorer always passes.
+``co_reward`` (Co-Reward) votes across groups instead: a question's label comes from its paraphrases' completions.
 """
 
 from __future__ import annotations
@@ -159,3 +160,79 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
             val = 1.0 - (alpha * sum(s) / len(s) + (1.0 - alpha) * max(s))
             out[i] = min(1.0, max(0.0, val)) if math.isfinite(val) else None
     return out
+
+
+@register("reward", "co_reward", source="Co-Reward: Self-supervised Reinforcement Learning for Large Language Model "
+                                        "Reasoning via Contrastive Agreement")
+def co_reward(prompts, completions, group_ids, paraphrase_id=None, paraphrase=None, context=None, *,
+              extract: str = "auto", votes: int = 8, max_new_tokens: int = 256, temperature: float = 1.0):
+    """1.0 when the completion's answer equals the majority answer of its paraphrases' completions (label-free).
+
+    "Co-Reward": each training question comes with an analogous (paraphrased) question; each question's
+    surrogate label is the majority vote of its own rollouts, and the reward cross-refers the labels of the
+    pair, so that the model must answer consistently across analogous inputs (harder to collapse than
+    ``majority_vote``'s self-agreement). For completion i of group g:
+      label_{-g} = the most frequent answer over the completions of g's paraphrases (ties: first seen),
+      r_i = 1[a_i = label_{-g}].
+    The paraphrases' completions come from one of two places:
+    * in the batch: rows whose data column ``paraphrase_id`` holds the same value are paraphrases of one question
+      (each a prompt with its own group); the votes of all other groups of the set are pooled (with a pair, the
+      paper's setting, label_{-g} is the partner's own majority answer). This needs the data to put a question and
+      its paraphrases in the same batch (file rows are shuffled; with ``reward.chunk_size`` a set must not be split
+      across chunks).
+    * generated: for a group with no paraphrase in the batch whose row carries the paraphrase's text in the data
+      column ``paraphrase``, ``votes`` (default 8) completions of that text are sampled from the policy (the
+      trainer's ``context``, no grad, ``temperature`` 1.0, at most ``max_new_tokens`` 256, the run's chat
+      template) and their majority is the label. Those completions are not trained on (the paper trains on both
+      questions; here only the batch's own rollouts are).
+    A group with neither fails (NaN entries, excluded from the advantage) with the reason. A completion without an
+    answer gets 0.0 and does not vote. Answers are extracted with ``extract`` (default 'auto') and compared after
+    normalisation (numbers by value).
+    """
+    if paraphrase_id is None and paraphrase is None:
+        raise ValueError("co_reward: the rows have neither a 'paraphrase_id' column (the id shared by a question and "
+                         "its paraphrases in the batch) nor a 'paraphrase' column (the paraphrased question's text)")
+    if votes < 1:
+        raise ValueError(f"co_reward.votes: expected >= 1, got {votes}")
+    keys = [_answer_key(extract_answer(c, extract)) for c in completions]
+    groups = _groups(group_ids)
+    sets: dict = defaultdict(list)  # paraphrase id -> group ids (in order of first appearance)
+    for g, rows in groups.items():
+        pid = paraphrase_id[rows[0]] if paraphrase_id is not None else None
+        sets[("id", pid) if pid is not None else ("group", g)].append(g)
+    out: list = [0.0] * len(completions)
+    for members in sets.values():
+        for g in members:
+            voters = [keys[i] for h in members if h != g for i in groups[h]]
+            if not voters:
+                text = paraphrase[groups[g][0]] if paraphrase is not None else None
+                if not isinstance(text, str) or not text or context is None:
+                    pid = paraphrase_id[groups[g][0]] if paraphrase_id is not None else None
+                    why = (f"no paraphrase of this question in the batch (paraphrase_id {pid!r})"
+                           + (" and no 'paraphrase' text" if not isinstance(text, str) or not text
+                              else " and no policy to sample it (context)"))
+                    for i in groups[g]:
+                        out[i] = ValueError(f"co_reward: {why}")
+                    continue
+                voters = [_answer_key(extract_answer(c, extract))
+                          for c in _sample(context, text, votes, max_new_tokens, temperature)]
+            label = _majority(voters, [1.0] * len(voters))
+            for i in groups[g]:
+                out[i] = float(label is not None and keys[i] == label)
+    return out
+
+
+def _sample(context, text: str, n: int, max_new_tokens: int, temperature: float) -> list[str]:
+    """n completions of ``text`` sampled from the policy in ``context`` (a RewardContext), decoded."""
+    import torch
+
+    from postrl.models import encode_prompt
+
+    tok = context.tokenizer
+    ids = torch.tensor([encode_prompt(tok, text, context.chat_template)] * n, device=context.device)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with torch.no_grad():
+        gen = context.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                     temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                                     pad_token_id=pad)
+    return tok.batch_decode(gen[:, ids.shape[1]:].cpu(), skip_special_tokens=True)

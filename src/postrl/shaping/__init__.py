@@ -5,7 +5,7 @@ that add a named column also set ``reward_names`` and ``reward_weights``; proces
 ``step_rewards`` [N, S]). The stages run in the order the config lists them; one of them must produce
 ``reward`` (normally ``weighted_sum``, last).
 
-Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo, dataset_median), ``process``
+Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo/brme, dataset_median), ``process``
 (clip_prm, delta_prm, min_form, gated, potential), ``length`` (overlong_soft, truncation_penalty, laser, laser_d,
 grpo_lambda, kimi_length, cosine_length, conciseness_gated, adaptive_length_coef, step_length_regularizer).
 Stateful stages are classes (:class:`postrl.stages.Stateful`, built once per run by :func:`postrl.stages.build`):

@@ -271,3 +271,23 @@ class DatasetMedian(Stateful):
         self._seen = []
         return {}
 
+
+
+@register("shaping", "ensemble_brme", source="Reward-Robust RLHF in LLMs (BRME)")
+def ensemble_brme(rewards, reward_names, reward_weights, *, sources: list[str] | None = None,
+                  name: str = "ensemble", weight: float = 1.0, lam: float = 0.5):
+    """Reward-robust objective: R = lam * mean_k R_k + (1 - lam) * min_k R_k over the K member columns.
+
+    "Reward-Robust RLHF in LLMs": the objective balances nominal performance (the ensemble's mean) and
+    robustness (its minimum, the worst reward in the uncertainty set that the Bayesian Reward Model Ensemble
+    spans). lam = 1 is ``ensemble_mean``, lam = 0 is ``ensemble_min``; default lam = 0.5 (assumed: the abstract
+    fixes the form, not the value). The ensemble's members are K reward columns (``model/0`` .. ``model/K-1`` of a
+    trained ensemble, see :mod:`postrl.rewards.model`); postrl's ensemble is K heads or K seeds, not the paper's
+    Bayesian heads (which would output a mean and a std per head). The members are replaced by one column
+    ``name`` with ``weight`` (default 1.0); a NaN member makes the entry NaN. Shapes: rewards [N, K'] -> [N, K'-K+1].
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"ensemble_brme.lam: expected a value in [0, 1], got {lam}")
+    return _ensemble(rewards, reward_names, reward_weights, sources, name, weight, "ensemble_brme",
+                     lambda m: torch.where(torch.isnan(m).any(-1), torch.full_like(m[:, 0], NAN),
+                                           lam * m.mean(-1) + (1.0 - lam) * m.min(-1).values))
