@@ -103,3 +103,11 @@ def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print) -> Path:
 
 if __name__ == "__main__":
     ship()
+
+
+def model_folder(cfg, log=print) -> Path:
+    """The folder of ``cfg.model.path``; 'builtin': the built-in model, built (or taken from the shipped copy) on
+    first use (:func:`ensure_builtin`)."""
+    if cfg.model.path == "builtin":
+        return ensure_builtin(cfg, log=log)
+    return Path(cfg.model.path)

@@ -1,4 +1,4 @@
-"""The optimizer's schedule and the gradient clip folded into a fused AdamW step."""
+"""The optimizer, its schedule, and the gradient clip folded into a fused AdamW step."""
 
 from __future__ import annotations
 
@@ -32,3 +32,27 @@ def clip_into_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
     return norm
+
+
+def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """Fused AdamW over the trainable parameters (``cfg``: the config's ``optim`` section), weight decay on the
+    matrices only (biases and norms in a group without it); one kernel per group on CPU and CUDA, the same update
+    as the per-tensor loop."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+
+
+def clip_target(acc, optimizer) -> torch.optim.Optimizer | None:
+    """The fused optimizer :func:`clip_into_step` folds the gradient clip into, where nothing else scales the
+    gradients (no loss scaler, no sharded training); None: clip with accelerate's ``clip_grad_norm_``."""
+    from accelerate.utils import DistributedType
+
+    if acc.scaler is None and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                        DistributedType.MULTI_GPU):
+        return optimizer.optimizer
+    return None

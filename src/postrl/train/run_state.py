@@ -333,3 +333,13 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
+
+
+def open_new_run(run_dir: Path, config_yaml: str) -> RunLock:
+    """A new run in ``run_dir``: its lock, config.yaml, empty logs, no summary of an earlier run in the folder."""
+    lock = RunLock(run_dir)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+        (run_dir / name).write_text("")
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    return lock

@@ -40,6 +40,16 @@ class Scorer:
         self.wants_steps = any(wants(s.fn, "steps") for s in self.rewards)  # a process reward source
         self.wants_step_ends = any("step_ends" in s.reads for s in self.shaping)
 
+    def check_sandbox(self) -> None:
+        """Where a reward runs code in the sandbox (it declares ``needs=('sandbox',)``), say at start-up what this
+        machine cannot enforce."""
+        if any("sandbox" in s.needs for s in self.rewards) and self.log is not None:
+            from postrl.sandbox import capabilities
+
+            warning = capabilities().get("warning")
+            if warning:
+                self.log(f"warning: {warning}")
+
     @property
     def stages(self) -> list[stages.Stage]:
         return [*self.rewards, *self.shaping]

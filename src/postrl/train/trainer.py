@@ -18,7 +18,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -36,23 +36,17 @@ from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
 from postrl import accel
 from postrl.models import load_model_and_tokenizer, prepare_tokenizer
+from postrl.models.builtin import model_folder
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
-from postrl.train.optim import clip_into_step, make_scheduler
+from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
 from postrl.train.processes import Processes
 from postrl.train import sampling
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
 from postrl.train import run_state
-
-def resolve_model_path(cfg: Config, log: Callable[[str], None] = print) -> Path:
-    if cfg.model.path == "builtin":
-        from postrl.models.builtin import ensure_builtin
-
-        return ensure_builtin(cfg, log=log)
-    return Path(cfg.model.path)
 
 
 class Trainer:
@@ -84,7 +78,7 @@ class Trainer:
         self.log = log if self.main else (lambda s: None)
         self.source = load_source(cfg.task.model_dump())
         if model is None:
-            self.model_path = resolve_model_path(cfg, log=self.log)
+            self.model_path = model_folder(cfg, log=self.log)
             model, self.tokenizer = load_model_and_tokenizer(self.model_path, "float32")
         elif tokenizer is None:
             raise PostrlError("Trainer(model=...): give its tokenizer too (tokenizer=...)")
@@ -111,22 +105,12 @@ class Trainer:
         self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
         # optimisation
         torch.manual_seed(cfg.seed)
-        decay, no_decay = [], []
-        for n, p in model.named_parameters():
-            (no_decay if p.dim() < 2 else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            fused=True)  # one kernel per parameter group (CPU and CUDA); the same update as the per-tensor loop
+        self.optimizer = make_optimizer(model, cfg.optim)
         total = cfg.train.steps * cfg.train.epochs * cfg.train.mini_batches
         self.scheduler = make_scheduler(self.optimizer, cfg.optim.warmup_for(total), total, cfg.optim.schedule)
         self.model, self.optimizer = self.acc.prepare(model, self.optimizer)
         self.params = list(self.model.parameters())
-        from accelerate.utils import DistributedType
-
-        # the gradient clip folded into the fused AdamW step (clip_into_step), where nothing else scales gradients
-        self.clip_opt = self.optimizer.optimizer if self.acc.scaler is None and self.acc.distributed_type in (
-            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) else None
+        self.clip_opt = clip_target(self.acc, self.optimizer)  # the clip folded into the fused step, where it can be
         self.backend = self._make_backend()
         r = cfg.rollout
         self.ctx = ModelContext(self.policy, self.tokenizer, self.acc.device, temperature=r.temperature or 1.0,
@@ -143,12 +127,7 @@ class Trainer:
                                             max_over_processes=self.procs.max, log=self.log)
         for msg in sampling.check(cfg, [*self.batches.stages, self.advantage]):
             self._warn(msg)
-        if any("sandbox" in s.needs for s in self.scorer.rewards):
-            from postrl.sandbox import capabilities
-
-            caps = capabilities()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
-            if caps.get("warning"):
-                self.log(f"warning: {caps['warning']}")
+        self.scorer.check_sandbox()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
         self.start_step = 0
         self.eval_before: dict | None = None
         self._lock = None  # run_state.RunLock of the main process: one process writes a run directory
@@ -157,11 +136,7 @@ class Trainer:
         if resume:
             self._resume()
         elif self.main:
-            self._lock = run_state.RunLock(self.run_dir)
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
-            for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
-                (self.run_dir / name).write_text("")
-            (self.run_dir / "summary.json").unlink(missing_ok=True)  # of an earlier run in this folder
+            self._lock = run_state.open_new_run(self.run_dir, dump_yaml(cfg))
         # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         from postrl.diagnostics.hooks import Diagnostics
 
