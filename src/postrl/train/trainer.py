@@ -1,8 +1,9 @@
-"""The RL trainer: orders the stages, owns the model, optimizer and checkpoints, and nothing else.
+"""The RL trainer: orders the stages, owns the model, optimizer, processes and checkpoints, and nothing else.
 
-One step (see ARCHITECTURE.md):
-  prompts -> rollout -> rewards -> shaping -> filters -> advantages -> (old / reference log-probs)
-  -> loss (+ KL) over epochs x mini-batches x micro-batches -> optimizer -> metrics, samples, checkpoint.
+One step (docs/DEVELOPING.md, "One step"): the step's batch (``train/sampling.py``: prompts -> rollout -> rewards
+and shaping -> expansions and filters) -> KL in the reward -> advantages -> (old / reference log-probs) -> the
+objective (``losses/objective.py``) over epochs x mini-batches x micro-batches -> optimizer -> every stateful
+stage's end of step -> metrics, samples, checkpoint. The trainer names no stage and asks none what it is.
 
 All randomness of step s derives from (seed, s, rank): prompts, sampling and mini-batch shuffling. A resumed run
 therefore only needs the weights, optimizer and scheduler state to continue exactly as the uninterrupted run.
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from postrl import stages
+from postrl import accel, stages
 from postrl.batch import RolloutBatch
 from postrl.config import Config, dump_yaml
 from postrl.context import ModelContext
@@ -30,24 +31,21 @@ from postrl.data import load_source
 from postrl.diagnostics.metrics import batch_metrics
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import evaluate
-from postrl.report.samples import append_samples
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
-from postrl import accel
 from postrl.models import load_model_and_tokenizer, prepare_tokenizer
 from postrl.models.builtin import model_folder
+from postrl.report.samples import append_samples
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
+from postrl.train import run_state, sampling
 from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
 from postrl.train.processes import Processes
-from postrl.train import sampling
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
-from postrl.train import run_state
-
 
 class Trainer:
     """Runs ``cfg.train.steps`` RL steps and writes the run directory."""
