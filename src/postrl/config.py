@@ -139,6 +139,9 @@ class LossConfig(StageSpec):
     name: str = Field("ppo_clip", description="policy loss (postrl methods --kind loss)")
     agg: str = Field("token_mean", description="aggregation: token_mean, seq_mean_token_mean, sequence, "
                      "seq_mean_token_sum, dr_grpo")
+    agg_rows: Literal["all", "nonempty"] = Field(
+        "all", description="rows a sequence average divides by: all (every row of the mini-batch, a failed reward "
+        "or empty completion counting as a 0 row: verl, TRL) or nonempty (rows with a loss token)")
     tis: TISConfig = Field(default_factory=TISConfig, description="truncated importance sampling (docs/losses.md)")
 
 

@@ -284,6 +284,7 @@ class Trainer:
             batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
+        counted = obj.rows(batch)
         gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
         sums: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -293,7 +294,7 @@ class Trainer:
             order = torch.randperm(len(batch), generator=gen) if cfg.train.mini_batches > 1 else \
                 torch.arange(len(batch))
             for mb in order.chunk(cfg.train.mini_batches):
-                weights = obj.weights(loss_mask[mb])
+                weights = obj.weights(loss_mask[mb], counted[mb])
                 micro = list(torch.arange(len(mb)).split(cfg.train.micro_batch_size))
                 for j, sel in enumerate(micro):
                     idx = mb[sel]
