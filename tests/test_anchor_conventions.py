@@ -88,3 +88,70 @@ def test_objective_counts_failed_rows_but_not_padding():
     assert obj2.rows(batch).tolist() == [True, True, False, False]
     assert torch.allclose(obj2.weights(loss_mask, obj2.rows(batch)).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
     assert torch.allclose(obj2.weights(loss_mask).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
+
+
+# ---------------------------------------------------------------------------------------------- groups of one
+from postrl.advantages import grpo  # noqa: E402
+from postrl.advantages.outcome import dr_grpo as adv_dr_grpo, gpg, opo, reinforce_pp_baseline, rloo  # noqa: E402
+from postrl.advantages.shaped import gdpo  # noqa: E402
+
+
+def verl_grpo(scores, index, eps=1e-6, norm=True):
+    """verl ``compute_grpo_outcome_advantage``: loop over groups; a group of one has mean 0, std 1."""
+    out = scores.clone()
+    for g in set(index):
+        rows = [i for i, x in enumerate(index) if x == g]
+        s = scores[rows]
+        mean, std = (torch.tensor(0.0), torch.tensor(1.0)) if len(rows) == 1 else (s.mean(), s.std())
+        out[rows] = (s - mean) / (std + eps) if norm else s - mean
+    return out
+
+
+def verl_masked_whiten(values, mask):
+    mean = (values * mask).sum() / mask.sum()
+    var = ((values - mean) ** 2 * mask).sum() / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+R = torch.tensor([1.0, 0.0, 1.0, 0.7, 0.2, 0.5], dtype=torch.float64)
+IDX = [0, 0, 0, 1, 2, 2]  # group 1 has one completion
+G = torch.tensor(IDX)
+
+
+def test_singleton_default_zero_and_raw_matches_verl():
+    assert grpo(R, G)[3].item() == 0.0 and rloo(R, G)[3].item() == 0.0  # postrl default kept
+    assert torch.allclose(grpo(R, G, singleton="raw").double(), verl_grpo(R, IDX), atol=1e-6)
+    assert grpo(R, G, singleton="raw")[3].item() == pytest.approx(0.7 / (1 + 1e-6))
+    assert torch.allclose(adv_dr_grpo(R, G, singleton="raw").double(), verl_grpo(R, IDX, norm=False), atol=1e-6)
+    # verl rloo: a group of one keeps its score; opo: baseline 0; gpg: alpha * (r - 0) / f_norm
+    assert rloo(R, G, singleton="raw")[3].item() == pytest.approx(0.7)
+    assert opo(R, G, torch.tensor([3.0, 2, 1, 4, 2, 2]), singleton="raw")[3].item() == pytest.approx(0.7)
+    alpha = 6 / 5  # 5 non-zero scores of 6
+    assert gpg(R, G, singleton="raw")[3].item() == pytest.approx(alpha * 0.7)
+    with pytest.raises(ValueError, match="advantage.singleton"):
+        grpo(R, G, singleton="verl")
+
+
+def test_reinforce_pp_baseline_raw_singleton_whitens_the_raw_reward_as_verl():
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    ours = reinforce_pp_baseline(R, G, mask, singleton="raw")
+    centred = R.clone()
+    for g in set(IDX):
+        rows = [i for i, x in enumerate(IDX) if x == g]
+        centred[rows] = R[rows] - (R[rows].mean() if len(rows) > 1 else 0.0)
+    ref = verl_masked_whiten(centred.unsqueeze(-1) * mask.double(), mask.double())
+    assert torch.allclose(ours.double().unsqueeze(-1) * mask, ref * mask, atol=1e-6)
+    assert reinforce_pp_baseline(R, G, mask)[3].item() == 0.0  # default: left out
+
+
+def test_gdpo_verl_variant_token_weighted_whitening():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.5, 0.0], [0.0, 0.0], [1.0, 0.5]])
+    w = torch.tensor([1.0, 0.5])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    s = sum(w[k] * verl_grpo(rewards[:, k].double(), IDX) for k in range(2))
+    ref = verl_masked_whiten(s.unsqueeze(-1) * mask.double(), mask.double())
+    ours = gdpo(rewards, w, G, None, mask, eps=1e-6, token_weighted=True, singleton="raw")
+    assert torch.allclose(ours.double().unsqueeze(-1) * mask, ref * mask, atol=1e-5)
+    # the TRL default (row-weighted, eps outside) differs on the same input
+    trl = gdpo(rewards, w, G, None, mask, eps=1e-6, singleton="raw")
+    assert not torch.allclose(trl.double().unsqueeze(-1) * mask, ref * mask, atol=1e-3)
