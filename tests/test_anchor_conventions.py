@@ -155,3 +155,38 @@ def test_gdpo_verl_variant_token_weighted_whitening():
     # the TRL default (row-weighted, eps outside) differs on the same input
     trl = gdpo(rewards, w, G, None, mask, eps=1e-6, singleton="raw")
     assert not torch.allclose(trl.double().unsqueeze(-1) * mask, ref * mask, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- KL, kl_cov
+from postrl.losses import kl_cov, kl_k3, kl_low_var_kl, kl_low_var_kl_st  # noqa: E402
+
+
+def verl_low_var_kl(logprob, ref_logprob):
+    kl = (ref_logprob - logprob).clamp(-20, 20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def test_low_var_kl_is_verls_clamped_k3_and_k3_is_trls_unclamped():
+    logp = torch.tensor([-0.5, -14.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -0.5, -30.0])  # d = ref - logp: -0.5, 13.5 (k3 > 10), -29
+    ours = kl_low_var_kl(logp, ref)
+    assert torch.allclose(ours, verl_low_var_kl(logp, ref))
+    assert ours[1].item() == 10.0 and kl_k3(logp, ref)[1].item() == pytest.approx(math.exp(13.5) - 13.5 - 1, rel=1e-5)
+    (g,) = torch.autograd.grad(ours.sum(), logp)
+    assert g[1].item() == 0.0 and g[0].item() != 0.0  # no gradient where the clamp binds
+    # straight-through: value of the clamped k3, gradient of k2
+    st = kl_low_var_kl_st(logp, ref)
+    (g2,) = torch.autograd.grad(st.sum(), logp)
+    assert torch.allclose(st, ours) and torch.allclose(g2, logp.detach() - ref)
+    cfg = load_config(None, ["kl.coef=0.1", "kl.estimator=low_var_kl"])
+    assert Objective(cfg).kl is kl_low_var_kl
+
+
+def test_kl_cov_default_coefficient_is_verls_shipped_value():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]])
+    loss, info = kl_cov(logp, old, torch.tensor([1.0]), torch.ones(1, 2), kl_cov_ratio=0.5)
+    sel = info["kl_cov"]
+    assert sel.sum() == 1
+    pg = -1.0 * torch.exp(logp.detach() - old)
+    assert torch.allclose(loss.detach(), torch.where(sel, pg + 0.1 * (logp.detach() - old).abs(), pg))

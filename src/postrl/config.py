@@ -152,8 +152,8 @@ class RegularizerSpec(StageSpec):
 class KLConfig(_Strict):
     coef: float = Field(0.0, ge=0.0, description="0 disables the reference model and the KL term (initial value "
                         "when adaptive)")
-    estimator: str = Field("k3", description="KL estimator: k1, k2, k3, abs, or straight-through k1+, k3+, abs+ "
-                           "(regularizer kl_<name>)")
+    estimator: str = Field("k3", description="KL estimator: k1, k2, k3 (TRL), low_var_kl (verl's k3, clamped to "
+                           "10), abs, or straight-through k1+, k3+, low_var_kl+, abs+ (regularizer kl_<name>)")
     placement: Literal["loss", "reward"] = Field(
         "loss", description="loss: coef * agg(KL) in the loss; reward: r - coef * sum_t KL_t before advantages")
     controller: Literal["fixed", "adaptive"] = Field(

@@ -25,7 +25,7 @@ from typing import Any
 from postrl.losses.aggregation import (SEQUENCE_AGGREGATIONS, dr_grpo, seq_mean_token_mean, seq_mean_token_sum,
                                        token_mean)
 from postrl.losses.kl import (KLController, kl_abs, kl_abs_st, kl_k1, kl_k1_st, kl_k2, kl_k3, kl_k3_st,
-                              kl_reward_penalty, straight_through)
+                              kl_low_var_kl, kl_low_var_kl_st, kl_reward_penalty, straight_through)
 from postrl.losses.policy import clip_cov, cispo, dispo, gmpo, gpg, gspo, kl_cov, ppo_clip, sapo
 from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, entropy_band, entropy_bonus, f_divergence,
                                         lp_reg, top_entropy_tokens)
@@ -34,7 +34,8 @@ from postrl.losses.tis import tis_weights
 __all__ = [
     "ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip_cov", "kl_cov",
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo",
-    "kl_k1", "kl_k2", "kl_k3", "kl_abs", "kl_k1_st", "kl_k3_st", "kl_abs_st", "straight_through",
+    "kl_k1", "kl_k2", "kl_k3", "kl_abs", "kl_k1_st", "kl_k3_st", "kl_abs_st", "kl_low_var_kl",
+    "kl_low_var_kl_st", "straight_through",
     "kl_reward_penalty", "KLController", "tis_weights",
     "entropy_bonus", "AdaptiveEntropy", "top_entropy_tokens", "entropy_band", "EntropySmoothing", "lp_reg",
     "f_divergence", "check_aggregation",
