@@ -99,6 +99,9 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy); log-probs use it too")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1.0: off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
+    logprobs: Literal["full", "filtered"] = Field(
+        "full", description="log-probs of sampler and trainer with top_p / top_k: full (unfiltered softmax, TRL / "
+        "verl; the ratio is off by the log of the kept mass) or filtered (the renormalised distribution sampled)")
     stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
     ignore_eos: bool = Field(False, description="EOS does not end a completion: every completion runs to "

@@ -133,7 +133,7 @@ class Trainer:
                                 micro_batch_size=cfg.train.micro_batch_size, chat_template=cfg.model.chat_template,
                                 sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                                         top_p=r.top_p, top_k=r.top_k, stop=list(r.stop),
-                                                        ignore_eos=r.ignore_eos),
+                                                        ignore_eos=r.ignore_eos, logprobs=r.logprobs),
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
                                 score=lambda b: self.scorer.score(b, observe=False))
         self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
@@ -242,7 +242,8 @@ class Trainer:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
             out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                       batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits)
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
+                                      **self.ctx.sampling.logprob_filter())
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
