@@ -190,3 +190,117 @@ def test_kl_cov_default_coefficient_is_verls_shipped_value():
     assert sel.sum() == 1
     pg = -1.0 * torch.exp(logp.detach() - old)
     assert torch.allclose(loss.detach(), torch.where(sel, pg + 0.1 * (logp.detach() - old).abs(), pg))
+
+
+# ---------------------------------------------------------------------------------------------- top-p / top-k
+from postrl.diagnostics.metrics import kept_mass_metrics  # noqa: E402
+from postrl.diagnostics.monitors import Watchdog  # noqa: E402
+from postrl.models import completion_logprobs, filter_logits  # noqa: E402
+from postrl.rollout import hf  # noqa: E402
+from postrl.rollout.base import SamplingParams  # noqa: E402
+
+
+def test_sampler_filtered_logprob_and_kept_mass_hand_values():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]))
+    u = torch.tensor([0.1, 0.9])  # row 0 -> token 0; row 1 -> the last kept token (1)
+    full = hf._sample(logits, SamplingParams(top_p=0.6), u)
+    filt = hf._sample(logits, SamplingParams(top_p=0.6, logprobs="filtered"), u)
+    assert full[0].tolist() == filt[0].tolist() == [0, 1]  # token 2 (mass before it 0.8 >= 0.6) is removed
+    assert torch.allclose(full[2], torch.log(torch.tensor([0.8, 0.8])))  # kept mass 0.5 + 0.3
+    assert torch.allclose(full[1], torch.log(torch.tensor([0.5, 0.3])))  # unfiltered (old behaviour)
+    assert torch.allclose(filt[1], torch.log(torch.tensor([0.5 / 0.8, 0.3 / 0.8])))  # renormalised
+    # top-k=1: the kept distribution is one token, log q = 0
+    k1 = hf._sample(logits, SamplingParams(top_k=1, logprobs="filtered"), u)
+    assert k1[0].tolist() == [0, 0] and torch.allclose(k1[1], torch.zeros(2), atol=1e-6)
+    # no filter: kept log-mass 0, same log-probs either way
+    plain = hf._sample(logits, SamplingParams(logprobs="filtered"), u)
+    assert torch.equal(plain[2], torch.zeros(2)) and torch.allclose(plain[1], torch.log(torch.tensor([0.5, 0.2])))
+    with pytest.raises(ValueError, match="rollout.logprobs"):
+        SamplingParams(logprobs="processed")
+
+
+def test_trainer_logprobs_filter_the_same_way_and_keep_the_sampled_token():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.25, 0.15]]]))  # [1, 2, 3]
+    comp = torch.tensor([[1, 2]])  # the second token lies outside the trainer's top-p set: kept anyway
+    lp, _ = completion_logprobs(None, None, None, comp, 1.0, logits=logits, top_p=0.6)
+    assert torch.allclose(lp, torch.log(torch.tensor([[0.3 / 0.8, 0.15 / 0.75]])), atol=1e-6)
+    lp_full, _ = completion_logprobs(None, None, None, comp, 1.0, logits=logits)
+    assert torch.allclose(lp_full, torch.log(torch.tensor([[0.3, 0.15]])), atol=1e-6)
+    assert torch.isinf(filter_logits(logits[0], top_p=0.6)[1, 2])  # without keep it would be removed
+    # the gradient flows through the kept logits only
+    z = logits.clone().requires_grad_(True)
+    lp, _ = completion_logprobs(None, None, None, comp, 1.0, logits=z, top_p=0.6)
+    (g,) = torch.autograd.grad(lp[0, 0], z)
+    assert torch.allclose(g[0, 0], torch.tensor([-0.5 / 0.8, 1 - 0.3 / 0.8, 0.0]), atol=1e-6)
+    assert SamplingParams(top_p=0.6, logprobs="filtered").logprob_filter() == {"top_p": 0.6, "top_k": 0}
+    assert SamplingParams(top_p=0.6).logprob_filter() == {}
+    assert SamplingParams(top_p=0.6, temperature=0.0, logprobs="filtered").logprob_filter() == {}
+
+
+def test_generator_filtered_logprobs_equal_the_trainer_recompute():
+    from postrl.models.tiny import build_model, build_tokenizer
+    from postrl.rollout.hf import HFGenerator, left_pad
+
+    tok = build_tokenizer()
+    model = build_model(tok, size="nano", seed=0).eval()
+    prompts = [tok.encode("12+3="), tok.encode("7*8=")]
+    kw = dict(max_new_tokens=6, temperature=0.9, top_p=0.7, top_k=20)
+    full = HFGenerator(model, tok).generate(prompts, 2, SamplingParams(**kw), seed=3)
+    filt = HFGenerator(model, tok).generate(prompts, 2, SamplingParams(**kw, logprobs="filtered"), seed=3)
+    m = filt.completion_mask
+    assert torch.equal(full.completion_ids, filt.completion_ids)  # the same draws
+    assert torch.allclose(full.kept_logmass, filt.kept_logmass)
+    assert (full.kept_logmass[m > 0] < 0).any() and (full.kept_logmass <= 1e-6).all()
+    assert torch.allclose(filt.logprobs, (full.logprobs - full.kept_logmass) * m, atol=1e-5)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, filt.prompt_ids, filt.prompt_mask, filt.completion_ids, 0.9,
+                                    **SamplingParams(**kw, logprobs="filtered").logprob_filter())
+        lp_full, _ = completion_logprobs(model, full.prompt_ids, full.prompt_mask, full.completion_ids, 0.9)
+    assert torch.allclose(lp * m, filt.logprobs, atol=1e-4)
+    assert torch.allclose(lp_full * m, full.logprobs, atol=1e-4)
+    assert HFGenerator(model, tok).generate(prompts, 1, SamplingParams(max_new_tokens=3), seed=0).kept_logmass is None
+
+
+def test_kept_mass_metrics_and_monitor():
+    lm = torch.log(torch.tensor([[0.8, 0.5, 1.0], [0.9, 1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    m = kept_mass_metrics(lm, mask)
+    assert m["sampler/kept_mass_mean"] == pytest.approx((0.8 + 0.5 + 0.9) / 3)
+    assert m["sampler/kept_mass_min"] == pytest.approx(0.5)
+    assert m["sampler/kept_logmass_seq"] == pytest.approx((math.log(0.4) + math.log(0.9)) / 2)
+    row = {"step": 1, **m}
+    for logprobs, fires in (("full", True), ("filtered", False)):
+        w = Watchdog({"rollout": {"top_p": 0.8, "top_k": 0, "logprobs": logprobs}})
+        w.step(row)
+        alarms = [a.name for a in w.step({**row, "step": 2})]
+        assert ("filtered_sampling" in alarms) is fires
+    w = Watchdog({"rollout": {"logprobs": "full"}})
+    assert not [a for a in w.step({"step": 1, "sampler/kept_mass_mean": 0.99}) + w.step(
+        {"step": 2, "sampler/kept_mass_mean": 0.99}) if a.name == "filtered_sampling"]
+
+
+def test_training_with_filtered_logprobs_both_speed_paths(tmp_path):
+    """rollout.logprobs=filtered end to end: the trainer's log-probs are of the same filtered distribution as the
+    sampler's (no mismatch, although top-p drops mass), the kept mass is logged, and the speed layer (static
+    decoder, fused forward) and the plain path give the same step."""
+    import json
+
+    from postrl.models.tiny import build_local
+    from postrl.train.trainer import Trainer
+
+    build_local(tmp_path / "m", size="nano", seed=0)
+    rows = {}
+    for mode in ("auto", "off"):
+        cfg = load_config(None, [f"model.path={tmp_path / 'm'}", f"output_dir={tmp_path / mode}",
+                                 "task.name=arithmetic", "task.digits=1", "rollout.max_new_tokens=6",
+                                 "rollout.group_size=4", "train.prompts_per_step=4", "train.steps=1",
+                                 "train.save_every=0", "train.eval_size=4", "train.eval_k=1", "accel.threads=1",
+                                 "rollout.top_p=0.7", "rollout.temperature=0.9", "rollout.logprobs=filtered",
+                                 f"accel.mode={mode}"])
+        Trainer(cfg, cfg.output_dir).train()
+        rows[mode] = json.loads((tmp_path / mode / "metrics.jsonl").read_text().splitlines()[0])
+    for r in rows.values():
+        assert r["sampler/kept_mass_mean"] < 0.95  # top-p dropped mass ...
+        assert r["mismatch/logp_abs_mean"] < 1e-3  # ... yet sampler and trainer agree
+    for key in ("reward/mean", "pg_loss", "sampler/kept_mass_mean", "length/mean", "grad_norm"):
+        assert rows["auto"][key] == pytest.approx(rows["off"][key], rel=1e-4, abs=1e-6), key
