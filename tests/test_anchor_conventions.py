@@ -304,3 +304,23 @@ def test_training_with_filtered_logprobs_both_speed_paths(tmp_path):
         assert r["mismatch/logp_abs_mean"] < 1e-3  # ... yet sampler and trainer agree
     for key in ("reward/mean", "pg_loss", "sampler/kept_mass_mean", "length/mean", "grad_norm"):
         assert rows["auto"][key] == pytest.approx(rows["off"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_multi_temperature_generation_carries_the_kept_logmass():
+    """The kept log-mass follows each row when completions at several temperatures are merged (rollout plans)."""
+    from postrl.data.rollout_options import generate_multi_temperature
+    from postrl.models.tiny import build_model, build_tokenizer
+    from postrl.rollout.hf import HFGenerator
+
+    tok = build_tokenizer()
+    gen = HFGenerator(build_model(tok, size="nano", seed=0), tok)
+    prompts = [tok.encode("1+2="), tok.encode("3+4=")]
+    params = SamplingParams(max_new_tokens=4, top_p=0.7)
+    out, row_t = generate_multi_temperature(gen.generate, prompts, params, [0.7, 1.0], [5, 6], tok.pad_token_id)
+    assert out.kept_logmass is not None and out.kept_logmass.shape == out.logprobs.shape
+    for t in (0.7, 1.0):
+        rows = (row_t == t).nonzero().flatten()
+        s = [(x + int(round(t * 1000)) * 104729) % (2**62) for x in [5, 6]]
+        alone = gen.generate(prompts, 1, SamplingParams(max_new_tokens=4, top_p=0.7, temperature=t), s)
+        w = alone.kept_logmass.shape[1]
+        assert torch.allclose(out.kept_logmass[rows, :w], alone.kept_logmass, atol=1e-6)
