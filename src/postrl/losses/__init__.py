@@ -46,6 +46,7 @@ def check_aggregation(loss_name: str, loss_fn: Any, agg: str) -> str | None:
     """A warning when a sequence-level loss is aggregated per token (each sequence then weighs its length)."""
     if getattr(loss_fn, "sequence_level", False) and agg not in SEQUENCE_AGGREGATIONS:
         return (f"loss '{loss_name}' is a sequence-level objective but loss.agg={agg} weights each sequence by its "
-                f"token count (TRL importance_sampling_level='sequence' with a token-level loss_type); the paper and "
-                f"verl average over sequences: set loss.agg=sequence")
+                f"token count (TRL importance_sampling_level='sequence' with a token-level loss_type; verl gspo with "
+                f"loss_agg_mode=token-mean); the paper averages over sequences (verl forces it for geo_mean): set "
+                f"loss.agg=sequence")
     return None
