@@ -61,7 +61,8 @@ class Objective:
     def rows(self, batch: Any) -> torch.Tensor:
         """bool [N]: the rows the aggregation's sequence average counts (``loss.agg_rows``, see
         :mod:`postrl.losses.aggregation`). ``all``: valid rows and rows whose reward failed (NaN), not the masked
-        copies that pad a filtered batch or even out DDP processes (``valid`` False, finite reward);
+        copies that pad a filtered batch or even out DDP processes (``valid`` False, finite reward; a padding copy
+        of a failed row carries its NaN and counts like it);
         ``nonempty``: rows with at least one loss token."""
         if self.agg_rows == "nonempty":
             return (batch.completion_mask * batch.valid.unsqueeze(-1).float()).sum(-1) > 0
