@@ -196,7 +196,8 @@ def pass_at_k(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor
     Optimises pass@k (the best of the group) rather than the mean. Matches verl
     ``compute_grpo_passk_outcome_advantage``; with ties for the maximum r_max - r_second = 0, so which tied row
     is "best" does not matter (postrl takes the first). verl raises for groups of fewer than 2 samples; postrl
-    gives them 0 (no ``singleton`` option: verl has no value to reproduce). eps 1e-6 (verl). Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    gives them 0 (no ``singleton`` option: verl has no value to reproduce). eps 1e-6 (verl).
+    Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
     if scale not in ("group", "none"):
         raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
