@@ -10,7 +10,8 @@ A = advantages ([N] broadcast over tokens, or [N, T]), m = mask, |o_i| = sum_t m
 A *sequence-level* loss (``fn.sequence_level = True``: gspo, gmpo) puts the same per-sequence value on every
 token of a row; its papers average over sequences, which is the ``sequence`` aggregation (alias of
 ``seq_mean_token_mean``; verl forces it for geo_mean and sapo, and passes ``loss_agg_mode`` through for gspo).
-Under a token-level aggregation each sequence is weighted by its length instead: the trainer warns (:func:`postrl.losses.check_aggregation`).
+Under a token-level aggregation each sequence is weighted by its length instead: the trainer warns
+(:func:`postrl.losses.check_aggregation`).
 """
 
 from __future__ import annotations
