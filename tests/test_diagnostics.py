@@ -178,7 +178,7 @@ def test_batch_metrics_hand_computed():
         group_ids=torch.tensor([0, 0, 1, 1]), advantages=torch.tensor([.5, -.5, 0, 0]),
         completion_mask=torch.tensor([[1., 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]]),
         sampler_logprobs=torch.tensor([[-0.1, -3.0, 0], [-0.5, 0, 0], [-4.0, -0.2, -0.3], [-1.0, -2.5, 0]]),
-        prompt_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]))
+        prompt_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]]), extra={})
     m = batch_metrics(b, {"failures": {"correct": 1}}, low_prob=0.1)
     assert m["reward/mean"] == pytest.approx(4 / 3)
     assert m["reward/std"] == pytest.approx(float(torch.tensor([2., 1, 1]).std()))
@@ -324,6 +324,8 @@ def _broken(name: str) -> list[dict]:
             m.update({"clip_low": 0.05, "clip_high": 0.3})
         elif name == "logprob_mismatch":
             m["mismatch/logp_abs_mean"] = 0.3
+        elif name == "filtered_sampling":
+            m.update({"sampler/kept_mass_mean": 0.7, "sampler/kept_logmass_seq": -4.2})
         elif name == "nan_guard" and i == n - 1:
             m.update({"nan_guard/skipped": 1.0, "nan_guard/skipped_total": 1.0, "grad_norm": float("nan")})
         elif name == "edge_of_stability" and "stability/sharpness" in m:

@@ -325,7 +325,7 @@ def test_kl_cov_hand_values_and_verl():
     lp2, old2, adv2, mask2 = rand_batch(8, n=10, t=8)
     a_tok = adv2.unsqueeze(-1).expand_as(lp2)
     ours = (token_mean(mask2) * kl_cov(lp2, old2, adv2, mask2, kl_cov_ratio=0.1)[0]).sum()
-    ref = verl_kl_cov(old2, lp2, a_tok, mask2, 0.1, 1.0)
+    ref = verl_kl_cov(old2, lp2, a_tok, mask2, 0.1, 0.1)  # verl actor.yaml ppo_kl_coef
     assert torch.allclose(ours, ref, atol=1e-6)
     assert torch.allclose(grad_of(ours, lp2), grad_of(ref, lp2), atol=1e-6)
 

@@ -99,6 +99,9 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy); log-probs use it too")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1.0: off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0: off)")
+    logprobs: Literal["full", "filtered"] = Field(
+        "full", description="log-probs of sampler and trainer with top_p / top_k: full (unfiltered softmax, TRL / "
+        "verl; the ratio is off by the log of the kept mass) or filtered (the renormalised distribution sampled)")
     stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
     ignore_eos: bool = Field(False, description="EOS does not end a completion: every completion runs to "
@@ -139,6 +142,9 @@ class LossConfig(StageSpec):
     name: str = Field("ppo_clip", description="policy loss (postrl methods --kind loss)")
     agg: str = Field("token_mean", description="aggregation: token_mean, seq_mean_token_mean, sequence, "
                      "seq_mean_token_sum, dr_grpo")
+    agg_rows: Literal["all", "nonempty"] = Field(
+        "all", description="rows a sequence average divides by: all (every row of the mini-batch, a failed reward "
+        "or empty completion counting as a 0 row: verl, TRL) or nonempty (rows with a loss token)")
     tis: TISConfig = Field(default_factory=TISConfig, description="truncated importance sampling (docs/losses.md)")
 
 
@@ -149,8 +155,8 @@ class RegularizerSpec(StageSpec):
 class KLConfig(_Strict):
     coef: float = Field(0.0, ge=0.0, description="0 disables the reference model and the KL term (initial value "
                         "when adaptive)")
-    estimator: str = Field("k3", description="KL estimator: k1, k2, k3, abs, or straight-through k1+, k3+, abs+ "
-                           "(regularizer kl_<name>)")
+    estimator: str = Field("k3", description="KL estimator: k1, k2, k3 (TRL), low_var_kl (verl's k3, clamped to "
+                           "10), abs, or straight-through k1+, k3+, low_var_kl+, abs+ (regularizer kl_<name>)")
     placement: Literal["loss", "reward"] = Field(
         "loss", description="loss: coef * agg(KL) in the loss; reward: r - coef * sum_t KL_t before advantages")
     controller: Literal["fixed", "adaptive"] = Field(

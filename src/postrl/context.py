@@ -53,13 +53,15 @@ class ModelContext:
     @torch.no_grad()
     def logprobs(self, batch, with_entropy: bool = False, model: Any = None) -> tuple[torch.Tensor, Any]:
         """(log pi(o_t | q, o_<t) [N, T], entropy [N, T] or None) of every completion token of ``batch``, under
-        ``model`` (default the policy), in micro-batches, on the CPU."""
+        ``model`` (default the policy), in micro-batches, on the CPU; of the filtered distribution when
+        ``sampling.logprobs='filtered'`` (as the sampler's)."""
         model = self.model if model is None else model
         lps, ents = [], []
         for idx in chunks(len(batch), self.micro_batch_size):
             lp, ent = self.logprob_fn(model, batch.prompt_ids[idx].to(self.device),
                                       batch.prompt_mask[idx].to(self.device), batch.completion_ids[idx].to(self.device),
-                                      self.temperature or 1.0, with_entropy=with_entropy)[:2]
+                                      self.temperature or 1.0, with_entropy=with_entropy,
+                                      **(self.sampling.logprob_filter() if self.sampling is not None else {}))[:2]
             lps.append(lp.float().cpu())
             if ent is not None:
                 ents.append(ent.float().cpu())

@@ -7,8 +7,10 @@ in any statistic and get advantage 0 (the trainer also masks them out of the los
 
 Conventions shared by every estimator here:
 - groups may have unequal sizes; a group with a single valid completion has no baseline other than its own
-  reward, so its advantage is 0 (verl instead uses baseline 0 for a singleton group, i.e. A = r; postrl does not
-  train on an unnormalised raw reward silently);
+  reward, so its advantage is 0 by default (``singleton='zero'``: postrl does not train on an unnormalised raw
+  reward silently). The estimators whose docstring claims a verl anchor take ``singleton='raw'``: verl's
+  convention, group mean 0 and group std 1 for a group of one (``compute_grpo_outcome_advantage``: A = r / (1 +
+  eps); rloo, opo, gpg, reinforce_pp_baseline: the raw reward enters as the centred one);
 - statistics are computed in float64 and returned as float32;
 - inputs an estimator needs beyond the rollout batch (``greedy_reward``, ``token_entropy``, ``values``,
   ``prompt_logprob``, ``info_gain``) are produced by the trainer (``postrl.train.producers``) when the configured
@@ -64,6 +66,39 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return (x - mean).mul_(m).mul_((var + eps) ** -0.5)
 
 
+def token_whiten(x: torch.Tensor, lengths: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """verl ``masked_whiten`` of a per-row value broadcast over its tokens: (x_i - mu) / sqrt(var + 1e-8), mu and
+    the unbiased var over all tokens of the rows ``v`` (each row weighs its length |o_i|), without building the
+    [N, T] tensor. x [N], lengths [N], v [N] bool -> [N] float64 (0 outside ``v``; 0 when no token)."""
+    x = torch.where(v, x.to(torch.float64), torch.zeros_like(x, dtype=torch.float64))
+    w = lengths.to(torch.float64) * v
+    total = w.sum()
+    if total < 1:
+        return torch.zeros_like(x)
+    mu = (w * x).sum() / total
+    d = x - mu
+    var = (w * d * d).sum() / total * (total / (total - 1)) if total > 1 else torch.zeros((), dtype=torch.float64)
+    return torch.where(v, d * torch.rsqrt(var + 1e-8), torch.zeros_like(d))
+
+
+SINGLETON = ("zero", "raw")
+
+
+def check_singleton(singleton: str) -> None:
+    if singleton not in SINGLETON:
+        raise ValueError(f"advantage.singleton: expected zero or raw, got '{singleton}'")
+
+
+def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, singleton: str):
+    """(mean, std) with verl's group-of-one convention applied when ``singleton='raw'``: mean 0, std 1 where the
+    group has one valid row (verl ``compute_grpo_outcome_advantage``: ``id2mean = 0, id2std = 1``)."""
+    check_singleton(singleton)
+    if singleton == "zero":
+        return mean, std
+    one = n == 1
+    return torch.where(one, torch.zeros_like(mean), mean), torch.where(one, torch.ones_like(std), std)
+
+
 def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None):
     """Per-row group mean, unbiased group std and group size, counting only valid rows.
 
@@ -85,19 +120,22 @@ def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
 
 @register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards", needs=("groups",))
 def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-         scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+         scale: str = "group", eps: float = 1e-6, singleton: str = "zero") -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), with the unbiased std of the completion's group g.
 
     scale='group' (default; verl ``norm_adv_by_std_in_grpo=True``, TRL ``scale_rewards='group'``);
     scale='batch': divide by the unbiased std of all valid rewards of the batch (TRL ``scale_rewards='batch'``);
     scale='none': A_i = r_i - mean_g r (verl ``norm_adv_by_std_in_grpo=False``, TRL ``scale_rewards='none'``).
-    eps: verl 1e-6 (default), TRL 1e-4, OpenRLHF 1e-9. A group of one completion has A = 0.
+    eps: verl 1e-6 (default), TRL 1e-4, OpenRLHF 1e-9. A group of one valid completion: A = 0
+    (``singleton='zero'``, default) or verl's mean 0 / std 1 (``singleton='raw'``: A = r / (1 + eps) with
+    scale='group', r with 'none', r / (std_B + eps) with 'batch').
     Shapes: reward [N], group_ids [N], valid [N] bool -> [N].
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"advantage.scale: expected group, batch or none, got '{scale}'")
     v = torch.isfinite(reward) if valid is None else (valid.bool() & torch.isfinite(reward))
-    mean, std, _ = group_stats(reward, group_ids, v)
+    mean, std, n = group_stats(reward, group_ids, v)
+    mean, std = singleton_stats(mean, std, n, singleton)
     adv = reward.to(torch.float64) - mean
     if scale == "group":
         adv = adv / (std + eps)

@@ -3,14 +3,17 @@
 Each matches its verl function numerically on groups of two or more valid completions (tests re-implement
 verl's loop-based formula and compare on random inputs). Differences, all deliberate and shared by every
 estimator of this package: rows with ``valid`` False or a NaN reward are excluded from every statistic and get
-advantage 0; a group with a single valid completion gets 0 (verl: baseline 0, so A = r).
+advantage 0; a group with a single valid completion gets 0 (``singleton='zero'``, default) or, with
+``singleton='raw'``, verl's convention (group mean 0 and std 1: the raw reward), which makes every estimator here
+match its verl function for any group size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from postrl.advantages import group_index, group_stats, group_sum, grpo, masked_whiten, valid_mask
+from postrl.advantages import (check_singleton, group_index, group_stats, group_sum, grpo, masked_whiten,
+                               singleton_stats, token_whiten, valid_mask)
 from postrl.registry import register
 
 
@@ -22,31 +25,36 @@ def _out(adv: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 @register("advantage", "dr_grpo", source="Understanding R1-Zero-Like Training (Dr. GRPO); verl "
           "norm_adv_by_std_in_grpo=False; TRL scale_rewards='none'", needs=("groups",))
-def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """A_i = r_i - mean_g r (no division by the group std).
+def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+            singleton: str = "zero") -> torch.Tensor:
+    """A_i = r_i - mean_g r (no division by the group std); a group of one: 0, or r with ``singleton='raw'`` (verl).
 
     "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO): removing the std removes the
     question-difficulty bias; pair it with the ``dr_grpo`` loss aggregation (sum / (B * L_max)) to remove the
     length bias too. Same as ``grpo`` with ``scale='none'``; anchors verl ``norm_adv_by_std_in_grpo=False``,
     TRL ``scale_rewards='none'``. Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    return grpo(reward, group_ids, valid, scale="none")
+    return grpo(reward, group_ids, valid, scale="none", singleton=singleton)
 
 
 @register("advantage", "rloo", source="Back to Basics: REINFORCE-style optimization (RLOO, Ahmadian et al. 2024); "
           "verl adv_estimator=rloo", needs=("groups",))
-def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+         singleton: str = "zero") -> torch.Tensor:
     """A_i = r_i - (sum_{j != i} r_j) / (n - 1) = n / (n - 1) * (r_i - mean_g r), n = valid rows of the group.
 
     Leave-one-out baseline (Kool et al. 2019; "Back to Basics: Revisiting REINFORCE Style Optimization for
     Learning from Human Feedback in LLMs"). Matches verl ``compute_rloo_outcome_advantage`` for n >= 2.
-    n = 1: no other completion to form the baseline, A = 0. Sums to zero within every group.
+    n = 1: no other completion to form the baseline, A = 0; ``singleton='raw'``: A = r (verl, which leaves a
+    group of one's score unchanged). Sums to zero within every group of n >= 2.
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
+    check_singleton(singleton)
     v = valid_mask(reward, valid)
     mean, _, n = group_stats(reward, group_ids, v)
-    adv = (reward.to(torch.float64) - mean) * n / (n - 1).clamp(min=1)
-    return _out(torch.where(n > 1, adv, torch.zeros_like(adv)), v)
+    r = reward.to(torch.float64)
+    adv = (r - mean) * n / (n - 1).clamp(min=1)
+    return _out(torch.where(n > 1, adv, r if singleton == "raw" else torch.zeros_like(adv)), v)
 
 
 @register("advantage", "reinforce_pp", source="REINFORCE++ (Hu et al. 2025); verl adv_estimator=reinforce_plus_plus")
@@ -88,28 +96,24 @@ def reinforce_pp(reward: torch.Tensor, completion_mask: torch.Tensor, valid: tor
 @register("advantage", "reinforce_pp_baseline", source="REINFORCE++ (Hu et al. 2025), group-baseline variant; "
           "verl adv_estimator=reinforce_plus_plus_baseline", needs=("groups",))
 def reinforce_pp_baseline(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
-                          valid: torch.Tensor | None = None) -> torch.Tensor:
+                          valid: torch.Tensor | None = None, *, singleton: str = "zero") -> torch.Tensor:
     """c_i = r_i - mean_g r, then whitened over all valid tokens of the batch (each row weighs its length):
     A_i = (c_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over tokens.
 
     "REINFORCE++" with a group-mean baseline ("REINFORCE++-baseline"). Matches verl
     ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (group mean, tile over tokens, masked_whiten) for
-    groups of n >= 2; singleton groups are excluded from the whitening and get 0.
+    groups of n >= 2; singleton groups are excluded from the whitening and get 0 (``singleton='zero'``), or
+    (``singleton='raw'``, verl for any group size) enter it with c_i = r_i (verl's group mean 0).
     Shapes: reward [N], group_ids [N], completion_mask [N, T], valid [N] -> [N] (constant over a row's tokens).
     """
     v = valid_mask(reward, valid)
-    mean, _, n = group_stats(reward, group_ids, v)
-    v = v & (n > 1)
+    mean, std, n = group_stats(reward, group_ids, v)
+    mean, _ = singleton_stats(mean, std, n, singleton)
+    if singleton == "zero":
+        v = v & (n > 1)
     c = reward.to(torch.float64) - mean
-    c = torch.where(v, c, torch.zeros_like(c))
-    w = completion_mask.sum(-1).to(torch.float64) * v  # tokens per row
-    total = w.sum()
-    if total < 1:
-        return torch.zeros_like(reward, dtype=torch.float32)
-    mu = (w * c).sum() / total
-    d = c - mu
-    var = (w * d * d).sum() / total * (total / (total - 1)) if total > 1 else torch.zeros((), dtype=torch.float64)
-    return _out(d * torch.rsqrt(var + 1e-8), v)
+    return _out(token_whiten(c, completion_mask.sum(-1), v), v)
+
 
 
 @register("advantage", "remax", source="ReMax (Li et al. 2023); verl adv_estimator=remax")
@@ -131,14 +135,15 @@ def remax(reward: torch.Tensor, greedy_reward: torch.Tensor, valid: torch.Tensor
 @register("advantage", "opo", source="On-Policy RL with Optimal Reward Baseline (OPO, Hao et al. 2025); "
           "verl adv_estimator=opo", needs=("groups",))
 def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
-        valid: torch.Tensor | None = None) -> torch.Tensor:
+        valid: torch.Tensor | None = None, *, singleton: str = "zero") -> torch.Tensor:
     """A_i = r_i - b_g, b_g = sum_j |o_j| r_j / sum_j |o_j| over the valid completions of the group.
 
     "On-Policy RL with Optimal Reward Baseline": the length-weighted mean is the variance-minimising baseline
     under a sequence-level gradient whose norm grows with length. Matches verl ``compute_opo_outcome_advantage``
-    for n >= 2 (lengths = completion-mask row sums). n = 1: b = r, so A = 0.
-    Shapes: reward [N], group_ids [N], lengths [N], valid [N] -> [N].
+    for n >= 2 (lengths = completion-mask row sums). n = 1: b = r, so A = 0; ``singleton='raw'``: b = 0, A = r
+    (verl). Shapes: reward [N], group_ids [N], lengths [N], valid [N] -> [N].
     """
+    check_singleton(singleton)
     v = valid_mask(reward, valid)
     inv, ng = group_index(group_ids)
     L = torch.where(v, lengths.to(torch.float64), torch.zeros_like(lengths, dtype=torch.float64))
@@ -146,14 +151,14 @@ def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
     sl = group_sum(L, inv, ng)
     mean, _, n = group_stats(reward, group_ids, v)
     b = torch.where(sl[inv] > 0, group_sum(L * r, inv, ng)[inv] / sl[inv].clamp(min=1e-300), mean)
-    adv = torch.where(n > 1, r - b, torch.zeros_like(r))
+    adv = torch.where(n > 1, r - b, r if singleton == "raw" else torch.zeros_like(r))
     return _out(adv, v)
 
 
 @register("advantage", "gpg", source="GPG: A Simple and Strong Reinforcement Learning Baseline (Chu et al. 2025); "
           "verl adv_estimator=gpg", needs=("groups",))
 def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-        f_norm: float = 1.0, count: str = "nonzero_reward") -> torch.Tensor:
+        f_norm: float = 1.0, count: str = "nonzero_reward", singleton: str = "zero") -> torch.Tensor:
     """A_i = alpha * (r_i - mean_g r) / f_norm, alpha = B / max(1, M).
 
     "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning": a group-mean advantage
@@ -161,7 +166,7 @@ def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
     of the batch. M: ``count='nonzero_reward'`` (default) counts valid rows with r != 0, exactly verl
     ``compute_gpg_outcome_advantage`` (``torch.count_nonzero(scores)``); ``count='informative'`` counts the rows
     of groups whose rewards are not all equal (the paper's "valid samples", those with a non-zero advantage).
-    f_norm default 1.0 (verl). Singleton groups get 0 (verl: alpha * r).
+    f_norm default 1.0 (verl). Singleton groups get 0, or alpha * r / f_norm with ``singleton='raw'`` (verl).
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
     if count not in ("nonzero_reward", "informative"):
@@ -176,8 +181,9 @@ def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
     else:
         M = (v & (std > 0)).sum().to(torch.float64)
     alpha = B / M.clamp(min=1)
+    mean, _ = singleton_stats(mean, std, n, singleton)
     adv = alpha * (reward.to(torch.float64) - mean) / f_norm
-    return _out(torch.where(n > 1, adv, torch.zeros_like(adv)), v)
+    return _out(torch.where((n > 1) | (singleton == "raw"), adv, torch.zeros_like(adv)), v)
 
 
 @register("advantage", "pass_at_k", source="Pass@k Training (Chen et al. 2025, arXiv:2503.19595); "
@@ -190,7 +196,8 @@ def pass_at_k(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor
     Optimises pass@k (the best of the group) rather than the mean. Matches verl
     ``compute_grpo_passk_outcome_advantage``; with ties for the maximum r_max - r_second = 0, so which tied row
     is "best" does not matter (postrl takes the first). verl raises for groups of fewer than 2 samples; postrl
-    gives them 0. eps 1e-6 (verl). Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    gives them 0 (no ``singleton`` option: verl has no value to reproduce). eps 1e-6 (verl).
+    Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
     if scale not in ("group", "none"):
         raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from postrl.advantages import group_index, group_stats, group_sum, grpo, valid_mask
+from postrl.advantages import (group_index, group_stats, group_sum, grpo, singleton_stats, token_whiten,
+                               valid_mask)
 from postrl.registry import register
 
 
@@ -21,9 +22,11 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------------ GDPO
 @register("advantage", "gdpo", source="GDPO: Group reward-Decoupled Normalization Policy Optimization; "
-          "TRL multi_objective_aggregation='normalize_then_sum'", needs=("groups",))
+          "TRL multi_objective_aggregation='normalize_then_sum'; verl adv_estimator=gdpo (token_weighted, "
+          "singleton=raw, eps=1e-6)", needs=("groups",))
 def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.Tensor,
-         valid: torch.Tensor | None = None, *, eps: float = 1e-4, batch_norm: bool = True) -> torch.Tensor:
+         valid: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None, *, eps: float = 1e-4,
+         batch_norm: bool = True, token_weighted: bool = False, singleton: str = "zero") -> torch.Tensor:
     """z-score every reward component within its group, sum with the weights, then normalise over the batch.
 
     "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization": GRPO on the
@@ -32,22 +35,34 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
       z_i^k = (r_i^k - mean_g r^k) / (std_g r^k + eps)    (unbiased std; 0 for a component constant in the group)
       s_i   = sum_k w_k z_i^k
       A_i   = (s_i - mean_B s) / (std_B s + eps)           (batch_norm=True; False: A_i = s_i)
-    eps 1e-4 and the unbiased std: TRL ``multi_objective_aggregation='normalize_then_sum'``, which this matches
-    numerically. A NaN component is left out of that component's statistics and adds 0 to s_i (TRL nanmean /
-    nansum); rows with ``valid`` False are excluded and get 0. Under DDP, "batch" is this process's rows (TRL
-    normalises over the gathered batch).
-    Shapes: rewards [N, K], reward_weights [K], group_ids [N], valid [N] -> [N].
+    eps 1e-4 and the unbiased std over rows: TRL ``multi_objective_aggregation='normalize_then_sum'``, which this
+    matches numerically (default).
+    verl 0.9.1 ``adv_estimator=gdpo`` differs in three places, each an option: its components go through verl's
+    GRPO (eps 1e-6: ``eps=1e-6``; a group of one gets mean 0 / std 1: ``singleton='raw'``, default 'zero' gives
+    z = 0 there), and its final normalisation is ``masked_whiten`` over the tokens (``token_weighted=True``):
+    A_i = (s_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over all tokens of the batch, each row weighing
+    its length |o_i| (eps inside the square root, not ``eps``). ``eps=1e-6, token_weighted=True, singleton=raw``
+    reproduces verl.
+    A NaN component is left out of that component's statistics and adds 0 to s_i (TRL nanmean / nansum); rows
+    with ``valid`` False are excluded and get 0. Under DDP, "batch" is this process's rows (TRL and verl
+    normalise over the gathered batch).
+    Shapes: rewards [N, K], reward_weights [K], group_ids [N], valid [N], completion_mask [N, T] -> [N].
     """
+    if token_weighted and completion_mask is None:
+        raise ValueError("advantage.token_weighted: needs the batch's completion_mask")
     N, K = rewards.shape
     v = torch.isfinite(rewards).any(-1) if valid is None else (valid.bool() & torch.isfinite(rewards).any(-1))
     s = torch.zeros(N, dtype=torch.float64)
     for k in range(K):  # K reward components (a handful), not groups
         x = rewards[:, k]
         vk = v & torch.isfinite(x)
-        mean, std, _ = group_stats(x, group_ids, vk)
+        mean, std, n = group_stats(x, group_ids, vk)
+        mean, std = singleton_stats(mean, std, n, singleton)
         z = (x.to(torch.float64) - mean) / (std + eps)
         s = s + float(reward_weights[k]) * torch.where(vk, z, torch.zeros_like(z))
-    if batch_norm:
+    if batch_norm and token_weighted:
+        s = token_whiten(s, completion_mask.sum(-1), v)
+    elif batch_norm:
         sv = s[v]
         mu = sv.mean() if sv.numel() else torch.zeros((), dtype=torch.float64)
         sd = sv.std() if sv.numel() > 1 else torch.zeros((), dtype=torch.float64)

@@ -94,7 +94,8 @@ def branch_batch(parent: RolloutBatch, rows: list[int], cuts: list[int], n: int,
         truncated=gen.truncated, prompts=[parent.prompts[i] for i in rows for _ in range(n)],
         completions=[texts[j] + gen.texts[j * n + c] for j in range(len(rows)) for c in range(n)], columns=cols,
         extra={"branch": torch.ones(len(gids), dtype=torch.bool),
-               "completion_prefix": [texts[j] for j in range(len(rows)) for _ in range(n)]})
+               "completion_prefix": [texts[j] for j in range(len(rows)) for _ in range(n)],
+               **({} if gen.kept_logmass is None else {"sampler_kept_logmass": gen.kept_logmass})})
     if not keep_original:
         return out
     # the original suffixes, one per new group, with the same (prompt + prefix) context
@@ -235,7 +236,7 @@ def generate_multi_temperature(generate: Callable, prompt_ids: list[list[int]], 
     N = n_prompts * G
     pad = int(pad_id or 0)
     comp = torch.full((N, width), pad, dtype=torch.long)
-    lp, mask = torch.zeros((N, width)), torch.zeros((N, width))
+    lp, mask, kept = torch.zeros((N, width)), torch.zeros((N, width)), torch.zeros((N, width))
     pids = torch.full((N, P), pad, dtype=torch.long)
     pmask = torch.zeros((N, P), dtype=torch.long)
     trunc = torch.zeros(N, dtype=torch.bool)
@@ -248,11 +249,14 @@ def generate_multi_temperature(generate: Callable, prompt_ids: list[list[int]], 
             dst = torch.arange(n_prompts) * G + j
             w = g.completion_ids.shape[1]
             comp[dst, :w], lp[dst, :w], mask[dst, :w] = g.completion_ids[src], g.logprobs[src], g.completion_mask[src]
+            if g.kept_logmass is not None:
+                kept[dst, :w] = g.kept_logmass[src]
             pids[dst, P - g.prompt_ids.shape[1]:] = g.prompt_ids[src]
             pmask[dst, P - g.prompt_ids.shape[1]:] = g.prompt_mask[src]
             trunc[dst] = g.truncated[src]
             row_t[dst] = t
             for a, b in zip(src.tolist(), dst.tolist()):
                 texts[b] = g.texts[a]
+    filtered = any(g.kept_logmass is not None for _, g in parts.values())
     return Generation(prompt_ids=pids, prompt_mask=pmask, completion_ids=comp, completion_mask=mask, logprobs=lp,
-                      truncated=trunc, texts=texts), row_t
+                      truncated=trunc, texts=texts, kept_logmass=kept if filtered else None), row_t

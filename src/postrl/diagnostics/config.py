@@ -103,6 +103,13 @@ class LogprobMismatchConfig(_Section):
                            "difference exceeds this (nats)")
 
 
+class FilteredSamplingConfig(_Section):
+    patience: int = _patience(2)
+    min_kept_mass: float = Field(0.95, gt=0.0, le=1.0, description="alarm when rollout.logprobs=full and the mean "
+                                 "probability mass top-p / top-k kept per sampled token (sampler/kept_mass_mean) "
+                                 "is below this: the importance ratio is off by log(mass) per token")
+
+
 class EchoTrapConfig(_Section):
     window: int = Field(10, ge=3, description="steps of history for the cliff and the spike")
     max_std_ratio: float = Field(0.3, gt=0.0, lt=1.0, description="cliff: within-group reward std falls below "
@@ -168,6 +175,7 @@ class DiagnosticsConfig(BaseModel):
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig)
     clip_fractions: ClipFractionsConfig = Field(default_factory=ClipFractionsConfig)
     logprob_mismatch: LogprobMismatchConfig = Field(default_factory=LogprobMismatchConfig)
+    filtered_sampling: FilteredSamplingConfig = Field(default_factory=FilteredSamplingConfig)
     echo_trap: EchoTrapConfig = Field(default_factory=EchoTrapConfig)
     edge_of_stability: EdgeOfStabilityConfig = Field(default_factory=EdgeOfStabilityConfig)
     pass_at_k: PassAtKConfig = Field(default_factory=PassAtKConfig)

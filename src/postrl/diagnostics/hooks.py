@@ -223,10 +223,14 @@ class Diagnostics:
         """
         from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
         from postrl.models import completion_logprobs
+        from postrl.rollout.base import SamplingParams
 
         p = self.cfg.edge_of_stability
         obj = self.objective
         temp = self.run_cfg.rollout.temperature or 1.0
+        r = self.run_cfg.rollout
+        filt = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              logprobs=r.logprobs).logprob_filter()  # the update's log-probs (rollout.logprobs)
         if self._fixed is None:
             adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages.mean(-1)
             score = adv.abs() * batch.valid.float()
@@ -252,7 +256,7 @@ class Diagnostics:
         with sdpa_kernel([SDPBackend.MATH]):  # fused attention kernels have no double backward
             out = completion_logprobs(model, fx["prompt_ids"], fx["prompt_mask"], fx["completion_ids"], temp,
                                       with_entropy=True, entropy_grad=obj.entropy_grad,
-                                      return_logits="logits" in obj.reads)
+                                      return_logits="logits" in obj.reads, **filt)
         logp, ent = out[0], out[1]
         w = obj.weights(fx["mask"])
         if fx["nll"]:

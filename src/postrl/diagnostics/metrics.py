@@ -184,6 +184,24 @@ def token_metrics(sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
             "tokens/logprob_mean": _mean(lp)}
 
 
+def kept_mass_metrics(kept_logmass: torch.Tensor, completion_mask: torch.Tensor) -> dict[str, float]:
+    """Top-p / top-k: the unfiltered probability mass M_t the filter kept at each sampled position.
+
+    - ``sampler/kept_mass_mean``, ``sampler/kept_mass_min``: mean / min of M_t over the completion tokens;
+    - ``sampler/kept_logmass_seq``: mean over completions of sum_t log M_t, the amount by which a sequence-level
+      log-ratio (GSPO, sequence TIS) is off when the log-probs are of the unfiltered distribution
+      (``rollout.logprobs=full``; per token the log-ratio is off by log M_t).
+    """
+    msk = _np(completion_mask, bool)
+    lm = _np(kept_logmass)
+    if not msk.any():
+        return dict.fromkeys(("sampler/kept_mass_mean", "sampler/kept_mass_min", "sampler/kept_logmass_seq"), _NAN)
+    km = np.exp(lm[msk])
+    rows = msk.any(-1)
+    return {"sampler/kept_mass_mean": _mean(km), "sampler/kept_mass_min": float(km.min()),
+            "sampler/kept_logmass_seq": _mean(np.where(msk, lm, 0.0).sum(-1)[rows])}
+
+
 def mismatch_metrics(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
     """Sampler vs trainer log-probs of the sampled tokens, before any update (the same policy, two programs).
@@ -266,6 +284,8 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
     m.update(group_metrics(reward, rewards, batch.group_ids, valid, batch.advantages, correct,
                            batch.completion_mask))
     m.update(token_metrics(batch.sampler_logprobs, batch.completion_mask, low_prob))
+    if batch.extra.get("sampler_kept_logmass") is not None:
+        m.update(kept_mass_metrics(batch.extra["sampler_kept_logmass"], batch.completion_mask))
     m["tokens/completion"] = float(_np(batch.completion_mask).sum())
     m["tokens/prompt"] = float(_np(batch.prompt_mask).sum())
     return m

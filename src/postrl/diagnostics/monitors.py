@@ -411,6 +411,23 @@ def logprob_mismatch(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"{ctx.get('loss.tis.level', 'none')})")
 
 
+def filtered_sampling(h: list[dict], ctx: Context, p) -> Alarm | None:
+    cur = h[-1]
+    kept = _num(cur, "sampler/kept_mass_mean")
+    if kept is None or kept >= p.min_kept_mass or ctx.get("rollout.logprobs", "full") == "filtered":
+        return None
+    seq = _num(cur, "sampler/kept_logmass_seq")
+    return Alarm("filtered_sampling",
+                 f"top-p / top-k kept {kept:.3f} of the probability mass per sampled token on average (log-mass "
+                 f"{seq or 0:.2f} per completion) while sampler and trainer log-probs are of the unfiltered "
+                 f"distribution: the importance ratio is off by log(kept mass) per token",
+                 f"the tokens are drawn from the filtered, renormalised distribution (rollout.top_p="
+                 f"{ctx.get('rollout.top_p')}, top_k={ctx.get('rollout.top_k')}) but the ratio treats them as "
+                 "samples of the full policy, a known cause of collapse in TRL / vLLM runs with top_p < 1",
+                 "set rollout.logprobs=filtered (sampler and trainer then use the renormalised filtered "
+                 "distribution), or sample without the filter (rollout.top_p=1.0, rollout.top_k=0)")
+
+
 def echo_trap(h: list[dict], ctx: Context, p) -> Alarm | None:
     if len(h) < p.window:
         return None
@@ -597,6 +614,7 @@ MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
     MonitorSpec("reward_all_failed", reward_all_failed, "a reward source failing on every completion of a step"),
     MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards"),
     MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
+    MonitorSpec("filtered_sampling", filtered_sampling, "top-p / top-k kept mass with unfiltered log-probs"),
     MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),
     MonitorSpec("edge_of_stability", edge_of_stability, "top Hessian eigenvalue vs 2/lr (Adam: 38/lr)"),
     MonitorSpec("kl_blowup", kl_blowup, "KL to the reference, token-ratio and policy-KL extremes"),

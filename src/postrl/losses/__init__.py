@@ -25,7 +25,7 @@ from typing import Any
 from postrl.losses.aggregation import (SEQUENCE_AGGREGATIONS, dr_grpo, seq_mean_token_mean, seq_mean_token_sum,
                                        token_mean)
 from postrl.losses.kl import (KLController, kl_abs, kl_abs_st, kl_k1, kl_k1_st, kl_k2, kl_k3, kl_k3_st,
-                              kl_reward_penalty, straight_through)
+                              kl_low_var_kl, kl_low_var_kl_st, kl_reward_penalty, straight_through)
 from postrl.losses.policy import clip_cov, cispo, dispo, gmpo, gpg, gspo, kl_cov, ppo_clip, sapo
 from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, entropy_band, entropy_bonus, f_divergence,
                                         lp_reg, top_entropy_tokens)
@@ -34,7 +34,8 @@ from postrl.losses.tis import tis_weights
 __all__ = [
     "ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip_cov", "kl_cov",
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo",
-    "kl_k1", "kl_k2", "kl_k3", "kl_abs", "kl_k1_st", "kl_k3_st", "kl_abs_st", "straight_through",
+    "kl_k1", "kl_k2", "kl_k3", "kl_abs", "kl_k1_st", "kl_k3_st", "kl_abs_st", "kl_low_var_kl",
+    "kl_low_var_kl_st", "straight_through",
     "kl_reward_penalty", "KLController", "tis_weights",
     "entropy_bonus", "AdaptiveEntropy", "top_entropy_tokens", "entropy_band", "EntropySmoothing", "lp_reg",
     "f_divergence", "check_aggregation",
@@ -45,6 +46,7 @@ def check_aggregation(loss_name: str, loss_fn: Any, agg: str) -> str | None:
     """A warning when a sequence-level loss is aggregated per token (each sequence then weighs its length)."""
     if getattr(loss_fn, "sequence_level", False) and agg not in SEQUENCE_AGGREGATIONS:
         return (f"loss '{loss_name}' is a sequence-level objective but loss.agg={agg} weights each sequence by its "
-                f"token count (TRL importance_sampling_level='sequence' with a token-level loss_type); the paper and "
-                f"verl average over sequences: set loss.agg=sequence")
+                f"token count (TRL importance_sampling_level='sequence' with a token-level loss_type; verl gspo with "
+                f"loss_agg_mode=token-mean); the paper averages over sequences (verl forces it for geo_mean): set "
+                f"loss.agg=sequence")
     return None

@@ -8,9 +8,16 @@ d = logp - ref_logp. Each is registered as regularizer ``kl_<name>`` and chosen 
 |--------------|-------------------------------|--------------|----------------------------------------|
 | k1           | d                             | of k1        | k1 / kl                                |
 | k2           | d^2 / 2                       | of k2        | k2 / mse                               |
-| k3           | exp(-d) + d - 1               | of k3        | k3 / low_var_kl (TRL ``beta``)         |
+| k3           | exp(-d) + d - 1               | of k3        | - (TRL ``beta``: k3 unclamped)         |
+| low_var_kl   | min(k3, 10)                   | of k3; 0 where k3 > 10 | k3 / low_var_kl                |
 | abs          | abs(d)                        | of abs       | abs                                    |
-| k1+ k3+ abs+ | value of k1 / k3 / abs        | of k2        | k1+ / k3+ / abs+                       |
+| k1+ k3+ abs+ | value of k1 / k3 / abs        | of k2        | k1+ / abs+                             |
+| low_var_kl+  | value of low_var_kl           | of k2        | k3+ / low_var_kl+                      |
+
+verl's k3 (``kl_loss_type`` / ``kl_penalty`` ``k3`` or ``low_var_kl``) clamps the estimate to [-10, 10] (k3 >= 0,
+so only the upper bound binds): a token whose policy is far from the reference (k3 > 10, e.g. d = ref_logp -
+logp > 12.4) adds a constant 10 and no gradient. TRL's ``beta`` term and postrl's ``k3`` do not clamp. Choose
+``kl.estimator=low_var_kl`` to reproduce verl exactly, ``k3`` for TRL.
 
 The "+" (straight-through) variants return ``k2 - sg(k2) + sg(k)``: the value of k (what is logged and, in
 the loss, what the coefficient multiplies) with the gradient of k2, whose expected gradient on on-policy
@@ -43,12 +50,23 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
-@register("regularizer", "kl_k3", source="Schulman 2020 k3; GRPO paper; verl kl_loss_type=low_var_kl; TRL beta")
+@register("regularizer", "kl_k3", source="Schulman 2020 k3; GRPO paper; TRL beta")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased, always >= 0). The log-ratio is clamped to
-    [-20, 20] before the exp; verl's low_var_kl additionally clamps k3 to [-10, 10], which postrl does not."""
+    [-20, 20] before the exp (as verl and TRL); k3 itself is not clamped (TRL; verl's clamped k3 is
+    ``kl_low_var_kl``)."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(d) - d - 1.0
+
+
+LOW_VAR_KL_CLAMP = 10.0
+
+
+@register("regularizer", "kl_low_var_kl", source="verl kl_loss_type=low_var_kl / k3 (clamped k3)")
+def kl_low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """verl's k3: clamp(k3, -10, 10) (``kl_penalty_forward`` for ``low_var_kl`` / ``k3``); where k3 > 10 the value
+    is 10 and the gradient 0."""
+    return kl_k3(logp, ref_logp).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
 @register("regularizer", "kl_abs", source="verl kl_loss_type=abs")
@@ -71,7 +89,9 @@ def straight_through(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
 
 
 kl_k1_st = register("regularizer", "kl_k1+", source="verl kl_loss_type=k1+ (straight-through)")(straight_through(kl_k1))
-kl_k3_st = register("regularizer", "kl_k3+", source="verl kl_loss_type=k3+ (straight-through)")(straight_through(kl_k3))
+kl_k3_st = register("regularizer", "kl_k3+", source="straight-through k3 (unclamped value)")(straight_through(kl_k3))
+kl_low_var_kl_st = register("regularizer", "kl_low_var_kl+", source="verl kl_loss_type=k3+ / low_var_kl+ "
+                            "(straight-through, value of the clamped k3)")(straight_through(kl_low_var_kl))
 kl_abs_st = register("regularizer", "kl_abs+", source="verl kl_loss_type=abs+ (straight-through)")(
     straight_through(kl_abs))
 

@@ -38,6 +38,7 @@ class Objective:
         self.loss = stages.build("loss", cfg.loss.name, cfg.loss.params)
         self.agg = registry.get("aggregation", cfg.loss.agg)
         self.max_len = cfg.rollout.max_new_tokens
+        self.agg_rows = cfg.loss.agg_rows
         self.tis = cfg.loss.tis
         self.kl = registry.get("regularizer", f"kl_{cfg.kl.estimator}") if cfg.kl.coef > 0 else None
         self.kl_placement = cfg.kl.placement
@@ -57,9 +58,24 @@ class Objective:
     def kl_in_loss(self) -> bool:
         return self.kl is not None and self.kl_placement == "loss"
 
-    def weights(self, mask: torch.Tensor) -> torch.Tensor:
-        """The aggregation's weights [n, T] for a mini-batch's loss mask."""
-        return self.agg(mask, max_len=self.max_len)
+    def rows(self, batch: Any) -> torch.Tensor:
+        """bool [N]: the rows the aggregation's sequence average counts (``loss.agg_rows``, see
+        :mod:`postrl.losses.aggregation`). ``all``: valid rows and rows whose reward failed (NaN), not the masked
+        copies that pad a filtered batch or even out DDP processes (``valid`` False, finite reward; a padding copy
+        of a failed row carries its NaN and counts like it);
+        ``nonempty``: rows with at least one loss token."""
+        if self.agg_rows == "nonempty":
+            return (batch.completion_mask * batch.valid.unsqueeze(-1).float()).sum(-1) > 0
+        failed = ~torch.isfinite(batch.reward) if batch.reward is not None else torch.zeros_like(batch.valid)
+        return batch.valid.bool() | failed
+
+    def weights(self, mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The aggregation's weights [n, T] for a mini-batch's loss mask; ``rows`` (bool [n], from :meth:`rows`)
+        the rows its sequence average counts (None: every row, or with ``loss.agg_rows=nonempty`` those with a
+        token)."""
+        if rows is None and self.agg_rows == "nonempty":
+            rows = mask.sum(-1) > 0
+        return self.agg(mask, max_len=self.max_len, rows=rows)
 
     def batch_fields(self, batch: Any, idx: torch.Tensor, device: Any = "cpu") -> dict:
         """The batch's fields for rows ``idx``: advantages, the loss mask (completion mask x valid rows), lengths,

@@ -9,8 +9,9 @@ A = advantages ([N] broadcast over tokens, or [N, T]), m = mask, |o_i| = sum_t m
 
 A *sequence-level* loss (``fn.sequence_level = True``: gspo, gmpo) puts the same per-sequence value on every
 token of a row; its papers average over sequences, which is the ``sequence`` aggregation (alias of
-``seq_mean_token_mean``). Under a token-level aggregation each sequence is weighted by its length instead: the
-trainer warns (:func:`postrl.losses.check_aggregation`).
+``seq_mean_token_mean``; verl forces it for geo_mean and sapo, and passes ``loss_agg_mode`` through for gspo).
+Under a token-level aggregation each sequence is weighted by its length instead: the trainer warns
+(:func:`postrl.losses.check_aggregation`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     paper's objective (1/G) sum_i min(s_i A_i, clip(s_i) A_i) with its gradient, and equal to TRL
     ``importance_sampling_level='sequence', loss_type='grpo'``. Defaults eps_low = 3e-4, eps_high = 4e-4 (GSPO
     paper section 5.1; TRL ``epsilon=3e-4, epsilon_high=4e-4``; verl ``clip_ratio_low/high``).
-    A row with no token (|o_i| = 0) gets s_i = 1. Sequence-level: pair with ``loss.agg=sequence`` (verl
-    always aggregates gspo with seq-mean-token-mean, whatever ``loss_agg_mode`` says; postrl honours
-    ``loss.agg`` and warns when it is a token-level one).
+    A row with no token (|o_i| = 0) gets s_i = 1. Sequence-level: pair with ``loss.agg=sequence`` (verl 0.9.1
+    passes ``loss_agg_mode`` through for gspo, so verl's equivalent is ``loss_agg_mode=seq-mean-token-mean``; its
+    default token-mean weights each sequence by its length; postrl honours ``loss.agg`` and warns when it is a
+    token-level one).
     """
     _check_eps("eps_low", eps_low, 1.0)
     _check_eps("eps_high", eps_high)
@@ -120,8 +122,8 @@ def gmpo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     r_i = exp(sum_t m_it d'_t / (|o_i| + 1e-8));  A_i = sum_t m_it A_it / (|o_i| + 1e-8);
     sequence loss l_i = -A_i r_i, put on every token of row i (sequence-level loss).
     Defaults eps_low = eps_high = 0.4: the paper's clip range (e^-0.4, e^0.4) (verl ``clip_ratio_low/high``
-    read in log space). verl returns mean_i l_i over all rows whatever ``loss_agg_mode`` says; postrl's
-    ``sequence`` aggregation gives mean_i l_i over rows with at least one token (equal when no row is empty).
+    read in log space). verl forces seq-mean-token-mean for geo_mean whatever ``loss_agg_mode`` says: mean_i l_i
+    over all rows, which postrl's ``sequence`` aggregation gives (``loss.agg_rows=all``, the default).
     """
     _check_eps("eps_low", eps_low)
     _check_eps("eps_high", eps_high)
@@ -227,8 +229,8 @@ def sapo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *
 
     f(1) = 2 / tau and f'(1) = 1, so on-policy the gradient equals PPO's; far off-policy tokens are smoothly
     down-weighted instead of cut. Defaults tau_pos = 1.0, tau_neg = 1.05 (verl ``tau_pos``/``tau_neg``, TRL
-    ``sapo_temperature_pos/neg``). verl and TRL both aggregate sapo with seq-mean-token-mean (postrl:
-    ``loss.agg=seq_mean_token_mean``; postrl honours whatever ``loss.agg`` says).
+    ``sapo_temperature_pos/neg``). verl forces seq-mean-token-mean for sapo and TRL's ``loss_type='sapo'``
+    aggregates the same way (postrl: ``loss.agg=seq_mean_token_mean``; postrl honours whatever ``loss.agg`` says).
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"loss.tau_pos / tau_neg: expected values > 0, got {tau_pos} / {tau_neg}")
@@ -296,13 +298,14 @@ def clip_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
 @register("loss", "kl_cov", source="The Entropy Mechanism of Reinforcement Learning for Reasoning Language "
           "Models (KL-Cov); verl kl_cov")
 def kl_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-           kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 1.0):
+           kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 0.1):
     """Unclipped policy gradient, plus a KL penalty on the tokens with the highest logp-advantage covariance.
 
     L_t = -A_t rho_t, and for the top-k tokens by cov_t = (A_t - mean A)(logp_t - mean logp) (means over the
     valid tokens of the forward pass, detached), L_t = -A_t rho_t + ppo_kl_coef |logp_t - old_logp_t|;
     k = max(1, floor(n_valid * kl_cov_ratio)); no valid token: no penalty.
-    Defaults = verl's (``kl_cov_ratio`` 2e-4, ``ppo_kl_coef`` 1.0). Per forward pass (micro-batch), like verl.
+    Defaults = verl's shipped config (``actor.policy_loss.kl_cov_ratio`` 2e-4, ``ppo_kl_coef`` 0.1; verl's code
+    falls back to 1.0 only when the config value is None). Per forward pass (micro-batch), like verl.
     """
     if kl_cov_ratio <= 0:
         raise ValueError(f"loss.kl_cov_ratio: expected a value > 0, got {kl_cov_ratio}")

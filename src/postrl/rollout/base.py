@@ -17,8 +17,16 @@ import torch
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
 
-    ``logprobs`` are always of the temperature-scaled, *unfiltered* distribution (log_softmax(logits / T)), the
-    convention TRL and verl use when they recompute old log-probs, so sampler and trainer log-probs agree.
+    ``logprobs``: which distribution the returned log-probs are of.
+    ``full`` (default): the temperature-scaled, *unfiltered* distribution (log_softmax(logits / T)), the
+    convention TRL and verl use when they recompute old log-probs (vLLM ``logprobs_mode='raw_logprobs'`` after
+    temperature). With top-p / top-k the tokens are drawn from the filtered distribution q = pi / M (M the kept
+    mass), so the trainer's ratio pi_theta / pi_old omits the factor 1 / M of the true behaviour policy: each
+    token's log-ratio is off by log M (the kept log-mass, ``Generation.kept_logmass``).
+    ``filtered``: log-probs of the renormalised filtered distribution, log q = log pi - log M (vLLM
+    ``processed_logprobs``); the trainer then computes the same filtered log-probs
+    (:func:`postrl.models.completion_logprobs` with :meth:`logprob_filter`), so the policy being optimised is the
+    one that samples. Greedy decoding (temperature 0) is unaffected.
     ``ignore_eos``: EOS does not end a completion (every completion runs to ``max_new_tokens`` unless a stop string
     ends it), as vLLM's ``ignore_eos`` and ``generate(eos_token_id=None)``: equal work per row, for benchmarks.
     """
@@ -29,6 +37,23 @@ class SamplingParams:
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: str = "full"
+
+    def __post_init__(self):
+        if self.logprobs not in ("full", "filtered"):
+            raise ValueError(f"rollout.logprobs: expected full or filtered, got {self.logprobs!r}")
+
+    @property
+    def filters(self) -> bool:
+        """Tokens are drawn from a top-p / top-k filtered distribution."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+
+    def logprob_filter(self) -> dict:
+        """The keyword arguments (``top_p``, ``top_k``) that make :func:`postrl.models.completion_logprobs` compute
+        the log-probs this sampler returns: the filter with ``logprobs='filtered'``, none otherwise."""
+        if self.logprobs == "filtered" and self.filters:
+            return {"top_p": self.top_p, "top_k": self.top_k}
+        return {}
 
 
 @dataclass
@@ -37,9 +62,11 @@ class Generation:
 
     prompt_ids [N, P] long, left-padded; prompt_mask [N, P] long;
     completion_ids [N, T] long, right-padded with pad_id; completion_mask [N, T] float (1 up to and including
-    EOS or the token that completed a stop string); logprobs [N, T] float (0 where masked);
-    truncated [N] bool (no EOS/stop within max_new_tokens); texts: decoded completions with the stop string
-    and everything after it removed, special tokens skipped.
+    EOS or the token that completed a stop string); logprobs [N, T] float (0 where masked; of the distribution
+    ``SamplingParams.logprobs`` names); truncated [N] bool (no EOS/stop within max_new_tokens); texts: decoded
+    completions with the stop string and everything after it removed, special tokens skipped;
+    kept_logmass [N, T] float or None: log M_t, the log of the unfiltered probability mass the top-p / top-k filter
+    kept at each sampled position (<= 0; 0 where masked), None when no filter applies.
     """
 
     prompt_ids: torch.Tensor
@@ -49,6 +76,7 @@ class Generation:
     logprobs: torch.Tensor
     truncated: torch.Tensor
     texts: list[str]
+    kept_logmass: torch.Tensor | None = None
 
 
 class GenerationBackend(ABC):

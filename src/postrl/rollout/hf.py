@@ -12,7 +12,10 @@ Sampling draws only from a ``torch.Generator`` seeded with ``seed``: one uniform
 into a token by the inverse CDF of that row's (top-k / top-p filtered) distribution. So the same seed gives the
 same output, and a row's sample does not depend on ``batch_size`` or on which other rows have finished.
 The log-prob of each sampled token is ``log_softmax(logits / temperature)`` of the *unfiltered* distribution
-(temperature 1 when greedy), which is what a full forward recompute in the trainer gives.
+(temperature 1 when greedy), which is what a full forward recompute in the trainer gives; with
+``SamplingParams.logprobs='filtered'`` it is of the renormalised top-p / top-k filtered distribution the token was
+drawn from (the trainer then filters the same way). With a filter, the kept log-mass of every sampled position
+is returned as ``Generation.kept_logmass``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from postrl.models import cache_keyword, output_cache
+from postrl.models import cache_keyword, filter_logits, output_cache
 from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
 
 __all__ = ["HFGenerator", "left_pad"]
@@ -44,40 +47,36 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row from float32 ``logits`` [B, V]; return (tokens [B], their log-probs [B]).
+def _sample(logits: torch.Tensor, params: SamplingParams,
+            u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row from float32 ``logits`` [B, V]; return (tokens [B], their log-probs [B], the kept
+    log-mass [B]).
 
     ``u`` [B] holds one uniform draw in [0, 1) per row (unused when greedy). A row's token is the inverse CDF of
-    its filtered distribution at ``u``, so a row's sample depends only on its own logits and its own draw, not on
-    which other rows share the batch.
+    its filtered distribution (:func:`postrl.models.filter_logits`) at ``u``, so a row's sample depends only on its
+    own logits and its own draw, not on which other rows share the batch. kept log-mass log M = logsumexp over the
+    kept tokens - logsumexp over all (0 without a filter); the log-prob is log_softmax(logits / T) at the token
+    (``params.logprobs='full'``) or that minus log M (``'filtered'``: the distribution the token was drawn from).
     """
     if params.temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1), torch.zeros(len(tokens), device=logits.device)
 
-    if logits.device.type == "cpu" and params.top_k == 0 and params.top_p >= 1.0:
-        return _sample_plain(logits, params.temperature, u)
+    if logits.device.type == "cpu" and not params.filters:
+        tokens, logp = _sample_plain(logits, params.temperature, u)
+        return tokens, logp, torch.zeros(len(tokens))
     scaled = logits if params.temperature == 1.0 else logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled
+    logz = torch.logsumexp(scaled, dim=-1)
+    filtered = filter_logits(scaled, params.top_p, params.top_k)
     vocab = scaled.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token while the mass *before* it is below top_p (so the token crossing the threshold stays).
-        remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
-        remove[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        filtered = torch.empty_like(filtered).scatter_(1, order, sorted_logits)
     cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)
     # First token whose CDF exceeds u * total: never a zero-probability token (its CDF does not rise).
     target = u.double()[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    kept = torch.logsumexp(filtered, dim=-1) - logz if filtered is not scaled else torch.zeros_like(logz)
+    logp = scaled.gather(1, tokens[:, None]).squeeze(1) - logz
+    return tokens, (logp - kept if params.logprobs == "filtered" else logp), kept
 
 
 def _sample_plain(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +209,7 @@ class HFGenerator(GenerationBackend):
         max_new = params.max_new_tokens
         comp_ids = torch.full((num_rows, max(max_new, 1)), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros((num_rows, max(max_new, 1)), dtype=torch.float32)
+        kept = torch.zeros((num_rows, max(max_new, 1)), dtype=torch.float32)
         lengths = torch.zeros(num_rows, dtype=torch.long)
         ended = torch.zeros(num_rows, dtype=torch.bool)
 
@@ -240,11 +240,12 @@ class HFGenerator(GenerationBackend):
                     noise = torch.cat(blocks)
                 for start in range(0, num_rows, chunk):
                     end = min(start + chunk, num_rows)
-                    c_ids, c_lp, c_len, c_end = self._generate_chunk(
+                    c_ids, c_lp, c_km, c_len, c_end = self._generate_chunk(
                         rows[start:end], params, None if noise is None else noise[start:end], device, decoder
                     )
                     comp_ids[start:end] = c_ids
                     logprobs[start:end] = c_lp
+                    kept[start:end] = c_km
                     lengths[start:end] = c_len
                     ended[start:end] = c_end
         finally:
@@ -254,6 +255,7 @@ class HFGenerator(GenerationBackend):
         width = max(int(lengths.max()) if num_rows else 0, 1)
         comp_ids = comp_ids[:, :width].clone()
         logprobs = logprobs[:, :width].clone()
+        kept = kept[:, :width].clone() if params.filters else None
         completion_mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
         texts = [self._text(comp_ids[i, : int(lengths[i])].tolist(), params.stop) for i in range(num_rows)]
         return Generation(
@@ -264,6 +266,7 @@ class HFGenerator(GenerationBackend):
             logprobs=logprobs,
             truncated=~ended,
             texts=texts,
+            kept_logmass=kept,
         )
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -303,14 +306,16 @@ class HFGenerator(GenerationBackend):
 
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, noise: torch.Tensor | None, device,
                         decoder=None):
-        """Generate for one chunk of rows; returns (ids [B, M], logprobs [B, M], lengths [B], ended [B]) on CPU."""
+        """Generate for one chunk of rows; returns (ids [B, M], logprobs [B, M], kept log-mass [B, M], lengths [B],
+        ended [B]) on CPU."""
         num = len(rows)
         max_new = params.max_new_tokens
         out_ids = torch.full((num, max(max_new, 1)), self.pad_id, dtype=torch.long)
         out_lp = torch.zeros((num, max(max_new, 1)), dtype=torch.float32)
+        out_km = torch.zeros((num, max(max_new, 1)), dtype=torch.float32)
         ended = torch.zeros(num, dtype=torch.bool)
         if max_new == 0 or num == 0:
-            return out_ids, out_lp, torch.zeros(num, dtype=torch.long), ended
+            return out_ids, out_lp, out_km, torch.zeros(num, dtype=torch.long), ended
 
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -329,17 +334,20 @@ class HFGenerator(GenerationBackend):
         # Sampled tokens / log-probs by (original row, step), on the device; cut to each row's length at the end.
         tok_buf = torch.full((num, max_new), self.pad_id, dtype=torch.long, device=device)
         lp_buf = torch.zeros((num, max_new), dtype=torch.float32, device=device)
+        km_buf = torch.zeros((num, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((num,), max_new, dtype=torch.long)  # rows that never finish run to max_new
 
         for t in range(max_new):
             u = None if noise is None else (noise[:, t] if rows_idx is None else noise[rows_idx, t])
-            tokens, lp = _sample(logits, params, u)
+            tokens, lp, kept = _sample(logits, params, u)
             if rows_idx is None:
                 tok_buf[:, t] = tokens
                 lp_buf[:, t] = lp.float()
+                km_buf[:, t] = kept.float()
             else:
                 tok_buf[rows_idx, t] = tokens
                 lp_buf[rows_idx, t] = lp.float()
+                km_buf[rows_idx, t] = kept.float()
 
             done = torch.isin(tokens, eos) & live if eos.numel() else None
             if stops:
@@ -383,4 +391,5 @@ class HFGenerator(GenerationBackend):
         keep_col = torch.arange(max_new)[None, :] < lengths[:, None]
         out_ids[:, :max_new] = torch.where(keep_col, tok_buf.cpu(), self.pad_id)
         out_lp[:, :max_new] = torch.where(keep_col, lp_buf.cpu(), 0.0)
-        return out_ids, out_lp, lengths, ended
+        out_km[:, :max_new] = torch.where(keep_col, km_buf.cpu(), 0.0)
+        return out_ids, out_lp, out_km, lengths, ended

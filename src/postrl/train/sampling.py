@@ -107,6 +107,8 @@ class BatchSource:
         else:
             gen, extra["temperature"] = generate_multi_temperature(ctx.generate, prompt_ids, ctx.sampling,
                                                                    self.plan.fn.plan(G), seeds, ctx.pad_id)
+        if gen.kept_logmass is not None:  # top-p / top-k: per-token kept log-mass (sampler/kept_mass_* metrics)
+            extra["sampler_kept_logmass"] = gen.kept_logmass
         keys = [k for k in rows[0] if k != "prompt"] if rows else []
         group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * P + self.rank * per_rank
         return RolloutBatch(

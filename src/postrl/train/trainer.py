@@ -115,7 +115,7 @@ class Trainer:
                                 micro_batch_size=cfg.train.micro_batch_size, chat_template=cfg.model.chat_template,
                                 sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                                         top_p=r.top_p, top_k=r.top_k, stop=list(r.stop),
-                                                        ignore_eos=r.ignore_eos),
+                                                        ignore_eos=r.ignore_eos, logprobs=r.logprobs),
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
                                 score=lambda b: self.scorer.score(b, observe=False))
         self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
@@ -215,7 +215,8 @@ class Trainer:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
             out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
                                       batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits)
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
+                                      **self.ctx.sampling.logprob_filter())
         return out if with_logits else (*out, None)
 
     @torch.no_grad()
@@ -257,6 +258,7 @@ class Trainer:
             batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
+        counted = obj.rows(batch)
         gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
         sums: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -266,7 +268,7 @@ class Trainer:
             order = torch.randperm(len(batch), generator=gen) if cfg.train.mini_batches > 1 else \
                 torch.arange(len(batch))
             for mb in order.chunk(cfg.train.mini_batches):
-                weights = obj.weights(loss_mask[mb])
+                weights = obj.weights(loss_mask[mb], counted[mb])
                 micro = list(torch.arange(len(mb)).split(cfg.train.micro_batch_size))
                 for j, sel in enumerate(micro):
                     idx = mb[sel]
