@@ -35,7 +35,7 @@ from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
 from postrl import accel
-from postrl.models import load_model_and_tokenizer, prepare_tokenizer
+from postrl.models import load_model_and_tokenizer, lora, prepare_tokenizer
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
 from postrl.stages import StepEnd
@@ -83,15 +83,20 @@ class Trainer:
         log = reporter.log if reporter is not None else print
         self.log = log if self.main else (lambda s: None)
         self.source = load_source(cfg.task.model_dump())
+        quant = lora.quantization_config(cfg.model.lora, self.acc.device)  # QLoRA: CUDA only, a ConfigError else
         if model is None:
             self.model_path = resolve_model_path(cfg, log=self.log)
-            model, self.tokenizer = load_model_and_tokenizer(self.model_path, "float32")
+            model, self.tokenizer = load_model_and_tokenizer(self.model_path, "float32", quant)
         elif tokenizer is None:
             raise PostrlError("Trainer(model=...): give its tokenizer too (tokenizer=...)")
         else:
             self.model_path, self.tokenizer = None, tokenizer
             prepare_tokenizer(tokenizer)
         model.config.use_cache = False
+        if cfg.train.gradient_checkpointing:  # activations recomputed in the backward (the fused path then stands down)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora.enabled(cfg):  # adapters on the frozen base; the reference model is the base (adapter disabled)
+            model = lora.apply(model, cfg.model.lora, seed=cfg.seed)
         # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
         # fused update runs on one process in float32 only (under DDP every process must run the same forwards,
         # chosen here from its own data; under bf16 autocast the model's own products, which autocast casts)
@@ -103,7 +108,8 @@ class Trainer:
         if self.objective.warning:
             self._warn(self.objective.warning)
         self.ref_model = None
-        if "ref_logp" in self.objective.reads:
+        self.needs_ref = "ref_logp" in self.objective.reads
+        if self.needs_ref and not lora.enabled(cfg):
             self.ref_model = copy.deepcopy(model) if self.model_path is None else \
                 load_model_and_tokenizer(self.model_path, "float32")[0]
             self.ref_model.requires_grad_(False).eval().to(self.acc.device)
@@ -113,7 +119,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         decay, no_decay = [], []
         for n, p in model.named_parameters():
-            (no_decay if p.dim() < 2 else decay).append(p)
+            if p.requires_grad:  # with LoRA the adapters only
+                (no_decay if p.dim() < 2 else decay).append(p)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
@@ -183,8 +190,6 @@ class Trainer:
         warnings.warn(msg, stacklevel=3)  # the command line prints it as one "warning: ..." line
 
     def _make_backend(self):
-        if self.cfg.rollout.backend == "vllm":
-            raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
         return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
 
     @property
@@ -252,6 +257,14 @@ class Trainer:
                 for i in range(0, len(batch), mbs)]
         return torch.cat(outs) if outs else torch.zeros(batch.completion_ids.shape)
 
+    def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference model's log-probs: the frozen copy's, or with LoRA the policy's with its adapter disabled
+        (the base weights, which LoRA never changes)."""
+        if self.ref_model is not None:
+            return self._frozen_logprobs(self.ref_model, batch)
+        with self.policy.disable_adapter():
+            return self._frozen_logprobs(self.policy, batch)
+
     # ------------------------------------------------------------------------------------------------ the step
     def kl_in_reward(self, batch: RolloutBatch) -> None:
         """``kl.placement=reward``: r_i <- r_i - coef * sum_t m_it KL_it before the advantages (verl
@@ -261,7 +274,7 @@ class Trainer:
         if obj.kl is None or obj.kl_placement != "reward" or len(batch) == 0:
             return
         batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        batch.ref_logprobs = self._ref_logprobs(batch)
         seq, tok, _ = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, obj.kl)
         batch.reward = batch.reward - obj.kl_ctrl.value * seq
         batch.extra["kl_token"] = tok
@@ -280,8 +293,8 @@ class Trainer:
         t0 = time.perf_counter()
         if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
             batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        if self.needs_ref and batch.ref_logprobs is None:
+            batch.ref_logprobs = self._ref_logprobs(batch)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
         gen = torch.Generator().manual_seed(_seed(cfg.seed, step, self.rank, "shuffle"))
@@ -388,7 +401,8 @@ class Trainer:
         rows = self.source.eval_rows(cfg.train.eval_size, cfg.seed)
         res = evaluate(self.backend, self.tokenizer, self.source, rows, max_new_tokens=cfg.rollout.max_new_tokens,
                        k=cfg.train.eval_k, temperature=cfg.rollout.temperature or 1.0, seed=_seed(cfg.seed, "eval"),
-                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted)
+                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted,
+                       max_prompt_length=cfg.rollout.max_prompt_length, prompt_overflow=cfg.rollout.prompt_overflow)
         res = {"step": step, "tag": tag, **res}
         if self.main:
             with open(self.run_dir / "eval.jsonl", "a") as f:
@@ -450,7 +464,7 @@ class Trainer:
                 if saved != cfg.train.steps:
                     self.save(cfg.train.steps)
                 if self.main:
-                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer)
+                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer, cfg.model.lora.save)
                 summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
                            "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
                            "final_model": str(self.run_dir / ckpt.FINAL_DIR), "processes": self.world}
