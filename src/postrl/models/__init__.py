@@ -112,6 +112,10 @@ def cache_keyword(model) -> str | None:
     deprecates the old name) or ``past_key_values`` (earlier versions); None when it takes neither."""
     import inspect
 
+    from postrl.models import lora
+
+    if lora.is_lora(model):  # a peft model's forward passes its **kwargs to the model it adapts
+        model = model.get_base_model()
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

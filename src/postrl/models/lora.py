@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def apply(model, lcfg: Any, seed: int = 0):
     if getattr(model, "is_loaded_in_4bit", False):
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # peft asks transformers >= 5 for is_gradient_checkpointing, which warns that the name is deprecated
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         try:
             return peft.get_peft_model(model, config)
