@@ -58,6 +58,19 @@ def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """``train.gradient_checkpointing``: each decoder layer's activations are recomputed in the backward instead of
+    kept (transformers ``gradient_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``: the same
+    log-probs and gradients, less memory, one more forward per layer; no input needs ``requires_grad``, so it works
+    with frozen LoRA bases). transformers >= 5.24 renamed it ``activation_checkpointing_enable`` and warns on the
+    old name, which every supported version has."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def fit_prompts(prompts: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
     """``rollout.max_prompt_length``: (prompts, over): each prompt longer than ``max_length`` tokens cut to its last
     ``max_length`` tokens (left truncation, TRL's ``max_prompt_length``: the end of the prompt, with the chat

@@ -35,7 +35,7 @@ from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
 from postrl import accel
-from postrl.models import load_model_and_tokenizer, lora, prepare_tokenizer
+from postrl.models import enable_gradient_checkpointing, load_model_and_tokenizer, lora, prepare_tokenizer
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
 from postrl.stages import StepEnd
@@ -94,7 +94,7 @@ class Trainer:
             prepare_tokenizer(tokenizer)
         model.config.use_cache = False
         if cfg.train.gradient_checkpointing:  # activations recomputed in the backward (the fused path then stands down)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         if lora.enabled(cfg):  # adapters on the frozen base; the reference model is the base (adapter disabled)
             model = lora.apply(model, cfg.model.lora, seed=cfg.seed)
         # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
