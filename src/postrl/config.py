@@ -258,7 +258,7 @@ class TrainConfig(_Strict):
     eval_size: int = Field(200, ge=1, le=MAX_ROWS_PER_STEP, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
     gradient_checkpointing: bool = Field(False, description="recompute the policy's activations in the backward "
-                                         "instead of keeping them (less memory, about a third more update time; "
+                                         "instead of keeping them (less memory, one more forward of each layer; "
                                          "transformers gradient_checkpointing_enable, non-reentrant)")
 
 
