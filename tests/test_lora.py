@@ -234,3 +234,28 @@ def test_evaluate_applies_the_same_prompt_rule(model_dir, tmp_path):
     assert res["n"] == len(rows) - n_long and res["prompts_dropped"] == n_long > 0
     res = evaluate(gen, tok, None, rows, prompt_overflow="truncate", **kw)
     assert res["n"] == len(rows) and res["prompts_truncated"] == n_long
+
+
+def test_readme_one_gpu_command_trains(model_dir, tmp_path):
+    """The README's one-GPU command (its overrides as written), on CPU with the tiny model in place of run.yaml's
+    model: bf16 autocast + LoRA + gradient checkpointing + the prompt limit train and write final/ and
+    final/adapter/."""
+    import shlex
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("postrl train run.yaml model.dtype=bfloat16"))
+    overrides = shlex.split(line)[3:]
+    assert "model.lora.r=16" in overrides and "train.gradient_checkpointing=true" in overrides
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "postrl", "train", *small(model_dir, out, "train.steps=2",
+                                                                      "rewards=[{name: correct}]"), *overrides],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning" not in r.stdout.lower() + r.stderr.lower(), r.stdout[-2000:] + r.stderr[-2000:]
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((out / "config.yaml").read_text())))
+    assert cfg["model"]["lora"]["r"] == 16 and cfg["model"]["dtype"] == "bfloat16"
+    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    assert len(json.loads((out / "summary.json").read_text())) > 0
