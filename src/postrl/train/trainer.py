@@ -61,7 +61,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  reporter: Any | None = None, model: Any = None, tokenizer: Any = None):
         """``model`` / ``tokenizer``: a causal LM object and its tokenizer to train instead of loading
-        ``cfg.model.path`` (the reference model, when one is needed, is a frozen copy of it)."""
+        ``cfg.model.path`` (the reference model, when one is needed, is a frozen copy of it; with ``model.lora`` the
+        policy with its adapter disabled)."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
