@@ -139,15 +139,24 @@ def _logp_and_grads(model, ids, mask, comp):
     acc = accel.prepare(model, None, "cpu")
     logp, _ = acc.logprobs(model, ids, mask, comp)
     (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
-    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(model_dir):
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(model_dir, with_lora):
     """train.gradient_checkpointing: the model recomputes activations in the backward; the update's log-probs and
-    every gradient equal those without it (float rounding), and the fused CPU path stands down under it."""
+    every gradient equal those without it (float rounding), and the fused CPU path stands down under it. With LoRA
+    (a frozen base: no input of a checkpointed layer requires grad) the adapters still get their gradients."""
     from postrl.accel import fused
+    from postrl.models import lora
 
     model, _ = load_model_and_tokenizer(model_dir)
+    if with_lora:
+        model = lora.apply(model, load_config(None, ["model.lora.r=4"]).model.lora, seed=0)
+        with torch.no_grad():  # B = 0 at init: give the adapters a value so that A's gradient is not 0 either
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
     model.train()
     g = torch.Generator().manual_seed(0)
     ids, comp = torch.randint(3, 30, (4, 6), generator=g), torch.randint(3, 30, (4, 5), generator=g)
@@ -162,8 +171,9 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(model_dir)
     assert not fused.supports(model)
     lp1, g1 = _logp_and_grads(model, ids, mask, comp)
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
-    assert g0.keys() == g1.keys()
+    assert g0.keys() == g1.keys() and all("lora_" in n for n in g0) == with_lora
     for n in g0:
+        assert g0[n].abs().sum() > 0, n
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
