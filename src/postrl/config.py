@@ -76,6 +76,32 @@ class RewardSpec(StageSpec):
     weight: float = 1.0
 
 
+class LoraConfig(_Strict):
+    """LoRA / QLoRA adapters through ``peft`` (postrl.models.lora): the base weights stay frozen, the optimizer
+    steps the adapters only, and the reference model is the policy with its adapter disabled."""
+
+    r: int | None = Field(None, ge=1, description="LoRA rank (None: no LoRA, every weight trains)")
+    alpha: int = Field(16, ge=1, description="LoRA alpha: the update is (alpha / r) B A (peft lora_alpha)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (peft lora_dropout)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names that get adapters, or all-linear (every linear layer but the "
+        "output head; peft target_modules)")
+    save: Literal["merged", "adapter", "both"] = Field(
+        "both", description="RUN/final: merged (adapter folded into the weights, a plain from_pretrained folder), "
+        "adapter (PeftModel.from_pretrained folder), both (merged in final/, adapter in final/adapter/)")
+    quantize: Literal["none", "4bit"] = Field(
+        "none", description="4bit: QLoRA, base weights in 4-bit NF4 (bitsandbytes; CUDA only); needs save=adapter")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraConfig":
+        if self.quantize == "4bit" and self.r is None:
+            raise ValueError("model.lora.quantize=4bit is QLoRA: give the adapters' rank too (model.lora.r)")
+        if self.quantize == "4bit" and self.save != "adapter":
+            raise ValueError(f"model.lora.save={self.save}: a 4-bit base cannot be saved merged at full precision; "
+                             f"use model.lora.save=adapter with model.lora.quantize=4bit")
+        return self
+
+
 class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
@@ -85,6 +111,7 @@ class ModelConfig(_Strict):
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters (model.lora.r enables)")
 
 
 class TaskConfig(StageSpec):
@@ -92,7 +119,9 @@ class TaskConfig(StageSpec):
 
 
 class RolloutConfig(_Strict):
-    backend: Literal["hf", "vllm"] = Field("hf", description="generation backend (hf: KV-cache sampler on CPU/GPU)")
+    backend: Literal["hf"] = Field("hf", description="generation backend: hf, the KV-cache sampler over the "
+                                   "policy's own forward (CPU/GPU); vLLM generation at scale runs through the TRL "
+                                   "adapter or the verl plug-in (README, Scaling up)")
     group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="G completions per prompt")
     max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS,
                                 description="completion length limit; longer ones are truncated")
@@ -106,6 +135,21 @@ class RolloutConfig(_Strict):
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
     ignore_eos: bool = Field(False, description="EOS does not end a completion: every completion runs to "
                              "max_new_tokens unless a stop string ends it (equal work per row, for benchmarks)")
+    max_prompt_length: int | None = Field(None, ge=1, description="prompt tokens limit (None: no limit); a longer "
+                                          "prompt is handled by prompt_overflow, in training and evaluation")
+    prompt_overflow: Literal["truncate", "drop"] = Field(
+        "truncate", description="a prompt over max_prompt_length: truncate (keep its last max_prompt_length tokens, "
+        "TRL's left truncation) or drop (training: its group is masked out of the update; evaluation: the row is "
+        "left out); counted as prompts/truncated or prompts/dropped")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _no_vllm(cls, v: Any) -> Any:
+        if v == "vllm":
+            raise ValueError("rollout.backend: 'vllm' is not part of postrl's own trainer; vLLM generation at scale "
+                             "runs through the TRL adapter (postrl.integrations.trl) or the verl plug-in "
+                             "(postrl.integrations.verl), see README 'Scaling up'")
+        return v
 
 
 class RewardConfig(_Strict):
@@ -219,6 +263,9 @@ class TrainConfig(_Strict):
     eval_every: int = Field(0, ge=0, description="held-out eval every N steps (0: only before and after)")
     eval_size: int = Field(200, ge=1, le=MAX_ROWS_PER_STEP, description="held-out prompts per evaluation")
     eval_k: int = Field(4, ge=1, description="samples per prompt for pass@k in evaluations")
+    gradient_checkpointing: bool = Field(False, description="recompute the policy's activations in the backward "
+                                         "instead of keeping them (less memory, one more forward of each layer; "
+                                         "transformers gradient_checkpointing_enable, non-reentrant)")
 
 
 class AccelConfig(_Strict):

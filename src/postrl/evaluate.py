@@ -8,7 +8,7 @@ from typing import Callable
 
 from postrl.data import verify_row
 from postrl.data.base import PromptSource
-from postrl.models import encode_prompt
+from postrl.models import encode_prompt, fit_prompts
 from postrl.rollout.base import SamplingParams
 
 
@@ -23,13 +23,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(backend, tokenizer, source: PromptSource, rows: list[dict], *, max_new_tokens: int, k: int = 4,
              temperature: float = 1.0, seed: int = 0, chat_template: str = "auto", stop: list[str] | None = None,
-             reward: Callable[[list[str], list[str], list[dict]], list[float]] | None = None) -> dict:
+             reward: Callable[[list[str], list[str], list[dict]], list[float]] | None = None,
+             max_prompt_length: int | None = None, prompt_overflow: str = "truncate") -> dict:
     """Greedy accuracy and mean length on ``rows``; with k > 1 also pass@1 and pass@k from k samples at
     ``temperature``. A completion is correct when the row's task verifier gives it 1.0. When no row has a
     verifier and ``reward(prompts, completions, rows)`` is given (the run's rewards), completions are scored by it
     instead: ``reward`` is its mean on the greedy completions and correct means the full reward (>= 1);
-    ``scored_by`` says which was used ("verifier", "rewards", or "none": every completion then counts as wrong)."""
-    prompts = [encode_prompt(tokenizer, r["prompt"], chat_template) for r in rows]
+    ``scored_by`` says which was used ("verifier", "rewards", or "none": every completion then counts as wrong).
+    A prompt over ``max_prompt_length`` tokens is cut to its last ones (``prompt_overflow='truncate'``) or its row
+    left out (``'drop'``), as in training (``rollout.max_prompt_length``); their number is ``prompts_truncated`` /
+    ``prompts_dropped``."""
+    prompts, over = fit_prompts([encode_prompt(tokenizer, r["prompt"], chat_template) for r in rows],
+                                max_prompt_length)
+    if prompt_overflow == "drop":
+        prompts = [p for p, o in zip(prompts, over) if not o]
+        rows = [r for r, o in zip(rows, over) if not o]
     greedy = backend.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                                          stop=list(stop or [])), seed)
     verified = [verify_row(t, r) for t, r in zip(greedy.texts, rows)]
@@ -49,6 +57,8 @@ def evaluate(backend, tokenizer, source: PromptSource, rows: list[dict], *, max_
         "truncated": float(greedy.truncated.float().mean()),
         "n": len(rows),
     }
+    if max_prompt_length is not None:
+        out["prompts_truncated" if prompt_overflow == "truncate" else "prompts_dropped"] = sum(over)
     if by_rewards:
         out["reward"] = sum(scores) / max(1, len(rows))
     if k > 1:

@@ -30,7 +30,8 @@ def run(args) -> int:
     res = evaluate(gen, tokenizer, source, rows,
                    max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
-                   stop=cfg.rollout.stop)
+                   stop=cfg.rollout.stop, max_prompt_length=cfg.rollout.max_prompt_length,
+                   prompt_overflow=cfg.rollout.prompt_overflow)
     res = {"model": str(model_path), "task": cfg.task.name, **res}
     print(json.dumps(res) if args.json else format_metrics(res))
     return 0

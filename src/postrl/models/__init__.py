@@ -12,8 +12,9 @@ from postrl.errors import PostrlError
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
-    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder written by ``save_pretrained``."""
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", quantization_config=None):
+    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder written by ``save_pretrained``
+    (``quantization_config``: QLoRA's 4-bit base, :func:`postrl.models.lora.quantization_config`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -29,7 +30,9 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise PostrlError(f"model.path '{p}': cannot load a tokenizer from it ({type(e).__name__})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype])
+        extra = {} if quantization_config is None else {  # 4-bit weights are placed on the GPU as they load
+            "quantization_config": quantization_config, "device_map": {"": torch.cuda.current_device()}}
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], **extra)
     except Exception as e:  # noqa: BLE001
         raise PostrlError(f"model.path '{p}': cannot load a causal LM from it ({type(e).__name__}: {e})") from None
     prepare_tokenizer(tokenizer)
@@ -53,6 +56,28 @@ def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int
             ids = ids["input_ids"]
         return list(ids)
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """``train.gradient_checkpointing``: each decoder layer's activations are recomputed in the backward instead of
+    kept (transformers ``gradient_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``: the same
+    log-probs and gradients, less memory, one more forward per layer; no input needs ``requires_grad``, so it works
+    with frozen LoRA bases). transformers >= 5.24 renamed it ``activation_checkpointing_enable`` and warns on the
+    old name, which every supported version has."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def fit_prompts(prompts: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
+    """``rollout.max_prompt_length``: (prompts, over): each prompt longer than ``max_length`` tokens cut to its last
+    ``max_length`` tokens (left truncation, TRL's ``max_prompt_length``: the end of the prompt, with the chat
+    template's generation prompt, is what the completion follows), and ``over[i]`` whether prompt i was. With
+    ``rollout.prompt_overflow=drop`` the caller leaves the flagged ones out. ``max_length`` None: no limit."""
+    over = [max_length is not None and len(p) > max_length for p in prompts]
+    return [p[-max_length:] if o else p for p, o in zip(prompts, over)], over
 
 
 def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -141,6 +166,10 @@ def cache_keyword(model) -> str | None:
     deprecates the old name) or ``past_key_values`` (earlier versions); None when it takes neither."""
     import inspect
 
+    from postrl.models import lora
+
+    if lora.is_lora(model):  # a peft model's forward passes its **kwargs to the model it adapts
+        model = model.get_base_model()
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

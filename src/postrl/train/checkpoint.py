@@ -4,6 +4,7 @@ Layout of one run::
 
     run_dir/checkpoints/step-00000100/
         config.json, generation_config.json, model.safetensors (or shards + model.safetensors.index.json)
+            (with model.lora: adapter_config.json + adapter_model.safetensors, the adapter alone)
         tokenizer.json, tokenizer_config.json, ...      (tokenizer.save_pretrained)
         optimizer.pt, scheduler.pt                      (state_dicts, torch.save)
         rng.pt                                          (python / numpy / torch CPU / torch CUDA RNG states)
@@ -26,7 +27,8 @@ state with an integer step, whole safetensors and torch.save files); :func:`resu
 newest such folder and the newer ones it skipped, which the trainer moves aside (:func:`quarantine_checkpoint`).
 
 At the end of training the policy and tokenizer also go to ``run_dir/final/`` (:func:`save_final_model`, the same
-atomic write), a plain Hugging Face model folder.
+atomic write), a plain Hugging Face model folder; with LoRA the merged model there, the adapter (a
+``PeftModel.from_pretrained`` folder), or the merged model with the adapter in ``final/adapter/``.
 
 Only the process that calls :func:`save_checkpoint` has its RNG state recorded; in multi-process training call
 it on the main process only.
@@ -59,6 +61,8 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's PeftModel.save_pretrained (model.lora)
+ADAPTER_DIR = "adapter"  # final/adapter/ with model.lora.save=both
 FINAL_DIR = "final"
 
 # A temporary folder whose writer is still alive is left alone unless nothing in it changed for this long
@@ -214,17 +218,26 @@ def quarantine_checkpoint(path: Path) -> Path:
     return target
 
 
-def save_final_model(run_dir: str | os.PathLike, model, tokenizer) -> Path:
+def save_final_model(run_dir: str | os.PathLike, model, tokenizer, lora_save: str = "merged") -> Path:
     """Write the trained policy and its tokenizer to ``run_dir/final/`` (``save_pretrained``: loadable by
     ``from_pretrained``) atomically, like a checkpoint: into a hidden temporary folder, fsynced, then renamed
-    (an existing ``final/`` is swapped out in one rename)."""
+    (an existing ``final/`` is swapped out in one rename). A LoRA policy (``peft``) is written as ``lora_save``
+    says: ``merged`` (adapters folded into the weights: ``AutoModelForCausalLM.from_pretrained``), ``adapter``
+    (``PeftModel.from_pretrained``) or ``both`` (merged, and the adapter in ``final/adapter/``)."""
     final = Path(run_dir) / FINAL_DIR
     tmp = final.with_name(f".{FINAL_DIR}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
         tmp.mkdir(parents=True)
-        _save_model(model, tmp)
+        from postrl.models import lora
+
+        if lora.is_lora(model) and lora_save in ("merged", "both"):
+            lora.save_merged(model, tmp)
+        else:
+            _save_model(model, tmp)
+        if lora.is_lora(model) and lora_save == "both":
+            _save_model(model, tmp / ADAPTER_DIR)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         _fsync_tree(tmp)
@@ -501,9 +514,9 @@ def _remove_checkpoint(path: Path) -> None:
 
 
 def _weight_files(ckpt: Path) -> list[Path] | None:
-    single = ckpt / WEIGHTS_FILE
-    if single.is_file():
-        return [single]
+    for name in (WEIGHTS_FILE, ADAPTER_FILE):
+        if (ckpt / name).is_file():
+            return [ckpt / name]
     index = ckpt / WEIGHTS_INDEX_FILE
     if not index.is_file():
         return None
@@ -576,6 +589,11 @@ def _load_weights(ckpt: Path, files: list[Path], model) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    if files == [ckpt / ADAPTER_FILE]:  # model.lora: the adapter alone (the base weights are model.path's)
+        from postrl.models import lora
+
+        lora.load_adapter_weights(model, files[0])
+        return
     model_keys = set(model.state_dict().keys())
     file_keys: set[str] = set()
     for f in files:

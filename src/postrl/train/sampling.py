@@ -33,7 +33,7 @@ from postrl.data.base import stable_hash
 from postrl.data.rollout_options import ExpandContext, generate_multi_temperature
 from postrl.errors import ConfigError
 from postrl.fields import produce
-from postrl.models import encode_prompt
+from postrl.models import encode_prompt, fit_prompts
 from postrl.train.scoring import Scorer
 
 _HASH_MOD = 2**62
@@ -82,6 +82,7 @@ class BatchSource:
         self.max_attempts = max([int(s.param("max_attempts", 1)) for s in self.keepers], default=1)
         self.metrics: dict[str, float] = {}
         self.generation_time = 0.0
+        self.prompts_over = 0  # prompts over rollout.max_prompt_length in the step's rounds
 
     # ------------------------------------------------------------------------------------------ rollout
     def rollout(self, step: int, attempt: int = 0) -> RolloutBatch:
@@ -97,7 +98,9 @@ class BatchSource:
             pick = sel.select(rows, P, seed=derive_seed(seed, step, attempt, "select"), group_size=G, features=feats)
             rows = [rows[i] for i in pick]
         rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
-        prompt_ids = [encode_prompt(ctx.tokenizer, r["prompt"], cfg.model.chat_template) for r in rows]
+        prompt_ids, over = fit_prompts([encode_prompt(ctx.tokenizer, r["prompt"], cfg.model.chat_template)
+                                        for r in rows], cfg.rollout.max_prompt_length)
+        self.prompts_over += sum(over)
         first = self.rank * per_rank  # global index of this process's first prompt
         seeds = [derive_seed(cfg.seed, step, first + i, "rollout", *([attempt] if attempt else []))
                  for i in range(len(rows))]
@@ -111,20 +114,37 @@ class BatchSource:
             extra["sampler_kept_logmass"] = gen.kept_logmass
         keys = [k for k in rows[0] if k != "prompt"] if rows else []
         group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * P + self.rank * per_rank
-        return RolloutBatch(
+        batch = RolloutBatch(
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
             completion_mask=gen.completion_mask.float(), group_ids=group_ids, sampler_logprobs=gen.logprobs,
             truncated=gen.truncated, prompts=[r["prompt"] for r in rows for _ in range(G)], completions=gen.texts,
             columns={k: [r.get(k) for r in rows for _ in range(G)] for k in keys}, extra=extra)
+        if cfg.rollout.prompt_overflow == "drop" and any(over):  # generated from the cut prompt, masked once scored
+            batch.extra["prompt_dropped"] = torch.tensor(over).repeat_interleave(G)
+        return batch
+
+    def _score(self, batch: RolloutBatch) -> dict:
+        """``Scorer.score``, then the groups of prompts over ``rollout.max_prompt_length`` with
+        ``prompt_overflow=drop`` masked out (``valid`` False: no statistic, advantage 0, no loss)."""
+        info = self.scorer.score(batch)
+        dropped = batch.extra.pop("prompt_dropped", None)
+        if dropped is not None:
+            batch.valid = batch.valid & ~dropped
+        return info
 
     # ------------------------------------------------------------------------------------------ the step's batch
     def next_batch(self, step: int) -> tuple[RolloutBatch, dict]:
         """The scored, filtered training batch of ``step`` and the first round's reward outcome."""
         t0 = time.perf_counter()
+        self.prompts_over = 0
         batch = self.rollout(step)
         self.generation_time = time.perf_counter() - t0  # the first round's generation (time/generation)
-        info = self.scorer.score(batch)
-        return self.filter(batch), info
+        info = self._score(batch)
+        batch = self.filter(batch)
+        if self.cfg.rollout.max_prompt_length is not None:
+            name = {"truncate": "prompts/truncated", "drop": "prompts/dropped"}[self.cfg.rollout.prompt_overflow]
+            self.metrics[name] = float(self.prompts_over)
+        return batch, info
 
     def filter(self, batch: RolloutBatch) -> RolloutBatch:
         """The filters, selectors and expansions on the scored first round of a step (``extra['step']``)."""
@@ -154,7 +174,7 @@ class BatchSource:
         n_dropped = dropped.num_groups
         while kept.num_groups < target and attempts < self.max_attempts:
             more = self.rollout(step, attempt=attempts)
-            failures += sum(self.scorer.score(more)["failures"].values())
+            failures += sum(self._score(more)["failures"].values())
             k, d = split(prepare(more, attempts))
             kept, dropped = RolloutBatch.concat([kept, k], pad), RolloutBatch.concat([dropped, d], pad)
             n_dropped += d.num_groups

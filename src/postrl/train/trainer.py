@@ -13,7 +13,6 @@ process takes its share of the step's prompts, gradients are averaged, metrics r
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import warnings
@@ -34,8 +33,6 @@ from postrl.evaluate import evaluate
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
-from postrl.models import load_model_and_tokenizer, prepare_tokenizer
-from postrl.models.builtin import model_folder
 from postrl.report.samples import append_samples
 from postrl.rewards import RewardContext
 from postrl.rollout.base import SamplingParams
@@ -43,6 +40,7 @@ from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
 from postrl.train import run_state, sampling
 from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
+from postrl.train.policy import load_policy, reference_model
 from postrl.train.processes import Processes
 from postrl.train.sampling import derive_seed as _seed
 from postrl.train.scoring import Scorer
@@ -53,7 +51,8 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  reporter: Any | None = None, model: Any = None, tokenizer: Any = None):
         """``model`` / ``tokenizer``: a causal LM object and its tokenizer to train instead of loading
-        ``cfg.model.path`` (the reference model, when one is needed, is a frozen copy of it)."""
+        ``cfg.model.path`` (the reference model, when one is needed, is a frozen copy of it; with ``model.lora`` the
+        policy with its adapter disabled)."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
@@ -75,15 +74,7 @@ class Trainer:
         log = reporter.log if reporter is not None else print
         self.log = log if self.main else (lambda s: None)
         self.source = load_source(cfg.task.model_dump())
-        if model is None:
-            self.model_path = model_folder(cfg, log=self.log)
-            model, self.tokenizer = load_model_and_tokenizer(self.model_path, "float32")
-        elif tokenizer is None:
-            raise PostrlError("Trainer(model=...): give its tokenizer too (tokenizer=...)")
-        else:
-            self.model_path, self.tokenizer = None, tokenizer
-            prepare_tokenizer(tokenizer)
-        model.config.use_cache = False
+        model, self.tokenizer, self.model_path = load_policy(cfg, self.acc.device, self.log, model, tokenizer)
         # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
         # fused update runs on one process in float32 only (under DDP every process must run the same forwards,
         # chosen here from its own data; under bf16 autocast the model's own products, which autocast casts)
@@ -94,16 +85,13 @@ class Trainer:
         self.objective = Objective(cfg)
         if self.objective.warning:
             self._warn(self.objective.warning)
-        self.ref_model = None
-        if "ref_logp" in self.objective.reads:
-            self.ref_model = copy.deepcopy(model) if self.model_path is None else \
-                load_model_and_tokenizer(self.model_path, "float32")[0]
-            self.ref_model.requires_grad_(False).eval().to(self.acc.device)
-            self.accel.apply(self.ref_model)
+        self.needs_ref = "ref_logp" in self.objective.reads
+        self.ref_model = reference_model(cfg, model, self.model_path, self.acc.device, self.accel) \
+            if self.needs_ref else None  # (None with LoRA: the policy's disabled adapter)
         self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
         # optimisation
         torch.manual_seed(cfg.seed)
-        self.optimizer = make_optimizer(model, cfg.optim)
+        self.optimizer = make_optimizer(model, cfg.optim)  # with LoRA the adapters only (the trainable parameters)
         total = cfg.train.steps * cfg.train.epochs * cfg.train.mini_batches
         self.scheduler = make_scheduler(self.optimizer, cfg.optim.warmup_for(total), total, cfg.optim.schedule)
         self.model, self.optimizer = self.acc.prepare(model, self.optimizer)
@@ -156,8 +144,6 @@ class Trainer:
         warnings.warn(msg, stacklevel=3)  # the command line prints it as one "warning: ..." line
 
     def _make_backend(self):
-        if self.cfg.rollout.backend == "vllm":
-            raise ConfigError("rollout.backend: 'vllm' is not available in this version; use 'hf'")
         return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
 
     @property
@@ -226,6 +212,14 @@ class Trainer:
                 for i in range(0, len(batch), mbs)]
         return torch.cat(outs) if outs else torch.zeros(batch.completion_ids.shape)
 
+    def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference model's log-probs: the frozen copy's, or with LoRA the policy's with its adapter disabled
+        (the base weights, which LoRA never changes)."""
+        if self.ref_model is not None:
+            return self._frozen_logprobs(self.ref_model, batch)
+        with self.policy.disable_adapter():  # (reference_model gives None only with LoRA)
+            return self._frozen_logprobs(self.policy, batch)
+
     # ------------------------------------------------------------------------------------------------ the step
     def kl_in_reward(self, batch: RolloutBatch) -> None:
         """``kl.placement=reward``: r_i <- r_i - coef * sum_t m_it KL_it before the advantages (verl
@@ -235,7 +229,7 @@ class Trainer:
         if obj.kl is None or obj.kl_placement != "reward" or len(batch) == 0:
             return
         batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        batch.ref_logprobs = self._ref_logprobs(batch)
         seq, tok, _ = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, obj.kl)
         batch.reward = batch.reward - obj.kl_ctrl.value * seq
         batch.extra["kl_token"] = tok
@@ -254,8 +248,8 @@ class Trainer:
         t0 = time.perf_counter()
         if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
             batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
-        if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self._frozen_logprobs(self.ref_model, batch)
+        if self.needs_ref and batch.ref_logprobs is None:
+            batch.ref_logprobs = self._ref_logprobs(batch)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
         counted = obj.rows(batch)
@@ -363,7 +357,8 @@ class Trainer:
         rows = self.source.eval_rows(cfg.train.eval_size, cfg.seed)
         res = evaluate(self.backend, self.tokenizer, self.source, rows, max_new_tokens=cfg.rollout.max_new_tokens,
                        k=cfg.train.eval_k, temperature=cfg.rollout.temperature or 1.0, seed=_seed(cfg.seed, "eval"),
-                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted)
+                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted,
+                       max_prompt_length=cfg.rollout.max_prompt_length, prompt_overflow=cfg.rollout.prompt_overflow)
         res = {"step": step, "tag": tag, **res}
         if self.main:
             with open(self.run_dir / "eval.jsonl", "a") as f:
@@ -425,7 +420,7 @@ class Trainer:
                 if saved != cfg.train.steps:
                     self.save(cfg.train.steps)
                 if self.main:
-                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer)
+                    ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer, cfg.model.lora.save)
                 summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
                            "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
                            "final_model": str(self.run_dir / ckpt.FINAL_DIR), "processes": self.world}
