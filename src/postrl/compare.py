@@ -514,12 +514,13 @@ def _p_text(p: dict | None) -> str:
 
 def table_columns(results: dict) -> list[str]:
     """The console table's metrics: the primary one, held-out accuracy and length, the reward, entropy, the AUC,
-    the spec's extra metrics, wall time (those that some variant has), at most 8."""
+    the spec's extra metrics, wall time (those that some variant has), at most 6 (results.json and report.html
+    have every metric)."""
     spec = results["spec"]
     have = set().union(*(set(m) for m in results["variants"].values()))
     want = [spec["primary"], "eval/accuracy", "eval/mean_length", "reward/mean", "entropy"]
     want += [k for k in have if k.startswith("auc/")] + list(results.get("extra_metrics", [])) + ["wall_s"]
-    return [k for k in dict.fromkeys(want) if k in have][:8]
+    return [k for k in dict.fromkeys(want) if k in have][:6]
 
 
 def console_table(results: dict):
