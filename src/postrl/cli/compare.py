@@ -20,6 +20,8 @@ def run(args) -> int:
 
         raise ConfigError(f"--jobs: expected at least 1, got {args.jobs}")
     console = Console()
+    if not console.is_terminal:  # a log file: the table's full width, not 80 columns
+        console = Console(width=160)
     cells = plan(spec)  # resolves and validates every cell's config first
     if args.dry_run:
         console.print(f"{spec.name}: {len(cells)} cells ({len(spec.all_variants)} variants x {len(spec.seeds)} "
