@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from postrl.errors import ConfigError
+from postrl.errors import ConfigError, PostrlError
 
 __all__ = ["Spec", "Variant", "Cell", "load_spec", "parse_spec", "plan", "run_comparison", "interval", "paired_t",
            "t_cdf", "t_quantile", "cell_metrics", "summarize", "auc"]
@@ -370,7 +370,7 @@ def _run_subprocess(cell: Cell) -> None:
     with open(log, "a") as fh:
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
     if rc != 0:
-        raise ConfigError(f"cell {cell.label} failed (exit status {rc}); see {log}")
+        raise PostrlError(f"cell {cell.label} failed (exit status {rc}); see {log}")
     _record_wall(cell, time.perf_counter() - t0)
 
 
