@@ -180,3 +180,22 @@ def test_malformed_spec_is_one_line(tmp_path, nano, capsys, patch, needle):
     with pytest.raises(ConfigError):
         compare.plan(compare.load_spec(f))
     assert not (tmp_path / "cmp" / "cells").exists()
+
+
+def test_jobs_run_cells_as_processes_with_user_stages(tmp_path, nano, monkeypatch):
+    # a reward beside the spec, named by import path: the `postrl train` processes must import it too
+    (tmp_path / "cmp_digits.py").write_text(
+        "def digits(prompts, completions, **kw):\n    return [sum(ch.isdigit() for ch in c) / 5 for c in completions]\n")
+    f = _spec(tmp_path, nano, seeds=[3])
+    data = json.loads(f.read_text())
+    data["base"]["overrides"]["rewards"] = [{"name": "cmp_digits:digits"}]
+    f.write_text(json.dumps(data))
+    monkeypatch.syspath_prepend(str(tmp_path))  # what `postrl compare` does for the spec's folder
+    spec = compare.load_spec(f)
+    res = compare.run_comparison(spec, jobs=2, progress=False)
+    assert res["cells"] == {"total": 2, "done": 2}
+    for v in ("grpo", "big_lr"):
+        d = spec.out / "cells" / v / "seed-3"
+        assert (d / "summary.json").is_file() and (spec.out / "cells" / v / "seed-3.log").is_file()
+        assert "reward/cmp_digits:digits/mean" in json.loads((d / "metrics.jsonl").read_text().splitlines()[0])
+        assert res["variants"][v]["entropy"]["per_seed"][3] is not None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -356,7 +357,8 @@ def _run_in_process(cell: Cell) -> None:
 
 def _run_subprocess(cell: Cell) -> None:
     """``python -m postrl train --quiet`` on the cell's resolved config (or ``--resume``), output in
-    RUN_DIR/../seed-S.log; a failure is a ConfigError naming the cell and its log."""
+    RUN_DIR/../seed-S.log, with this process's import path; a failure is a PostrlError naming the cell and its
+    log."""
     from postrl.config import dump_yaml
 
     resume = _prepare(cell)
@@ -367,8 +369,10 @@ def _run_subprocess(cell: Cell) -> None:
     cmd += ["--resume", str(cell.run_dir)] if resume else [str(cfg_file)]
     log = cell.run_dir.parent / f"seed-{cell.seed}.log"
     t0 = time.perf_counter()
+    # the child imports what this process can (user stages beside the spec, put on sys.path by the CLI)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with open(log, "a") as fh:
-        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise PostrlError(f"cell {cell.label} failed (exit status {rc}); see {log}")
     _record_wall(cell, time.perf_counter() - t0)
