@@ -111,8 +111,8 @@ def interval(values: list[float], level: float = 0.95) -> dict:
 def paired_t(variant: dict, base: dict, level: float = 0.95) -> dict:
     """Paired t-test of ``variant`` against ``base`` (seed -> value; the seeds both have with finite values):
     d_s = variant_s - base_s, t = mean(d) / (sd(d) / sqrt(n)), df = n - 1, two-sided p = 2 (1 - F_t(|t|)), and
-    the ``level`` interval of mean(d). Returns {n, diff, low, high, t, df, p}; with n < 2 (or all d equal and
-    non-zero sd undefined) t and p are NaN, and p = 1 when every d is 0."""
+    the ``level`` interval of mean(d). Returns {n, diff, low, high, t, df, p}; with n < 2 t and p are NaN; when
+    every d is the same (sd 0), p = 1 if they are all 0, else t and p are NaN."""
     seeds = [s for s in variant if s in base and _finite(variant[s]) and _finite(base[s])]
     d = [float(variant[s]) - float(base[s]) for s in seeds]
     iv = interval(d, level)
