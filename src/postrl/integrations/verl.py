@@ -106,12 +106,17 @@ def _stage(kind: str, name: str) -> stages.Stage:
     return _CACHE[key]
 
 
-def _call(stage: stages.Stage, fields: dict, allowed: tuple[str, ...]) -> Any:
+def _check_reads(stage: stages.Stage) -> None:
+    allowed = ADVANTAGE_FIELDS if stage.kind == "advantage" else LOSS_FIELDS
     missing = [f for f in stage.reads if f not in allowed and _required(stage, f)]
     if missing:
-        raise PostrlError(f"{stage.kind} '{stage.name}' reads batch field '{missing[0]}', which verl's trainer does "
+        raise ConfigError(f"{stage.kind} '{stage.name}' reads batch field '{missing[0]}', which verl's trainer does "
                           f"not pass to a {'policy loss' if stage.kind == 'loss' else 'advantage estimator'} "
                           f"(available: {', '.join(allowed)}); use it with postrl train")
+
+
+def _call(stage: stages.Stage, fields: dict) -> Any:
+    _check_reads(stage)
     return stage(fields)
 
 
@@ -148,7 +153,7 @@ def _advantage_fn(name: str) -> Callable:
                   config: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
         fields = advantage_fields(token_level_rewards, response_mask, index)
         with torch.no_grad():
-            adv = _call(_stage("advantage", name), fields, ADVANTAGE_FIELDS)
+            adv = _call(_stage("advantage", name), fields)
         mask = fields["completion_mask"]
         adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(mask) * mask
         return adv, adv
@@ -184,7 +189,7 @@ def _loss_fn(name: str) -> Callable:
         mask = response_mask.to(log_prob.dtype)
         fields = {"logp": log_prob, "old_logp": old_log_prob, "advantages": advantages, "mask": mask,
                   "lengths": mask.sum(-1)}
-        loss_mat, info = _call(_stage("loss", name), fields, LOSS_FIELDS)
+        loss_mat, info = _call(_stage("loss", name), fields)
         if rollout_is_weights is not None:
             loss_mat = loss_mat * rollout_is_weights
         batch_info = dict(config.global_batch_info) if config is not None else {}
@@ -264,28 +269,49 @@ def _loud(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------ rewards
 
 
-def _scorer():
-    """The run's postrl Scorer (reward sources + shaping), built once per process; refuses what verl's per-response
-    reward call cannot feed: shaping that needs a group, process (step) rewards, rewards reading token ids."""
+def build_scorer(cfg: Any):
+    """postrl's Scorer (reward sources + shaping) of ``cfg``; refuses what verl's per-response reward call cannot
+    feed: shaping that needs a group, process (step) rewards, rewards reading token ids or groups."""
     from postrl.rewards.core import RewardContext, wants
     from postrl.train.scoring import Scorer
 
+    scorer = Scorer(cfg, RewardContext(), tokenizer=None)
+    for s in scorer.shaping:
+        if "group_ids" in s.reads:
+            raise ConfigError(f"shaping '{s.name}' needs a group of completions; verl's reward loop scores one "
+                              "response per call: use it with postrl train")
+    for s in scorer.rewards:
+        if wants(s.fn, "completion_ids") or wants(s.fn, "group_ids"):
+            raise ConfigError(f"reward '{s.name}' reads token ids or groups, which verl's reward call does not "
+                              "pass; use it with postrl train")
+    if scorer.wants_steps or scorer.wants_step_ends:
+        raise ConfigError("process (step) rewards and step shaping need the tokenizer's step boundaries, which "
+                          "verl's reward call does not pass; use them with postrl train")
+    return scorer
+
+
+def _scorer():
+    """The run's Scorer, built once per process."""
     key = ("scorer", os.environ.get(ENV_CONFIG) or "")
     if key not in _CACHE:
-        scorer = Scorer(run_config(), RewardContext(), tokenizer=None)
-        for s in scorer.shaping:
-            if "group_ids" in s.reads:
-                raise ConfigError(f"shaping '{s.name}' needs a group of completions; verl's reward loop scores one "
-                                  "response per call: use it with postrl train")
-        for s in scorer.rewards:
-            if wants(s.fn, "completion_ids") or wants(s.fn, "group_ids"):
-                raise ConfigError(f"reward '{s.name}' reads token ids or groups, which verl's reward call does not "
-                                  "pass; use it with postrl train")
-        if scorer.wants_steps or scorer.wants_step_ends:
-            raise ConfigError("process (step) rewards and step shaping need the tokenizer's step boundaries, which "
-                              "verl's reward call does not pass; use them with postrl train")
-        _CACHE[key] = scorer
+        _CACHE[key] = build_scorer(run_config())
     return _CACHE[key]
+
+
+def check_config(cfg: Any) -> None:
+    """Everything of a postrl config that must hold to run it on verl, checked before launch (``postrl export
+    verl``) and at the plug-in's start-up: the advantage estimator and policy loss read only what verl passes, the
+    aggregation has a verl mode, the rewards and shaping run per response. One-line :class:`ConfigError`."""
+    adv = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
+    _check_reads(adv)
+    if "rewards" in adv.reads and len(cfg.rewards) > 1:
+        raise ConfigError(f"advantage '{cfg.advantage.name}' reads the per-source reward matrix; verl passes an "
+                          "estimator only the summed reward (per-source values reach only verl's own 'gdpo', "
+                          "algorithm.gdpo_reward_keys): use that, or postrl train")
+    _check_reads(stages.build("loss", cfg.loss.name, cfg.loss.params))
+    if cfg.loss.agg not in AGG_MODES:
+        raise ConfigError(f"loss.agg '{cfg.loss.agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
+    build_scorer(cfg)
 
 
 def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
@@ -411,7 +437,7 @@ def load() -> dict[str, list[str]]:
         install_metrics_hook()
         check_registered()
         if os.environ.get(ENV_CONFIG):
-            run_config()  # a wrong name or parameter fails here, at start-up, in one line
+            check_config(run_config())  # a wrong name or parameter fails here, at start-up, in one line
     except Exception as e:
         _loud(f"postrl verl plug-in failed to load: {type(e).__name__}: {e}")
         raise
