@@ -41,15 +41,20 @@ def postrl_config(tmp_path, monkeypatch):
     return write
 
 
-def _registered_in_subprocess(env_extra: dict) -> str:
+def _registered_in_subprocesses(*envs: dict) -> list[str]:
+    """What a fresh process that imports verl under each environment finds at two postrl names (run at once)."""
     code = ("from verl.trainer.ppo import core_algos as c\n"
             "a = c.ADV_ESTIMATOR_REGISTRY.get('postrl_gdpo'); l = c.POLICY_LOSS_REGISTRY.get('postrl_dispo')\n"
             "print(getattr(a, 'postrl_stage', None), getattr(l, 'postrl_stage', None))\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", plugin.ENV_CONFIG)}
-    env.update(env_extra)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    base = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", plugin.ENV_CONFIG)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**base, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        out.append(stdout.strip().splitlines()[-1])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -70,12 +75,12 @@ def test_entry_point_loads_the_plugin_in_this_process():
 
 
 def test_both_loading_routes_and_neither():
-    assert _registered_in_subprocess({"VERL_USE_EXTERNAL_PLUGINS": "none"}) == "None None"
-    assert _registered_in_subprocess({"VERL_USE_EXTERNAL_PLUGINS": "none",
-                                      "VERL_USE_EXTERNAL_MODULES": "postrl.integrations.verl"}) == \
-        "('advantage', 'gdpo') ('loss', 'dispo')"
-    assert _registered_in_subprocess({"VERL_USE_EXTERNAL_PLUGINS": "postrl"}) == \
-        "('advantage', 'gdpo') ('loss', 'dispo')"
+    found = "('advantage', 'gdpo') ('loss', 'dispo')"
+    assert _registered_in_subprocesses(
+        {"VERL_USE_EXTERNAL_PLUGINS": "none"},  # neither route: verl alone
+        {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "postrl.integrations.verl"},
+        {"VERL_USE_EXTERNAL_PLUGINS": "postrl"},  # the entry point, by its name
+    ) == ["None None", found, found]
 
 
 def test_register_is_idempotent_and_never_overwrites_a_foreign_name():
@@ -311,8 +316,9 @@ def test_metrics_hook_adds_postrl_metrics_and_alarms(postrl_config):
 # ------------------------------------------------------------------------------------------------ export
 
 
-RUN = """
+RUN = """\
 model: {path: Qwen/Qwen2.5-0.5B-Instruct}
+rewards: [{name: numeric}]
 rollout: {group_size: 8, max_new_tokens: 512}
 advantage: {name: grpo}
 loss: {name: ppo_clip, eps_high: 0.28, agg: dr_grpo, tis: {level: token, cap: 2.0}}
@@ -320,6 +326,14 @@ kl: {coef: 0.001, estimator: k3}
 regularizers: [{name: entropy_bonus, coef: 0.001}]
 train: {prompts_per_step: 64, mini_batches: 4, micro_batch_size: 4, steps: 100}
 """
+README_EXPORT = ("postrl export verl run.yaml optim.lr=1e-6 --gpus 8 --train-files $HOME/data/gsm8k/train.parquet "
+                 "--val-files $HOME/data/gsm8k/test.parquet")
+
+
+def test_readme_shows_this_config_and_command():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("### Many GPUs: verl"):]
+    assert RUN in section and README_EXPORT in section
 
 
 def test_export_is_accepted_by_verl_config_schema(tmp_path, capsys):
@@ -332,7 +346,9 @@ def test_export_is_accepted_by_verl_config_schema(tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text(RUN)
     out = tmp_path / "verl_run"
-    assert cli_main(["export", "verl", str(run), "optim.lr=1e-6", "--out", str(out), "--gpus", "1"]) == 0
+    args = README_EXPORT.replace("$HOME", "/home/u").split()[1:]
+    args[args.index("run.yaml")] = str(run)
+    assert cli_main([*args, "--out", str(out)]) == 0
     line = capsys.readouterr().out
     assert (out / "run_verl.sh").read_text().endswith(line)
     toks = shlex.split(line.replace("\\\n", " "))
@@ -350,6 +366,7 @@ def test_export_is_accepted_by_verl_config_schema(tmp_path, capsys):
     assert actor.entropy_coeff == 0.001 and actor.ppo_mini_batch_size == 16
     assert cfg.algorithm.rollout_correction.rollout_is == "token"
     assert cfg.actor_rollout_ref.rollout.n == 8 and cfg.data.max_response_length == 512
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.data.train_files == "/home/u/data/gsm8k/train.parquet"
     assert OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars) == {
         "POSTRL_CONFIG": str(out.resolve() / "postrl.yaml"), "VERL_USE_EXTERNAL_MODULES": "postrl.integrations.verl"}
     # the written postrl config is the resolved one the plug-in reads
