@@ -5,8 +5,8 @@ Install ``pip install postrl[verl]``. verl loads the plug-in in every process th
 * the ``verl.plugins`` entry point that postrl's package declares (``VERL_USE_EXTERNAL_PLUGINS``, default ``auto``);
 * ``VERL_USE_EXTERNAL_MODULES=postrl.integrations.verl``.
 
-verl logs an entry point that fails to load at debug level only, so loading here is loud: any failure is logged at
-error level and printed to stderr before it propagates, and :func:`check_registered` verifies at start-up that
+verl logs an entry point that fails to load at debug level only, so loading here is loud: any failure is printed to
+stderr before it propagates, and :func:`check_registered` verifies at start-up that
 every name below is in verl's registries (a missing name is an error, not a silent fallback).
 
 What it registers (prefix ``postrl_``, so verl's own names are never touched; a name verl already holds that is
@@ -262,7 +262,8 @@ def check_registered() -> None:
 
 
 def _loud(msg: str) -> None:
-    _log.error(msg)
+    """Printed to stderr (a Ray worker's stderr goes to its log and the driver's console), whatever the logging
+    configuration: verl reports a plug-in that fails to load at debug level only."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -432,6 +433,8 @@ def install_metrics_hook() -> None:
 
 def load() -> dict[str, list[str]]:
     """What verl's plug-in loading runs: register, install the metrics hook, check; loud on any failure."""
+    import verl.trainer.ppo.core_algos  # noqa: F401 - without verl, a plain ImportError (pip install postrl[verl])
+
     try:
         names = register()
         install_metrics_hook()
