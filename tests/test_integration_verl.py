@@ -299,6 +299,18 @@ def test_batch_metrics_from_verl_batch():
     assert m["truncated/frac"] == pytest.approx(0.75)  # rows that fill the response width
 
 
+def test_batch_metrics_without_prompt_ids_reports_no_group_statistic():
+    data = _metrics_batch([1.0, 1.0, 0.0, 0.0])
+    uid = data.non_tensor_batch.pop("uid")
+    m = plugin.batch_metrics(data)
+    assert "zero_variance_groups/frac" not in m and "length/reward_corr" not in m and m["reward/mean"] == 0.5
+    data.batch["uid"] = torch.tensor([0, 0, 1, 1])  # verl's v1 trainer: a tensor column
+    assert plugin.batch_metrics(data)["zero_variance_groups/frac"] == 1.0
+    data.batch["uid"] = torch.tensor([0, 1, 1, 0])
+    assert plugin.batch_metrics(data)["zero_variance_groups/frac"] == 0.0
+    assert len(uid) == 4
+
+
 def test_metrics_hook_adds_postrl_metrics_and_alarms(postrl_config):
     postrl_config("diagnostics: {zero_variance_groups: {patience: 2}}\n", "diag.yaml")
     assert metric_utils.compute_data_metrics.postrl_hook
@@ -386,3 +398,13 @@ def test_export_refuses_what_verl_cannot_run(tmp_path, capsys, override, message
     assert cli_main(["export", "verl", str(run), override, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("postrl: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_diagnostics_failure_is_reported_and_does_not_stop_the_step(monkeypatch, capsys):
+    def broken(data):
+        raise RuntimeError("no such column")
+
+    monkeypatch.setattr(plugin, "batch_metrics", broken)
+    out = metric_utils.compute_data_metrics(batch=_metrics_batch([1.0, 0.0, 0.0, 1.0]), use_critic=False)
+    assert out["postrl/alarm/diagnostics_failed"] == 1.0 and "critic/score/mean" in out
+    assert "postrl diagnostics failed on verl's batch: RuntimeError: no such column" in capsys.readouterr().err

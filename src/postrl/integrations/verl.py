@@ -347,7 +347,7 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
 
 def batch_metrics(data: Any) -> dict[str, float]:
     """postrl's per-step metrics from verl's batch (a DataProto after advantages), keyed as postrl's trainer
-    keys them (so postrl's monitors read them): reward, group, length, token, mismatch, ``kl`` (k3 of the
+    keys them (so postrl's monitors read them); without the rows' ``uid`` no group statistic is reported. reward, group, length, token, mismatch, ``kl`` (k3 of the
     trainer's log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an
     unbiased estimate of the token entropy of the sampling policy)."""
     from postrl.diagnostics.metrics import group_metrics, length_metrics, mismatch_metrics, token_metrics
@@ -356,7 +356,9 @@ def batch_metrics(data: Any) -> dict[str, float]:
     mask = b["response_mask"].float()
     reward = b["token_level_scores"].float().sum(-1)
     uid = data.non_tensor_batch.get("uid")
-    gids = group_ids_of(uid) if uid is not None else torch.arange(reward.shape[0])
+    if uid is None and "uid" in b.keys():  # verl's v1 trainer keeps it as a tensor column
+        uid = b["uid"].tolist()
+    gids = group_ids_of(uid) if uid is not None else torch.zeros(reward.shape[0], dtype=torch.long)
     valid = torch.isfinite(reward)
     lengths = mask.sum(-1)
     truncated = lengths >= mask.shape[-1]
@@ -368,7 +370,10 @@ def batch_metrics(data: Any) -> dict[str, float]:
     if adv is not None and adv.dim() == 2:
         adv = (adv * mask).sum(-1) / lengths.clamp(min=1.0)
     m.update(length_metrics(lengths, truncated, reward, valid, gids))
-    m.update(group_metrics(reward, reward.unsqueeze(-1), gids, valid, adv, None, mask))
+    if uid is not None:  # without the prompt ids there are no groups: no group statistic rather than a wrong one
+        m.update(group_metrics(reward, reward.unsqueeze(-1), gids, valid, adv, None, mask))
+    else:
+        m.pop("length/reward_corr", None)
     sampler = b["rollout_log_probs"] if "rollout_log_probs" in b.keys() else None
     trainer = b["old_log_probs"] if "old_log_probs" in b.keys() else None
     lp = sampler if sampler is not None else trainer
@@ -417,9 +422,13 @@ def install_metrics_hook() -> None:
     def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Any]:
         metrics = original(batch=batch, use_critic=use_critic)
         key = ("diagnostics", os.environ.get(ENV_CONFIG) or "")
-        if key not in _CACHE:
-            _CACHE[key] = Diagnostics()
-        metrics.update(_CACHE[key](batch))
+        try:
+            if key not in _CACHE:
+                _CACHE[key] = Diagnostics()
+            metrics.update(_CACHE[key](batch))
+        except Exception as e:  # noqa: BLE001 - diagnostics must not stop training; the failure is reported
+            _loud(f"postrl diagnostics failed on verl's batch: {type(e).__name__}: {e}")
+            metrics["postrl/alarm/diagnostics_failed"] = 1.0
         return metrics
 
     compute_data_metrics.__doc__ = original.__doc__
