@@ -347,9 +347,10 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
 
 def batch_metrics(data: Any) -> dict[str, float]:
     """postrl's per-step metrics from verl's batch (a DataProto after advantages), keyed as postrl's trainer
-    keys them (so postrl's monitors read them); without the rows' ``uid`` no group statistic is reported. reward, group, length, token, mismatch, ``kl`` (k3 of the
+    keys them (so postrl's monitors read them): reward, group, length, token, mismatch, ``kl`` (k3 of the
     trainer's log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an
-    unbiased estimate of the token entropy of the sampling policy)."""
+    unbiased estimate of the token entropy of the sampling policy). Without the rows' ``uid`` (in
+    ``non_tensor_batch`` or, in verl's v1 trainer, a tensor column) no group statistic is reported."""
     from postrl.diagnostics.metrics import group_metrics, length_metrics, mismatch_metrics, token_metrics
 
     b = data.batch
