@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from postrl.cli import calibrate, compare, config, doctor, methods, prm, probe_reward, report, rm, samples, sft, train
+from postrl.cli import calibrate, compare, config, doctor, export, methods, prm, probe_reward, report, rm, samples, sft, train
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -35,7 +35,7 @@ EPILOG = """examples:
 
 # in the order `postrl --help` lists them (bench between config and samples, sandbox last: added below)
 _BEFORE_BENCH = (train, sft, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate)
+_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,460 @@
+"""The verl plug-in: postrl's stages inside verl (>= 0.9) without a fork.
+
+Install ``pip install postrl[verl]``. verl loads the plug-in in every process that imports verl, by either route:
+
+* the ``verl.plugins`` entry point that postrl's package declares (``VERL_USE_EXTERNAL_PLUGINS``, default ``auto``);
+* ``VERL_USE_EXTERNAL_MODULES=postrl.integrations.verl``.
+
+verl logs an entry point that fails to load at debug level only, so loading here is loud: any failure is printed to
+stderr before it propagates, and :func:`check_registered` verifies at start-up that
+every name below is in verl's registries (a missing name is an error, not a silent fallback).
+
+What it registers (prefix ``postrl_``, so verl's own names are never touched; a name verl already holds that is
+not postrl's is an error, because verl's loss registry silently overwrites):
+
+* every postrl advantage estimator with ``register_adv_est`` (``algorithm.adv_estimator=postrl_gdpo``). verl's
+  trainer calls it with keywords: ``token_level_rewards`` [B, T], ``response_mask`` [B, T], ``index`` (the ``uid``
+  of each row's prompt), ``config`` (``algorithm``). postrl's fields come from them: ``reward`` = row sum of
+  ``token_level_rewards``, ``rewards`` = that as one column, ``group_ids`` = ``index``, ``completion_mask``,
+  ``lengths``, ``valid`` = finite reward. An estimator reading anything else (``token_entropy``,
+  ``greedy_reward`` ...) is refused with one line naming the field. Returns (advantages, returns), both the
+  advantage broadcast over the row's tokens and masked.
+* every postrl policy loss with ``register_policy_loss`` (``actor_rollout_ref.actor.policy_loss.loss_mode=
+  postrl_ppo_clip``), called as verl's actor calls it (``old_log_prob``, ``log_prob``, ``advantages``,
+  ``response_mask``, ``loss_agg_mode``, ``config``, ``rollout_is_weights``). The per-token loss is postrl's; it is
+  multiplied by verl's rollout importance weights when given and aggregated by verl's ``agg_loss`` with
+  ``config.global_batch_info`` (data-parallel size, global token and sequence counts), so the loss is the same
+  for any degree of parallelism. postrl's ``loss.agg`` maps to verl's ``loss_agg_mode`` (:data:`AGG_MODES`); with
+  a postrl config, a mismatch is an error.
+
+Stage parameters (verl's config dataclasses cannot carry them) come from a postrl YAML named by the environment
+variable ``POSTRL_CONFIG`` (:data:`ENV_CONFIG`): its ``advantage``, ``loss``, ``rewards``, ``shaping`` and
+``diagnostics`` sections, validated as ``postrl train`` validates them (one-line error for an unknown name or
+parameter). ``postrl export verl RUN.yaml`` writes the verl command line that sets it for the driver and, through
+``ray_kwargs.ray_init.runtime_env.env_vars``, for every Ray worker. Without it, every stage runs with its defaults.
+
+Rewards: :func:`compute_score` is a verl reward function (``reward.custom_reward_function.path=
+pkg://postrl.integrations.verl``, ``name=compute_score``). verl 0.9's reward loop scores one response per call
+(``RewardManagerBase.run_single``); there is no batch-level reward manager registry in it, so the shaping stages
+that need a group (they read ``group_ids``) are refused at start-up; row-wise shaping runs. It runs postrl's
+reward sources with fault isolation (:func:`postrl.rewards.core.score_batch` through the trainer's
+:class:`~postrl.train.scoring.Scorer`) and returns ``score`` plus each source's value (``reward_extra_info``: verl
+logs them and puts them in ``non_tensor_batch``). A failed source gives NaN (never 0): ``postrl_*`` estimators
+exclude that row from every group statistic (advantage 0), as postrl's trainer does.
+
+Diagnostics: the plug-in wraps verl's ``compute_data_metrics`` (``verl.trainer.ppo.metric_utils``, called by the
+trainer with the step's batch on the driver) to add postrl's metrics computed from that batch (``postrl/...``:
+zero-variance groups, lengths and truncation, low-probability tokens, sampler/trainer log-prob mismatch, KL to the
+reference, token entropy estimated as the mean surprisal of the sampled tokens) and runs postrl's
+:class:`~postrl.diagnostics.monitors.Watchdog` over them: an alarm is logged as a warning and reported as
+``postrl/alarm/<name> = 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from postrl import registry, stages
+from postrl.errors import ConfigError, PostrlError
+
+ENV_CONFIG = "POSTRL_CONFIG"
+PREFIX = "postrl_"
+AGG_MODES = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
+             "sequence": "seq-mean-token-mean", "seq_mean_token_sum": "seq-mean-token-sum",
+             "dr_grpo": "seq-mean-token-sum-norm"}
+"""postrl ``loss.agg`` -> verl ``actor.loss_agg_mode``. ``dr_grpo``: verl divides by ``loss_scale_factor`` (set to
+``rollout.max_new_tokens`` by the export) and by the sequences with at least one token (postrl: all rows)."""
+
+ADVANTAGE_FIELDS = ("reward", "rewards", "reward_weights", "reward_names", "group_ids", "completion_mask",
+                    "lengths", "valid")
+"""The postrl batch fields an advantage estimator gets inside verl."""
+LOSS_FIELDS = ("logp", "old_logp", "advantages", "mask", "lengths")
+"""The per-token fields a policy loss gets inside verl."""
+
+_log = logging.getLogger("postrl.integrations.verl")
+_CACHE: dict[tuple, Any] = {}  # (what, config path, ...) -> run config / built stage / scorer / watchdog
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+
+
+def run_config():
+    """The postrl config named by ``$POSTRL_CONFIG`` (validated, cached per path); postrl's defaults without it."""
+    from postrl.config import Config, load_config
+
+    path = os.environ.get(ENV_CONFIG) or ""
+    key = ("config", path)
+    if key not in _CACHE:
+        _CACHE[key] = load_config(path) if path else Config()
+    return _CACHE[key]
+
+
+def _stage(kind: str, name: str) -> stages.Stage:
+    """postrl's ``kind`` stage ``name``, with the run config's parameters when the config selects it."""
+    cfg = run_config()
+    key = ("stage", os.environ.get(ENV_CONFIG) or "", kind, name)
+    if key not in _CACHE:
+        spec = cfg.advantage if kind == "advantage" else cfg.loss
+        _CACHE[key] = stages.build(kind, name, spec.params if spec.name == name else {})
+    return _CACHE[key]
+
+
+def _check_reads(stage: stages.Stage) -> None:
+    allowed = ADVANTAGE_FIELDS if stage.kind == "advantage" else LOSS_FIELDS
+    missing = [f for f in stage.reads if f not in allowed and _required(stage, f)]
+    if missing:
+        raise ConfigError(f"{stage.kind} '{stage.name}' reads batch field '{missing[0]}', which verl's trainer does "
+                          f"not pass to a {'policy loss' if stage.kind == 'loss' else 'advantage estimator'} "
+                          f"(available: {', '.join(allowed)}); use it with postrl train")
+
+
+def _call(stage: stages.Stage, fields: dict) -> Any:
+    _check_reads(stage)
+    return stage(fields)
+
+
+def _required(stage: stages.Stage, field: str) -> bool:
+    from postrl.pipeline import signature
+
+    fn = stage.fn.__call__ if stage.stateful else stage.fn
+    p = signature(fn).parameters.get(field)
+    return p is not None and p.default is p.empty
+
+
+def group_ids_of(index: Any) -> torch.Tensor:
+    """verl's ``index`` (the ``uid`` of each row's prompt, any hashable values) -> dense postrl group ids [B]."""
+    _, inv = np.unique(np.asarray([str(x) for x in index], dtype=object), return_inverse=True)
+    return torch.as_tensor(inv.reshape(-1), dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+
+
+def advantage_fields(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any) -> dict:
+    """postrl's advantage fields (:data:`ADVANTAGE_FIELDS`) from what verl's trainer passes."""
+    mask = response_mask.float()
+    reward = token_level_rewards.float().sum(-1)
+    n = reward.shape[0]
+    gids = group_ids_of(index) if index is not None else torch.arange(n)
+    return {"reward": reward, "rewards": reward.unsqueeze(-1), "reward_weights": torch.ones(1),
+            "reward_names": ["score"], "group_ids": gids.to(reward.device), "completion_mask": mask,
+            "lengths": mask.sum(-1), "valid": torch.isfinite(reward)}
+
+
+def _advantage_fn(name: str) -> Callable:
+    def advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any = None,
+                  config: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        fields = advantage_fields(token_level_rewards, response_mask, index)
+        with torch.no_grad():
+            adv = _call(_stage("advantage", name), fields)
+        mask = fields["completion_mask"]
+        adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(mask) * mask
+        return adv, adv
+
+    advantage.__doc__ = f"postrl advantage estimator '{name}' in verl's registry (see postrl.integrations.verl)."
+    advantage.__qualname__ = advantage.__name__ = f"{PREFIX}{name}"
+    advantage.postrl_stage = ("advantage", name)
+    return advantage
+
+
+# ------------------------------------------------------------------------------------------------ policy losses
+
+
+def _check_agg(loss_agg_mode: str) -> None:
+    if not os.environ.get(ENV_CONFIG):
+        return
+    agg = run_config().loss.agg
+    want = AGG_MODES.get(agg)
+    if want is None:
+        raise ConfigError(f"loss.agg '{agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
+    if loss_agg_mode != want:
+        raise ConfigError(f"verl actor.loss_agg_mode is '{loss_agg_mode}' but postrl loss.agg={agg} needs '{want}'; "
+                          f"set actor_rollout_ref.actor.loss_agg_mode={want} (postrl export verl does)")
+
+
+def _loss_fn(name: str) -> Callable:
+    def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                    rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        from verl.trainer.ppo.core_algos import agg_loss
+
+        _check_agg(loss_agg_mode)
+        mask = response_mask.to(log_prob.dtype)
+        fields = {"logp": log_prob, "old_logp": old_log_prob, "advantages": advantages, "mask": mask,
+                  "lengths": mask.sum(-1)}
+        loss_mat, info = _call(_stage("loss", name), fields)
+        if rollout_is_weights is not None:
+            loss_mat = loss_mat * rollout_is_weights
+        batch_info = dict(config.global_batch_info) if config is not None else {}
+        pg_loss = agg_loss(loss_mat=loss_mat, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+        n = mask.sum().clamp(min=1.0)
+        metrics = {f"actor/postrl/{k}": float((v.float() * mask).sum() / n) for k, v in info.items()
+                   if v.dtype == torch.bool}
+        if "ratio" in info:
+            metrics["actor/postrl/ratio_max"] = float((info["ratio"] * mask).max())
+        return pg_loss, metrics
+
+    policy_loss.__doc__ = f"postrl policy loss '{name}' in verl's registry (see postrl.integrations.verl)."
+    policy_loss.__qualname__ = policy_loss.__name__ = f"{PREFIX}{name}"
+    policy_loss.postrl_stage = ("loss", name)
+    return policy_loss
+
+
+# ------------------------------------------------------------------------------------------------ registration
+
+_FNS: dict[tuple[str, str], Callable] = {}  # (kind, postrl name) -> the function registered with verl
+
+
+def _verl_registries() -> dict[str, dict]:
+    from verl.trainer.ppo import core_algos
+
+    return {"advantage": core_algos.ADV_ESTIMATOR_REGISTRY, "loss": core_algos.POLICY_LOSS_REGISTRY}
+
+
+def expected_names() -> dict[str, list[str]]:
+    """The verl names the plug-in registers: {'advantage': ['postrl_grpo', ...], 'loss': [...]}."""
+    return {kind: [PREFIX + n for n in registry.names(kind)] for kind in ("advantage", "loss")}
+
+
+def register() -> dict[str, list[str]]:
+    """Register every postrl advantage estimator and policy loss with verl (idempotent); returns the names.
+
+    A ``postrl_*`` name verl already holds with a function that is not postrl's is a :class:`PostrlError`
+    (``register_policy_loss`` would silently overwrite it)."""
+    from verl.trainer.ppo import core_algos
+
+    regs = _verl_registries()
+    decorators = {"advantage": core_algos.register_adv_est, "loss": core_algos.register_policy_loss}
+    makers = {"advantage": _advantage_fn, "loss": _loss_fn}
+    out: dict[str, list[str]] = {}
+    for kind in ("advantage", "loss"):
+        for name in registry.names(kind):
+            vname = PREFIX + name
+            fn = _FNS.setdefault((kind, name), makers[kind](name))
+            old = regs[kind].get(vname)
+            if old is fn:
+                continue
+            if old is not None and getattr(old, "postrl_stage", None) != (kind, name):
+                raise PostrlError(f"verl already registers {kind} '{vname}' ({old.__module__}.{old.__qualname__}); "
+                                  "postrl does not overwrite verl's names")
+            regs[kind].pop(vname, None)  # an earlier load of this module (same stage): replace it
+            decorators[kind](vname)(fn)
+        out[kind] = [PREFIX + n for n in registry.names(kind)]
+    return out
+
+
+def check_registered() -> None:
+    """Raise (after logging at error level and printing to stderr) when a name of :func:`expected_names` is not in
+    verl's registries as postrl's function."""
+    regs = _verl_registries()
+    for kind, names in expected_names().items():
+        bad = [n for n in names if getattr(regs[kind].get(n), "postrl_stage", None) is None]
+        if bad:
+            _loud(f"postrl verl plug-in: {len(bad)} {kind} name(s) missing from verl's registry, e.g. '{bad[0]}'")
+            raise PostrlError(f"postrl's {kind} '{bad[0]}' is not registered with verl")
+
+
+def _loud(msg: str) -> None:
+    """Printed to stderr (a Ray worker's stderr goes to its log and the driver's console), whatever the logging
+    configuration: verl reports a plug-in that fails to load at debug level only."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+
+
+def build_scorer(cfg: Any):
+    """postrl's Scorer (reward sources + shaping) of ``cfg``; refuses what verl's per-response reward call cannot
+    feed: shaping that needs a group, process (step) rewards, rewards reading token ids or groups."""
+    from postrl.rewards.core import RewardContext, wants
+    from postrl.train.scoring import Scorer
+
+    scorer = Scorer(cfg, RewardContext(), tokenizer=None)
+    for s in scorer.shaping:
+        if "group_ids" in s.reads:
+            raise ConfigError(f"shaping '{s.name}' needs a group of completions; verl's reward loop scores one "
+                              "response per call: use it with postrl train")
+    for s in scorer.rewards:
+        if wants(s.fn, "completion_ids") or wants(s.fn, "group_ids"):
+            raise ConfigError(f"reward '{s.name}' reads token ids or groups, which verl's reward call does not "
+                              "pass; use it with postrl train")
+    if scorer.wants_steps or scorer.wants_step_ends:
+        raise ConfigError("process (step) rewards and step shaping need the tokenizer's step boundaries, which "
+                          "verl's reward call does not pass; use them with postrl train")
+    return scorer
+
+
+def _scorer():
+    """The run's Scorer, built once per process."""
+    key = ("scorer", os.environ.get(ENV_CONFIG) or "")
+    if key not in _CACHE:
+        _CACHE[key] = build_scorer(run_config())
+    return _CACHE[key]
+
+
+def check_config(cfg: Any) -> None:
+    """Everything of a postrl config that must hold to run it on verl, checked before launch (``postrl export
+    verl``) and at the plug-in's start-up: the advantage estimator and policy loss read only what verl passes, the
+    aggregation has a verl mode, the rewards and shaping run per response. One-line :class:`ConfigError`."""
+    adv = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
+    _check_reads(adv)
+    if "rewards" in adv.reads and len(cfg.rewards) > 1:
+        raise ConfigError(f"advantage '{cfg.advantage.name}' reads the per-source reward matrix; verl passes an "
+                          "estimator only the summed reward (per-source values reach only verl's own 'gdpo', "
+                          "algorithm.gdpo_reward_keys): use that, or postrl train")
+    _check_reads(stages.build("loss", cfg.loss.name, cfg.loss.params))
+    if cfg.loss.agg not in AGG_MODES:
+        raise ConfigError(f"loss.agg '{cfg.loss.agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
+    build_scorer(cfg)
+
+
+def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                  **kwargs: Any) -> dict:
+    """verl reward function: postrl's reward sources (fault isolated) and row-wise shaping on one response.
+
+    Columns passed to the sources: ``answer`` and ``ground_truth`` (verl's ground truth), ``data_source`` and
+    every key of ``extra_info``; the prompt text is ``extra_info['prompt']`` (or ``'question'``, else empty).
+    Returns ``{'score': shaped reward, <source name>: raw value, ..., 'postrl_failed': failed sources}``; a
+    failed source is NaN and so is the score (postrl_* estimators exclude the row)."""
+    from postrl.batch import RolloutBatch
+
+    extra = dict(extra_info or {})
+    prompt = str(extra.get("prompt", extra.get("question", "")))
+    columns = {k: [v] for k, v in extra.items()}
+    columns.update(answer=[ground_truth], ground_truth=[ground_truth], data_source=[data_source])
+    z = torch.zeros((1, 1))
+    batch = RolloutBatch(prompt_ids=z.long(), prompt_mask=z.long(), completion_ids=z.long(), completion_mask=z,
+                         group_ids=torch.zeros(1, dtype=torch.long), sampler_logprobs=z,
+                         truncated=torch.zeros(1, dtype=torch.bool), prompts=[prompt], completions=[solution_str],
+                         columns=columns)
+    info = _scorer().score(batch)
+    out: dict[str, Any] = {"score": float(batch.reward[0])}
+    for k, name in enumerate(batch.reward_names):
+        out[name] = float(batch.raw_rewards[0, k])
+    out["postrl_failed"] = float(sum(info["failures"].values()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ diagnostics
+
+
+def batch_metrics(data: Any) -> dict[str, float]:
+    """postrl's per-step metrics from verl's batch (a DataProto after advantages), keyed as postrl's trainer
+    keys them (so postrl's monitors read them): reward, group, length, token, mismatch, ``kl`` (k3 of the
+    trainer's log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an
+    unbiased estimate of the token entropy of the sampling policy). Without the rows' ``uid`` (in
+    ``non_tensor_batch`` or, in verl's v1 trainer, a tensor column) no group statistic is reported."""
+    from postrl.diagnostics.metrics import group_metrics, length_metrics, mismatch_metrics, token_metrics
+
+    b = data.batch
+    mask = b["response_mask"].float()
+    reward = b["token_level_scores"].float().sum(-1)
+    uid = data.non_tensor_batch.get("uid")
+    if uid is None and "uid" in b.keys():  # verl's v1 trainer keeps it as a tensor column
+        uid = b["uid"].tolist()
+    gids = group_ids_of(uid) if uid is not None else torch.zeros(reward.shape[0], dtype=torch.long)
+    valid = torch.isfinite(reward)
+    lengths = mask.sum(-1)
+    truncated = lengths >= mask.shape[-1]
+    r = reward[valid]
+    m: dict[str, float] = {"reward/mean": float(r.mean()) if r.numel() else math.nan,
+                           "reward/std": float(r.std()) if r.numel() > 1 else math.nan,
+                           "valid": float(valid.float().mean())}
+    adv = b["advantages"] if "advantages" in b.keys() else None
+    if adv is not None and adv.dim() == 2:
+        adv = (adv * mask).sum(-1) / lengths.clamp(min=1.0)
+    m.update(length_metrics(lengths, truncated, reward, valid, gids))
+    if uid is not None:  # without the prompt ids there are no groups: no group statistic rather than a wrong one
+        m.update(group_metrics(reward, reward.unsqueeze(-1), gids, valid, adv, None, mask))
+    else:
+        m.pop("length/reward_corr", None)
+    sampler = b["rollout_log_probs"] if "rollout_log_probs" in b.keys() else None
+    trainer = b["old_log_probs"] if "old_log_probs" in b.keys() else None
+    lp = sampler if sampler is not None else trainer
+    if lp is not None:
+        m.update(token_metrics(lp, mask, 0.1))
+        m["entropy"] = float(-(lp.float() * mask).sum() / mask.sum().clamp(min=1.0))
+    if sampler is not None and trainer is not None:
+        m.update(mismatch_metrics(trainer, sampler, mask))
+    if trainer is not None and "ref_log_prob" in b.keys():
+        from postrl.losses.kl import kl_k3
+
+        m["kl"] = float((kl_k3(trainer.float(), b["ref_log_prob"].float()) * mask).sum() / mask.sum().clamp(min=1))
+    return m
+
+
+class Diagnostics:
+    """postrl's monitors over verl's steps: ``__call__(data)`` -> ``postrl/<metric>`` and ``postrl/alarm/<name>``
+    (1 for each active alarm, logged as a warning with its cause and fix)."""
+
+    def __init__(self, run_config_dict: dict | None = None):
+        from postrl.diagnostics.monitors import Watchdog
+
+        cfg = run_config_dict if run_config_dict is not None else run_config().model_dump(mode="json")
+        self.watchdog = Watchdog(cfg)
+        self.step = 0
+
+    def __call__(self, data: Any) -> dict[str, float]:
+        self.step += 1
+        m = {"step": self.step, **batch_metrics(data)}
+        out = {f"postrl/{k}": v for k, v in m.items() if k != "step"}
+        for alarm in self.watchdog.step(m):
+            _log.warning("postrl alarm (step %d) %s", self.step, alarm.text())
+            out[f"postrl/alarm/{alarm.name}"] = 1.0
+        return out
+
+
+def install_metrics_hook() -> None:
+    """Wrap verl's ``metric_utils.compute_data_metrics`` (before the trainer modules import it) so each step's data
+    metrics also carry :class:`Diagnostics`' metrics and alarms; idempotent."""
+    from verl.trainer.ppo import metric_utils
+
+    original = metric_utils.compute_data_metrics
+    if getattr(original, "postrl_hook", False):
+        return
+
+    def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Any]:
+        metrics = original(batch=batch, use_critic=use_critic)
+        key = ("diagnostics", os.environ.get(ENV_CONFIG) or "")
+        try:
+            if key not in _CACHE:
+                _CACHE[key] = Diagnostics()
+            metrics.update(_CACHE[key](batch))
+        except Exception as e:  # noqa: BLE001 - diagnostics must not stop training; the failure is reported
+            _loud(f"postrl diagnostics failed on verl's batch: {type(e).__name__}: {e}")
+            metrics["postrl/alarm/diagnostics_failed"] = 1.0
+        return metrics
+
+    compute_data_metrics.__doc__ = original.__doc__
+    compute_data_metrics.postrl_hook = True
+    compute_data_metrics.original = original
+    metric_utils.compute_data_metrics = compute_data_metrics
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def load() -> dict[str, list[str]]:
+    """What verl's plug-in loading runs: register, install the metrics hook, check; loud on any failure."""
+    import verl.trainer.ppo.core_algos  # noqa: F401 - without verl, a plain ImportError (pip install postrl[verl])
+
+    try:
+        names = register()
+        install_metrics_hook()
+        check_registered()
+        if os.environ.get(ENV_CONFIG):
+            check_config(run_config())  # a wrong name or parameter fails here, at start-up, in one line
+    except Exception as e:
+        _loud(f"postrl verl plug-in failed to load: {type(e).__name__}: {e}")
+        raise
+    return names
+
+
+load()
