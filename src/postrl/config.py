@@ -105,6 +105,15 @@ class RolloutConfig(_Strict):
                              "max_new_tokens unless a stop string ends it (equal work per row, for benchmarks)")
 
 
+class EnvironmentConfig(StageSpec):
+    """A multi-turn environment (kind ``environment``); any other key is the environment's parameter."""
+
+    max_turns: int = Field(4, ge=1, le=64, description="model turns per episode")
+    max_total_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="completion tokens per episode, "
+                                  "model and environment tokens together (each turn's max_new_tokens is "
+                                  "min(rollout.max_new_tokens, what is left))")
+
+
 class RewardConfig(_Strict):
     """How the reward sources are evaluated (postrl.rewards.core) and how failures are handled."""
 
@@ -266,6 +275,8 @@ class Config(_Strict):
                              description="prompt source and its parameters (the main job: arithmetic whose "
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    environment: EnvironmentConfig | None = Field(None, description="multi-turn rollouts through this environment "
+                                                  "(docs: README 'Multi-turn and tools'); null: one completion")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],
         description="named reward sources, each {name, weight, params}; every completion keeps all K values",
@@ -486,6 +497,8 @@ def check_stages(cfg: Config) -> None:
         registry.entry("reward", r.name)
         registry.check_params("reward", r.name, r.params, where=f"rewards.{i}")
         _check_column_params(r.name, r.params, where=f"rewards.{i}")
+    if cfg.environment is not None:
+        registry.check_params("environment", cfg.environment.name, cfg.environment.params, where="environment")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.rewards):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} values but rewards lists "
                           f"{len(cfg.rewards)} sources; give one weight per reward source")

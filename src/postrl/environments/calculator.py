@@ -1,0 +1,59 @@
+"""The calculator-tool arithmetic task: multi-digit problems the model answers by calling ``calc``.
+
+Rows come from a prompt source with an integer ``answer`` column (the ``arithmetic`` task: ``task: {name:
+arithmetic, digits: 3, ops: '*'}``). The model calls ``<tool_call>calc("123*45")</tool_call>``, reads
+``<result>5535</result>``, and answers with the integer; the answer turn scores 1.0 when it parses as the expected
+integer (the ``arithmetic`` verifier), else 0.0.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+from postrl.data.tasks import parse_int
+from postrl.environments.tools import ToolEnvironment
+from postrl.registry import register
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_MAX_LEN = 64
+
+
+def _eval(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    raise ValueError("only integers, + - * // and parentheses")
+
+
+def calc(expression: str) -> str:
+    """Evaluate an integer arithmetic expression.
+
+    Args:
+        expression: integers with + - * // and parentheses, e.g. 123*45
+    """
+    if len(expression) > _MAX_LEN:
+        raise ValueError(f"expression longer than {_MAX_LEN} characters")
+    return str(_eval(ast.parse(expression.strip(), mode="eval").body))
+
+
+@register("environment", "calculator", source="issue 20: calculator-tool arithmetic (TRL tools= / verifiers ToolEnv)")
+class CalculatorEnv(ToolEnvironment):
+    """Arithmetic with a ``calc`` tool; the answer turn scores 1 when it is the row's ``answer`` integer, else 0.
+
+    ``timeout``: seconds per tool call (5); ``max_calls``: tool calls per episode (4).
+    """
+
+    def __init__(self, *, timeout: float = 5.0, max_calls: int = 4):
+        super().__init__([calc], timeout=timeout, max_calls=max_calls)
+
+    def verify(self, answer: str, row: dict) -> float | None:
+        value = parse_int(answer)
+        try:
+            expected = int(str(row["answer"]).strip())
+        except (KeyError, ValueError):
+            return None
+        return 1.0 if value is not None and value == expected else 0.0
