@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 import operator
+import random
 
-from postrl.data.tasks import parse_int
+from postrl.data.tasks import ArithmeticTask, parse_int
+from postrl.errors import ConfigError
 from postrl.environments.tools import ToolEnvironment
 from postrl.registry import register
 
@@ -57,3 +59,39 @@ class CalculatorEnv(ToolEnvironment):
         except (KeyError, ValueError):
             return None
         return 1.0 if value is not None and value == expected else 0.0
+
+
+@register("task", "calculator", source="issue 20: calculator-tool arithmetic (demonstrations of tool use)")
+class CalculatorTask(ArithmeticTask):
+    """The ``arithmetic`` problems (``a<op>b=``, default 3-digit products) with demonstrations of tool use.
+
+    ``solution`` (for the SFT warm start): ``<tool_call>calc("a<op>b")</tool_call><result>v</result>v``, the exact
+    text of a calculator episode (the result is what the environment appends); a fraction ``direct`` of them answers
+    at once with a number of the right length but wrong digits (a teacher that guesses), so a model warm-started on
+    them calls the tool only part of the time and RL with the environment's reward can raise its success rate.
+    ``verify`` reads the integer after the last ``</result>`` (the whole text when there is none).
+    """
+
+    name = "calculator"
+
+    def __init__(self, *, digits: int = 3, ops: str = "*", min_digits: int = 2, direct: float = 0.0):
+        super().__init__(digits=digits, ops=ops, min_digits=min_digits)
+        if not isinstance(direct, (int, float)) or not 0.0 <= direct <= 1.0:
+            raise ConfigError(f"task 'calculator': direct must be a fraction in [0, 1], got {direct!r}")
+        self.direct = float(direct)
+        self.params["direct"] = self.direct
+
+    def sample(self, rng: random.Random) -> dict:
+        row = super().sample(rng)
+        expr, answer = row["prompt"][:-1], row["answer"]
+        if rng.random() < self.direct:
+            guess = str(rng.randint(10 ** (len(answer.lstrip("-")) - 1), 10 ** len(answer.lstrip("-")) - 1))
+            row["solution"] = guess if guess != answer else str(int(guess) + 1)
+        else:
+            row["solution"] = f'<tool_call>calc("{expr}")</tool_call><result>{answer}</result>{answer}'
+        row["task"] = self.name
+        return row
+
+    @staticmethod
+    def verify(completion: str, row: dict) -> float | None:
+        return ArithmeticTask.verify(completion.rsplit("</result>", 1)[-1], row)
