@@ -251,3 +251,20 @@ def test_async_environment_and_registry():
     from postrl.errors import ConfigError
     with pytest.raises(ConfigError, match="environment"):
         make("calculator", {"bogus": 1})
+
+
+def test_turn_metrics_of_an_episode_batch():
+    from postrl.diagnostics.metrics import turn_metrics
+
+    tok = build_tokenizer()
+    turns = ['<tool_call>calc("2*3")</tool_call>', '<tool_call>calc("x")</tool_call>', "<tool_call>(</tool_call>",
+             "6</s>"]
+    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "2*3=", "answer": "6"}], 1, [0],
+                          CalculatorEnv, max_turns=4, max_total_tokens=400, group_ids=torch.tensor([0]),
+                          chat_template="none")
+    m = turn_metrics(b.extra, b.completion_mask)
+    assert m["turns/per_episode"] == 4 and m["turns/tool_calls"] == 2 and m["turns/tool_success"] == 0.5
+    assert m["turns/malformed_calls"] == 1 and m["turns/env_errors"] == 0 and m["turns/truncated_turns"] == 0
+    model_tokens = b.completion_mask.sum().item()
+    assert m["turns/env_token_fraction"] == pytest.approx(1 - model_tokens / (b.extra["turn_ends"].max().item() + 1))
+    assert b.columns["env_turn_rewards"] == [[None, None, None, 1.0]]
