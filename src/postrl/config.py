@@ -275,8 +275,9 @@ class Config(_Strict):
                              description="prompt source and its parameters (the main job: arithmetic whose "
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    environment: EnvironmentConfig | None = Field(None, description="multi-turn rollouts through this environment "
-                                                  "(docs: README 'Multi-turn and tools'); null: one completion")
+    environment: EnvironmentConfig | None = Field(None, description="multi-turn episodes: {name, max_turns: 4, "
+                                                  "max_total_tokens: 256, the environment's parameters} (README "
+                                                  "'Multi-turn and tools'); null: one completion per row")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],
         description="named reward sources, each {name, weight, params}; every completion keeps all K values",
