@@ -31,3 +31,14 @@ def test_environment_run_resumes_equal_to_the_uninterrupted_run(model_dir, tmp_p
     cfg = load_config(None, ["train.steps=4"], base=yaml.safe_load((part / "config.yaml").read_text()))
     Trainer(cfg, part, resume=True).train()
     assert metrics(part) == rows
+
+
+def test_single_completion_expansions_are_refused_with_an_environment(model_dir, tmp_path):
+    import pytest
+
+    from postrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="filters.0: the expansion stage 'retry_from_failure'"):
+        load_config(None, env_args(model_dir, tmp_path, "filters=[{name: retry_from_failure}]"))
+    with pytest.raises(ConfigError, match="environment: unknown parameter 'bogus'"):
+        load_config(None, env_args(model_dir, tmp_path, "environment.bogus=1"))

@@ -508,6 +508,10 @@ def check_stages(cfg: Config) -> None:
         registry.check_params("shaping", s.name, s.params, where=f"shaping.{i}")
     for i, s in enumerate(cfg.filters):
         registry.check_params(FILTER_KINDS, s.name, s.params, where=f"filters.{i}")
+        kind = registry.find(FILTER_KINDS, s.name).kind
+        if cfg.environment is not None and kind in ("sampling", "expansion"):
+            raise ConfigError(f"filters.{i}: the {kind} stage '{s.name}' generates single completions; it cannot "
+                              f"be combined with environment '{cfg.environment.name}' (multi-turn episodes)")
     registry.entry("advantage", cfg.advantage.name)
     registry.check_params("advantage", cfg.advantage.name, cfg.advantage.params, where="advantage")
     registry.entry("loss", cfg.loss.name)
