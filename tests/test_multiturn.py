@@ -268,3 +268,16 @@ def test_turn_metrics_of_an_episode_batch():
     model_tokens = b.completion_mask.sum().item()
     assert m["turns/env_token_fraction"] == pytest.approx(1 - model_tokens / (b.extra["turn_ends"].max().item() + 1))
     assert b.columns["env_turn_rewards"] == [[None, None, None, 1.0]]
+
+
+def test_tool_schemas_reach_the_chat_template():
+    tok = build_tokenizer()
+    tok.chat_template = ("{% if tools %}<system>{% for t in tools %}{{ t['function']['name'] }}:"
+                         "{{ t['function']['parameters']['required'][0] }};{% endfor %}</s>{% endif %}" + TEMPLATE)
+    ids = multiturn.prompt_ids(tok, "2*3=", [{"type": "function", "function": {
+        "name": "calc", "parameters": {"required": ["expression"]}}}], "auto")
+    assert tok.decode(ids) == "<system>calc:expression;</s><user>2*3=</s><assistant>"
+    from postrl.environments.tools import schemas
+    (s,) = schemas([calc])
+    assert s["function"]["name"] == "calc" and s["function"]["parameters"]["required"] == ["expression"]
+    assert "expression" in s["function"]["parameters"]["properties"]
