@@ -292,6 +292,7 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
     m.update(token_metrics(batch.sampler_logprobs, batch.completion_mask, low_prob))
     m["tokens/completion"] = float(_np(batch.completion_mask).sum())
     m["tokens/prompt"] = float(_np(batch.prompt_mask).sum())
-    if "num_turns" in batch.extra:
-        m.update(turn_metrics(batch.extra, batch.completion_mask))
+    extra = getattr(batch, "extra", None) or {}  # a RolloutBatch has it; tests' stand-in batches may not
+    if "num_turns" in extra:
+        m.update(turn_metrics(extra, batch.completion_mask))
     return m
