@@ -281,3 +281,26 @@ def test_tool_schemas_reach_the_chat_template():
     (s,) = schemas([calc])
     assert s["function"]["name"] == "calc" and s["function"]["parameters"]["required"] == ["expression"]
     assert "expression" in s["function"]["parameters"]["properties"]
+
+
+def test_code_repair_feedback_each_turn_and_progress_rewards():
+    from postrl.environments.code_repair import CodeRepairEnv
+    from postrl.rewards.code import code_reshaped, reshaped_score
+    from postrl.sandbox import Limits, run
+
+    tok = build_tokenizer()
+    buggy, fixed = "def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n"
+    tests = "assert add(1, 2) == 3\nassert add(0, 0) == 0\n"
+    turns = [buggy + "</s>", buggy + "</s>", fixed + "</s>"]
+    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "fix: " + buggy, "tests": tests}], 1,
+                          [0], lambda: CodeRepairEnv(timeout=10.0), max_turns=4, max_total_tokens=400,
+                          group_ids=torch.tensor([0]), chat_template="none")
+    w = dict(w_parse=0.05, w_compile=0.05, w_run=0.1, w_tests=0.75, w_lint=0.05)
+    assert {k: v for k, v in code_reshaped.__kwdefaults__.items() if k.startswith("w_")} == w
+    s0 = reshaped_score(run(buggy, tests, limits=Limits(timeout=10.0)), buggy, **w)
+    assert 0 < s0 < 1
+    rewards = b.columns["env_turn_rewards"][0]
+    assert rewards[0] == pytest.approx(s0) and rewards[1] == 0.0 and rewards[2] == pytest.approx(1.0 - s0)
+    assert env_reward(None, None, b.columns["env_turn_rewards"]) == [pytest.approx(1.0)]
+    assert b.extra["num_turns"].item() == 3 and not bool(b.truncated[0])
+    assert "tests: 1/2 passed; " in b.completions[0]

@@ -109,4 +109,6 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 
 # Estimators in submodules register themselves on import.
-from postrl.advantages import entropy, gae, outcome, process, shaped, token_rewards, tournament, turns  # noqa: E402,F401,E501
+from postrl.advantages import (  # noqa: E402,F401
+    entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
+)

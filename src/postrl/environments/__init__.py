@@ -15,6 +15,7 @@ counts it. TRL's ``environment_factory`` classes (``reset`` / ``step``) of the s
 
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
+:mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
 :mod:`postrl.environments.reward` (the reward source ``environment``).
 """
 
@@ -73,4 +74,4 @@ def make(name: str, params: dict | None = None) -> Any:
         raise ConfigError(f"environment '{name}': {e}") from None
 
 
-from postrl.environments import calculator, reward, tools  # noqa: E402,F401  (register the built-ins)
+from postrl.environments import calculator, code_repair, reward, tools  # noqa: E402,F401  (register the built-ins)

@@ -7,7 +7,8 @@ import math
 from postrl.registry import register
 
 
-@register("reward", "environment", source="issue 20: the environment's rewards (TRL environment_factory, verl agent loop)")
+@register("reward", "environment",
+          source="issue 20: the environment's rewards (TRL environment_factory, verl agent loop)")
 def environment(prompts: list, completions: list, env_turn_rewards: list, *, reduce: str = "sum") -> list:
     """The episode's reward from the environment's per-turn rewards (column ``env_turn_rewards``, filled by the
     multi-turn rollout: a list per episode, None where a turn gave no reward, NaN when the environment raised).
