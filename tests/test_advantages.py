@@ -445,7 +445,9 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "attention_token_reward": torch.rand(N, T, generator=gen) * mask,
             "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)],
             # process reward in column a: one step per completion, scored a, ending on its last token
-            "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a"}
+            "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
+            # multi-turn: one turn per episode, rewarded with the episode's reward
+            "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1)}
 
 
 def make(name):

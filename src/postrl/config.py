@@ -152,6 +152,15 @@ class RolloutConfig(_Strict):
         return v
 
 
+class EnvironmentConfig(StageSpec):
+    """A multi-turn environment (kind ``environment``); any other key is the environment's parameter."""
+
+    max_turns: int = Field(4, ge=1, le=64, description="model turns per episode")
+    max_total_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="completion tokens per episode, "
+                                  "model and environment tokens together (each turn's max_new_tokens is "
+                                  "min(rollout.max_new_tokens, what is left))")
+
+
 class RewardConfig(_Strict):
     """How the reward sources are evaluated (postrl.rewards.core) and how failures are handled."""
 
@@ -319,6 +328,9 @@ class Config(_Strict):
                              description="prompt source and its parameters (the main job: arithmetic whose "
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    environment: EnvironmentConfig | None = Field(None, description="multi-turn episodes: {name, max_turns: 4, "
+                                                  "max_total_tokens: 256, the environment's parameters} (README "
+                                                  "'Multi-turn and tools'); null: one completion per row")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],
         description="named reward sources, each {name, weight, params}; every completion keeps all K values",
@@ -539,6 +551,8 @@ def check_stages(cfg: Config) -> None:
         registry.entry("reward", r.name)
         registry.check_params("reward", r.name, r.params, where=f"rewards.{i}")
         _check_column_params(r.name, r.params, where=f"rewards.{i}")
+    if cfg.environment is not None:
+        registry.check_params("environment", cfg.environment.name, cfg.environment.params, where="environment")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.rewards):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} values but rewards lists "
                           f"{len(cfg.rewards)} sources; give one weight per reward source")
@@ -547,6 +561,10 @@ def check_stages(cfg: Config) -> None:
         registry.check_params("shaping", s.name, s.params, where=f"shaping.{i}")
     for i, s in enumerate(cfg.filters):
         registry.check_params(FILTER_KINDS, s.name, s.params, where=f"filters.{i}")
+        kind = registry.find(FILTER_KINDS, s.name).kind
+        if cfg.environment is not None and kind in ("sampling", "expansion"):
+            raise ConfigError(f"filters.{i}: the {kind} stage '{s.name}' generates single completions; it cannot "
+                              f"be combined with environment '{cfg.environment.name}' (multi-turn episodes)")
     registry.entry("advantage", cfg.advantage.name)
     registry.check_params("advantage", cfg.advantage.name, cfg.advantage.params, where="advantage")
     registry.entry("loss", cfg.loss.name)

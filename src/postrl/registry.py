@@ -23,7 +23,7 @@ from typing import Any, Callable
 from postrl.errors import ConfigError
 
 KINDS = ("reward", "shaping", "filter", "selector", "sampling", "expansion", "advantage", "loss", "regularizer",
-         "aggregation", "task")
+         "aggregation", "task", "environment")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ def _load_builtins() -> None:
     if _LOADED:
         return
     _LOADED = True
-    for mod in ("postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.data"):
+    for mod in ("postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.data",
+                "postrl.environments"):
         importlib.import_module(mod)
 
 

@@ -147,4 +147,6 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 
 # Estimators in submodules register themselves on import.
-from postrl.advantages import entropy, gae, outcome, process, shaped, token_rewards, tournament  # noqa: E402,F401
+from postrl.advantages import (  # noqa: E402,F401
+    entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
+)

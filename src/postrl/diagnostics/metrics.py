@@ -260,6 +260,30 @@ def memory_metrics(device: torch.device | None = None) -> dict[str, float]:
     return m
 
 
+def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]:
+    """Multi-turn episodes (``postrl.rollout.multiturn``): ``turns/per_episode`` (mean model turns),
+    ``turns/tool_calls`` (mean per episode), ``turns/tool_success`` (executed calls that returned / executed calls;
+    NaN without calls), ``turns/malformed_calls`` and ``turns/env_errors`` (mean per episode),
+    ``turns/truncated_turns`` (fraction of model turns that hit the token limit), ``turns/truncated_turn_<k>``
+    (that fraction at turn k), ``turns/env_token_fraction`` (environment tokens / completion tokens)."""
+    n_turns = _np(extra["num_turns"])
+    calls, errors = _np(extra["tool_calls"]).sum(), _np(extra["tool_errors"]).sum()
+    has = _np(extra["turn_ends"]) >= 0
+    trunc = _np(extra["turn_truncated"], bool) & has
+    env_tokens = float((_np(extra["turn_ends"]).max(-1) + 1).sum()) - float(_np(completion_mask).sum())
+    total = float((_np(extra["turn_ends"]).max(-1) + 1).sum())
+    m = {"turns/per_episode": _mean(n_turns), "turns/tool_calls": _mean(_np(extra["tool_calls"])),
+         "turns/tool_success": float((calls - errors) / calls) if calls else float("nan"),
+         "turns/malformed_calls": _mean(_np(extra["malformed_calls"])),
+         "turns/env_errors": _mean(_np(extra["env_errors"])),
+         "turns/truncated_turns": float(trunc.sum() / has.sum()) if has.any() else float("nan"),
+         "turns/env_token_fraction": env_tokens / total if total else float("nan")}
+    for k in range(has.shape[1]):
+        if has[:, k].any():
+            m[f"turns/truncated_turn_{k}"] = float(trunc[:, k].sum() / has[:, k].sum())
+    return m
+
+
 def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[str, float]:
     """All per-step metrics that depend only on the rollout batch (after rewards, shaping, filters, advantages)."""
     m: dict[str, float] = {}
@@ -288,4 +312,7 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         m.update(kept_mass_metrics(batch.extra["sampler_kept_logmass"], batch.completion_mask))
     m["tokens/completion"] = float(_np(batch.completion_mask).sum())
     m["tokens/prompt"] = float(_np(batch.prompt_mask).sum())
+    extra = getattr(batch, "extra", None) or {}  # a RolloutBatch has it; tests' stand-in batches may not
+    if "num_turns" in extra:
+        m.update(turn_metrics(extra, batch.completion_mask))
     return m

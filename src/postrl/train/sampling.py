@@ -31,9 +31,11 @@ from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.data.base import stable_hash
 from postrl.data.rollout_options import ExpandContext, generate_multi_temperature
+from postrl.environments import make as make_environment
 from postrl.errors import ConfigError
 from postrl.fields import produce
 from postrl.models import encode_prompt, fit_prompts
+from postrl.rollout import multiturn
 from postrl.train.scoring import Scorer
 
 _HASH_MOD = 2**62
@@ -105,6 +107,12 @@ class BatchSource:
         seeds = [derive_seed(cfg.seed, step, first + i, "rollout", *([attempt] if attempt else []))
                  for i in range(len(rows))]
         extra: dict[str, Any] = {"step": step, "attempt": attempt}
+        group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * P + self.rank * per_rank
+        if cfg.environment is not None:  # episodes with an environment: one row per episode (rollout/multiturn.py)
+            env = cfg.environment
+            return multiturn.rollout(ctx, rows, G, seeds, lambda: make_environment(env.name, env.params),
+                                     max_turns=env.max_turns, max_total_tokens=env.max_total_tokens,
+                                     group_ids=group_ids, chat_template=cfg.model.chat_template, extra=extra)
         if self.plan is None:
             gen = ctx.generate(prompt_ids, G, ctx.sampling, seeds)
         else:
@@ -113,7 +121,6 @@ class BatchSource:
         if gen.kept_logmass is not None:  # top-p / top-k: per-token kept log-mass (sampler/kept_mass_* metrics)
             extra["sampler_kept_logmass"] = gen.kept_logmass
         keys = [k for k in rows[0] if k != "prompt"] if rows else []
-        group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * P + self.rank * per_rank
         batch = RolloutBatch(
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
             completion_mask=gen.completion_mask.float(), group_ids=group_ids, sampler_logprobs=gen.logprobs,

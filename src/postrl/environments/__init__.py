@@ -1,0 +1,77 @@
+"""Environments for multi-turn rollouts: the protocol, tools, and the built-in environments.
+
+An environment is a class registered under the kind ``environment``; the rollout makes one instance per trajectory
+(``cls(**params)``, the config's ``environment`` section minus ``name``, ``max_turns``, ``max_total_tokens``) and
+drives it:
+
+    observation = env.reset(row)                          # the prompt row -> the first user message (text)
+    observation, reward, done, info = env.step(action)    # the model's turn (decoded text) -> the next message
+
+``reward`` is a float or None (no reward on this turn); ``done`` ends the episode; ``info`` is a dict whose
+counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode. Both methods
+may be ``async def`` (:class:`AsyncEnvironment`): the rollout awaits them. An environment that raises ends its
+episode: the episode's reward is NaN (a failed reward entry, excluded from the advantage) and ``env_errors``
+counts it. TRL's ``environment_factory`` classes (``reset`` / ``step``) of the same shape register unchanged.
+
+Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
+:class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
+:mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
+:mod:`postrl.environments.reward` (the reward source ``environment``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+from postrl.errors import ConfigError
+
+
+class Environment:
+    """The synchronous protocol (subclass it, or write any class with these two methods)."""
+
+    def reset(self, row: dict) -> str:
+        """The first observation (the user message) of the episode for the prompt ``row``."""
+        return str(row["prompt"])
+
+    def step(self, action: str) -> tuple[str, float | None, bool, dict]:
+        """(observation, reward or None, done, info) after the model's turn ``action``."""
+        return "", None, True, {}
+
+
+class AsyncEnvironment:
+    """The asynchronous protocol: ``async def reset(row)`` and ``async def step(action)``, awaited by the rollout."""
+
+    async def reset(self, row: dict) -> str:
+        return str(row["prompt"])
+
+    async def step(self, action: str) -> tuple[str, float | None, bool, dict]:
+        return "", None, True, {}
+
+
+def call(method: Any, *args: Any) -> Any:
+    """Call a sync or async environment method and return its result."""
+    out = method(*args)
+    if inspect.isawaitable(out):
+        return asyncio.run(_await(out))
+    return out
+
+
+async def _await(aw: Any) -> Any:
+    return await aw
+
+
+def make(name: str, params: dict | None = None) -> Any:
+    """One instance of the environment registered as ``name`` (or ``module:Class``) with ``params``."""
+    from postrl import registry
+
+    entry = registry.find("environment", name)
+    registry.check_params("environment", name, dict(params or {}), where="environment")
+    try:
+        return entry.fn(**dict(params or {}))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"environment '{name}': {e}") from None
+
+
+from postrl.environments import calculator, code_repair, reward, tools  # noqa: E402,F401  (register the built-ins)

@@ -1,0 +1,225 @@
+"""Token-in/token-out multi-turn rollouts: a model and an environment take turns; the batch holds the exact ids.
+
+One episode is one row of the :class:`~postrl.batch.RolloutBatch`:
+
+* ``prompt_ids``: the first observation, encoded once (the chat template's user turn with the tools' schemas and
+  the generation prompt when the tokenizer has a template and ``chat_template='auto'``; the plain text otherwise);
+* ``completion_ids``: every later token in order: each model turn's *sampled ids* exactly as the backend returned
+  them, then the environment's observation ids, then the next model turn ...; nothing already in the context is
+  decoded and re-encoded (each turn generates from ``prompt_ids + completion_ids`` so far);
+* ``completion_mask``: 1 on model tokens, 0 on environment tokens (they are context, never trained);
+* ``sampler_logprobs``: the sampler's log-prob of each model token, 0 on environment tokens.
+
+An observation's ids: with a chat template, the text the template puts between an assistant turn's content and
+the next generation prompt, with the observation as a message of the environment's ``observation_role``
+(``tool`` for tool environments, ``user`` otherwise), i.e. ``render([u, a, obs], generation prompt)`` minus
+``render([u], generation prompt) + a``, tokenised on its own (the template's end-of-turn, the observation's turn,
+the next assistant header). When the model ended its turn with an EOS id the template's end-of-turn begins with,
+that id is not added twice. A template that does not render the history as a prefix of the longer conversation
+is a :class:`~postrl.errors.PostrlError`. Without a template the observation text is tokenised as it is.
+
+Limits: at most ``max_turns`` model turns; at most ``max_total_tokens`` completion tokens (model and environment)
+per episode: a turn generates at most min(``params.max_new_tokens``, what is left) tokens, and an observation
+that does not fit is cut and ends the episode. A model turn that ends without EOS or a stop string is truncated
+(``turn_truncated``); the environment still reads it. When the environment has tools, ``</tool_call>`` is a stop
+string (the turn ends after the call, the tool runs, the model reads the result).
+
+Per-turn records in ``batch.extra`` (K = ``max_turns``): ``turn_ends`` [N, K] long (index in the completion of
+each model turn's last token, -1 padded), ``turn_rewards`` [N, K] float (the environment's reward of each turn,
+0 where it gave none, NaN where it raised, NaN beyond the episode), ``turn_truncated`` [N, K] bool,
+``num_turns`` [N] long, and per-episode counts ``tool_calls``, ``tool_errors``, ``malformed_calls``,
+``env_errors`` [N] long. The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
+feeds the reward source ``environment``. ``truncated`` [N] is True for an episode the environment did not end.
+
+Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
+how many episodes end early or on the number of processes. The generation backend is reached only through
+``ctx.generate(prompt_token_lists, 1, SamplingParams, seeds)``: any backend works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from postrl.batch import RolloutBatch
+from postrl.data.base import stable_hash
+from postrl.environments import call
+from postrl.environments.tools import CLOSE, schemas
+from postrl.errors import PostrlError
+from postrl.rollout.base import SamplingParams
+from postrl.rollout.hf import left_pad
+
+COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+
+
+def uses_template(tokenizer: Any, chat_template: str) -> bool:
+    return chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_ids(tokenizer: Any, observation: str, tools: list[dict] | None, chat_template: str) -> list[int]:
+    """The first observation as prompt ids (a user turn of the template, with the tools, and the generation
+    prompt; or the plain text with the tokenizer's special tokens)."""
+    if uses_template(tokenizer, chat_template):
+        return _ids(tokenizer, _render(tokenizer, [{"role": "user", "content": observation}], tools))
+    return list(tokenizer(observation, add_special_tokens=True)["input_ids"])
+
+
+def observation_ids(tokenizer: Any, observation: str, role: str, tools: list[dict] | None, chat_template: str,
+                    ended_with: int | None) -> list[int]:
+    """The ids appended after a model turn for ``observation`` (see the module docstring); ``ended_with``: the
+    turn's last id when it is an EOS id (not repeated), else None."""
+    if not uses_template(tokenizer, chat_template):
+        return _ids(tokenizer, observation)
+    user, asst = {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}
+    full = _render(tokenizer, [user, asst, {"role": role, "content": observation}], tools)
+    head = _render(tokenizer, [user], tools) + "A"
+    if not full.startswith(head):
+        raise PostrlError("environment: the tokenizer's chat template does not render a conversation's history as "
+                          "a prefix of the longer conversation, so observations cannot be appended as ids; use "
+                          "model.chat_template=none or a template that keeps history unchanged")
+    ids = _ids(tokenizer, full[len(head):])
+    if ended_with is not None and ids and ids[0] == ended_with:
+        ids = ids[1:]
+    return ids
+
+
+def _step_all(envs: list, actions: list[str]) -> list:
+    """env.step(action) for each pair; async environments' steps run concurrently; an exception is returned."""
+    results: list[Any] = [None] * len(envs)
+    pending = []
+    for i, (env, a) in enumerate(zip(envs, actions)):
+        try:
+            out = env.step(a)
+        except Exception as e:  # noqa: BLE001 - an environment's failure ends its episode, counted
+            results[i] = e
+            continue
+        if inspect.isawaitable(out):
+            pending.append((i, out))
+        else:
+            results[i] = out
+    if pending:
+        async def gather():
+            return await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
+
+        for (i, _), r in zip(pending, asyncio.run(gather())):
+            results[i] = r
+    return results
+
+
+def _cut_at_stops(text: str, stops: list[str]) -> str:
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_env: Callable[[], Any], *,
+            max_turns: int, max_total_tokens: int, group_ids: torch.Tensor, chat_template: str = "auto",
+            extra: dict | None = None) -> RolloutBatch:
+    """``group_size`` episodes per prompt row, through ``make_env()`` instances and ``ctx.generate``; one row of
+    the returned batch per episode (prompt-major, like single-turn rollouts). See the module docstring."""
+    tok, params = ctx.tokenizer, ctx.sampling or SamplingParams()
+    eos = set(int(e) for e in ([tok.eos_token_id] if tok.eos_token_id is not None else []))
+    G, N, K = group_size, len(rows) * group_size, max_turns
+    envs = [make_env() for _ in range(N)]
+    tools = [schemas(list(getattr(env, "tools", None) or [])) for env in envs]
+    roles = [getattr(env, "observation_role", "user") for env in envs]
+    user_stops = [s for s in params.stop if s]
+    turn_params = replace(params, stop=user_stops + ([CLOSE] if any(tools) and CLOSE not in user_stops else []))
+    row_of = [i for i in range(len(rows)) for _ in range(G)]
+
+    prompts: list[list[int]] = []
+    for r in range(N):
+        obs = call(envs[r].reset, rows[row_of[r]])
+        prompts.append(prompt_ids(tok, str(obs), tools[r], chat_template))
+    comp: list[list[int]] = [[] for _ in range(N)]
+    mask: list[list[float]] = [[] for _ in range(N)]
+    logp: list[list[float]] = [[] for _ in range(N)]
+    turn_ends = torch.full((N, K), -1, dtype=torch.long)
+    turn_rewards = torch.full((N, K), math.nan)
+    turn_trunc = torch.zeros((N, K), dtype=torch.bool)
+    counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
+    env_rewards: list[list] = [[] for _ in range(N)]
+    finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
+    live = list(range(N))
+
+    for k in range(K):
+        live = [r for r in live if len(comp[r]) < max_total_tokens]
+        if not live:
+            break
+        budget = [max_total_tokens - len(comp[r]) for r in live]
+        p = replace(turn_params, max_new_tokens=max(1, min(params.max_new_tokens, max(budget))))
+        gen = ctx.generate([prompts[r] + comp[r] for r in live], 1, p,
+                           [stable_hash(seeds[row_of[r]], r % G, k) % 2**62 for r in live])
+        actions = []
+        for j, r in enumerate(live):
+            n = int(gen.completion_mask[j].sum())
+            cut = min(n, budget[j], params.max_new_tokens)
+            ids = gen.completion_ids[j, :cut].tolist()
+            comp[r] += ids
+            mask[r] += [1.0] * cut
+            logp[r] += gen.logprobs[j, :cut].tolist()
+            turn_ends[r, k] = len(comp[r]) - 1
+            turn_trunc[r, k] = bool(gen.truncated[j]) or cut < n
+            actions.append(_cut_at_stops(tok.decode(ids, skip_special_tokens=True), user_stops))
+        results = _step_all([envs[r] for r in live], actions)
+        nxt = []
+        for j, r in enumerate(live):
+            out = results[j]
+            if isinstance(out, BaseException) or not (isinstance(out, tuple) and len(out) == 4):
+                counts["env_errors"][r] += 1
+                turn_rewards[r, k] = math.nan
+                env_rewards[r].append(math.nan)
+                finished[r] = True
+                continue
+            obs, reward, done, info = out
+            for c in COUNTERS:
+                counts[c][r] += int((info or {}).get(c, 0))
+            env_rewards[r].append(None if reward is None else float(reward))
+            turn_rewards[r, k] = 0.0 if reward is None else float(reward)
+            if done:
+                finished[r] = True
+                continue
+            if k == K - 1:
+                continue
+            last = comp[r][-1] if comp[r] else None
+            o = observation_ids(tok, str(obs), roles[r], tools[r], chat_template, last if last in eos else None)
+            room = max_total_tokens - len(comp[r])
+            comp[r] += o[:room]
+            mask[r] += [0.0] * min(len(o), room)
+            logp[r] += [0.0] * min(len(o), room)
+            if len(o) < room:
+                nxt.append(r)
+        live = nxt
+
+    width = max(max((len(c) for c in comp), default=0), 1)
+    pad = int(ctx.pad_id)
+    c_ids = torch.full((N, width), pad, dtype=torch.long)
+    c_mask, c_lp = torch.zeros((N, width)), torch.zeros((N, width))
+    for r in range(N):
+        L = len(comp[r])
+        c_ids[r, :L] = torch.tensor(comp[r], dtype=torch.long)
+        c_mask[r, :L] = torch.tensor(mask[r])
+        c_lp[r, :L] = torch.tensor(logp[r])
+    p_ids, p_mask = left_pad(prompts, pad)
+    keys = [key for key in rows[0] if key != "prompt"] if rows else []
+    columns = {key: [rows[row_of[r]].get(key) for r in range(N)] for key in keys}
+    columns["env_turn_rewards"] = env_rewards
+    ex = dict(extra or {})
+    ex.update(turn_ends=turn_ends, turn_rewards=turn_rewards, turn_truncated=turn_trunc,
+              num_turns=(turn_ends >= 0).sum(-1), **counts)
+    return RolloutBatch(
+        prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, group_ids=group_ids,
+        sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]]["prompt"] for r in range(N)],
+        completions=[tok.decode(c, skip_special_tokens=True) for c in comp], columns=columns, extra=ex)
