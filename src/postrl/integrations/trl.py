@@ -37,6 +37,7 @@ content, a conversational completion as its messages' contents joined.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import warnings
@@ -164,7 +165,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._reward_info: dict = {}
         self._step_metrics: dict[str, float] = {}
         self._loss_sums: dict[str, float] = {}
-        args = dataclasses.replace(args, beta=cfg.kl.coef)
+        args = copy.copy(args)  # (dataclasses.replace would run GRPOConfig's checks again on resolved values)
+        args.beta = cfg.kl.coef
         # TRL's reward functions: postrl's sources (TRL never calls them here; they give TRL its names and count)
         scorer_rewards = stages.build_all("reward", cfg.rewards)
         super().__init__(model=model, reward_funcs=[s.fn for s in scorer_rewards], args=args, **kwargs)
