@@ -167,15 +167,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._loss_sums: dict[str, float] = {}
         args = copy.copy(args)  # (dataclasses.replace would run GRPOConfig's checks again on resolved values)
         args.beta = cfg.kl.coef
-        # TRL's reward functions: postrl's sources (TRL never calls them here; they give TRL its names and count)
-        scorer_rewards = stages.build_all("reward", cfg.rewards)
-        super().__init__(model=model, reward_funcs=[s.fn for s in scorer_rewards], args=args, **kwargs)
-        self.reward_func_names = [s.label for s in scorer_rewards]
+        self._filter_metrics: dict[str, float] = {}
+        # the reward sources and shaping; the model and tokenizer reach them once TRL has loaded them
+        self.scorer = Scorer(cfg, RewardContext(), None)
+        # TRL's reward functions are postrl's sources (TRL never calls them here; they give TRL its names and count)
+        super().__init__(model=model, reward_funcs=[s.fn for s in self.scorer.rewards], args=args, **kwargs)
+        self.reward_func_names = [s.label for s in self.scorer.rewards]
+        self.reward_weights = self.scorer.weights.clone()
         self.procs = Processes(self.accelerator)
         tok = self._tokenizer
-        self.scorer = Scorer(cfg, RewardContext(model=self.accelerator.unwrap_model(self.model), tokenizer=tok,
-                                                device=self.accelerator.device), tok, log=_log.warning)
-        self.reward_weights = self.scorer.weights.clone()
+        self.scorer.context = RewardContext(model=self.accelerator.unwrap_model(self.model), tokenizer=tok,
+                                            device=self.accelerator.device)
+        self.scorer.tokenizer = tok
         self.ctx = ModelContext(self.accelerator.unwrap_model(self.model), tok, self.accelerator.device,
                                 temperature=float(args.temperature), micro_batch_size=args.per_device_train_batch_size,
                                 pad_id=tok.pad_token_id, logprob_fn=self._logprob_fn,
