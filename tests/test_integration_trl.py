@@ -97,8 +97,9 @@ def _run_trl(model_dir, tmp_path, rewards, **kw):
     return t
 
 
-def _run_postrl(model_dir, tmp_path, section, **kw):
-    t = GRPOTrainer(model=model_dir, postrl=section, args=_args(tmp_path / "postrl", **kw), train_dataset=_dataset())
+def _run_postrl(model_dir, tmp_path, section, eval_dataset=None, **kw):
+    t = GRPOTrainer(model=model_dir, postrl=section, args=_args(tmp_path / "postrl", **kw), train_dataset=_dataset(),
+                    eval_dataset=eval_dataset)
     t.train()
     return t
 
@@ -158,7 +159,8 @@ def test_rl_zvp_trains_where_grpo_has_no_signal(model_dir, tmp_path):
     all-wrong groups a negative entropy-scaled advantage (logged) and the weights move."""
     section = {"rewards": [{"name": f"{MODULE}:always_zero"}]}
     grpo = _run_postrl(model_dir, tmp_path / "g", {**section, "advantage": {"name": "grpo"}})
-    zvp = _run_postrl(model_dir, tmp_path / "z", {**section, "advantage": {"name": "rl_zvp", "alpha": 0.1}})
+    zvp = _run_postrl(model_dir, tmp_path / "z", {**section, "advantage": {"name": "rl_zvp", "alpha": 0.1}},
+                      eval_dataset=_dataset(8), eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8)
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert torch.tensor(list(grpo._logs["advantages"])).abs().max() == 0
     assert _max_diff(_weights(grpo), start) == 0
@@ -168,6 +170,9 @@ def test_rl_zvp_trains_where_grpo_has_no_signal(model_dir, tmp_path):
     assert float(adv.abs().mean()) == pytest.approx(0.1, rel=0.3)
     rows = [r for r in zvp.state.log_history if "postrl/advantages/mean" in r]
     assert rows and all(r["postrl/advantages/mean"] < 0 for r in rows)
+    # TRL's evaluation runs the same stages on its own batch, logged with TRL's eval_ prefix
+    evals = [r for r in zvp.state.log_history if "eval_postrl/advantages/mean" in r]
+    assert len(evals) == 2 and all(r["eval_postrl/advantages/mean"] < 0 for r in evals)
     assert _max_diff(_weights(zvp), start) > 1e-3
 
 

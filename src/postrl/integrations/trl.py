@@ -161,8 +161,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.watchdog = Watchdog(cfg.model_dump(mode="json"), cfg.diagnostics)
         self.alarms: list[dict] = []  # every alarm raised, as dicts (name, message, cause, fix, severity, step)
         self.postrl_step = 0
-        self._batch: RolloutBatch | None = None
-        self._reward_info: dict = {}
+        # per mode (train / eval): the scored batch of the current generation, its reward outcome, local rows
+        self._scored: dict[str, tuple[RolloutBatch, dict, int]] = {}
         self._step_metrics: dict[str, float] = {}
         self._loss_sums: dict[str, float] = {}
         args = copy.copy(args)  # (dataclasses.replace would run GRPOConfig's checks again on resolved values)
@@ -233,7 +233,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             batch.valid = batch.valid & keep
         self._filter_metrics = {"filter/dropped_groups": float(len(torch.unique(batch.group_ids[~keep])))} \
             if self.filters else {}
-        self._batch, self._reward_info, self._local_rows = batch, info, n
+        self._scored[mode] = (batch, info, n)
         return batch.raw_rewards.to(self.accelerator.device)
 
     def _gather_padded(self, t: torch.Tensor, left: bool = False) -> torch.Tensor:
@@ -246,10 +246,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         """TRL's generation and scoring, then postrl's advantage stage in place of TRL's advantages, and the
         batch's metrics."""
-        n_logged = len(self._logs["advantages"])
         out = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        batch = self._batch
+        batch, info, n = self._scored[mode]
         mask = out["completion_mask"].float()
         if "tool_mask" in out:
             mask = mask * out["tool_mask"].float()
@@ -269,7 +268,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         adv = self.advantage(batch).float()
         adv = torch.where(batch.valid.view(-1, *[1] * (adv.dim() - 1)), adv, torch.zeros_like(adv))
         batch.advantages = adv
-        rank, n = self.accelerator.process_index, self._local_rows
+        rank = self.accelerator.process_index
         rows = torch.arange(rank * n, (rank + 1) * n)
         local = adv[rows]
         out["advantages"] = (local[:, :out["completion_ids"].shape[1]] if local.dim() == 2 else local).to(
@@ -278,19 +277,19 @@ class GRPOTrainer(trl.GRPOTrainer):
         # the completions table shows postrl's advantages (one value per completion)
         seq_adv = adv if adv.dim() == 1 else (adv * batch.completion_mask).sum(-1) / \
             batch.completion_mask.sum(-1).clamp(min=1)
-        logged = self._logs["advantages"]
-        while len(logged) > n_logged:
+        logged = self._logs["advantages"]  # (a bounded deque: TRL's own values for this batch are its last N)
+        for _ in range(min(len(seq_adv), len(logged))):
             logged.pop()
         logged.extend(seq_adv.tolist())
         # postrl's metrics of the batch (docs/metrics.md)
-        m = batch_metrics(batch, self._reward_info,
+        m = batch_metrics(batch, info,
                           low_prob=self.postrl_config.diagnostics.entropy_collapse.low_prob)
         if sampler is None:
             for k in ("tokens/low_prob_frac", "tokens/logprob_mean"):
                 m.pop(k, None)
         if "sampling_per_token_logps" in out and "old_per_token_logps" in out:
             m.update(mismatch_metrics(out["old_per_token_logps"], out["sampling_per_token_logps"], mask))
-        for name, rate in self._reward_info.get("failure_rate", {}).items():
+        for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate
         m.update(self._filter_metrics)
         if mode == "train":
@@ -317,7 +316,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         m = piece["completion_mask"].float()
         if "tool_mask" in piece:
             m = m * piece["tool_mask"].float()
-        return m * self._batch.valid[piece["postrl_row"].cpu()].to(m.device).unsqueeze(-1).float()
+        valid = self._scored["train" if self.model.training else "eval"][0].valid
+        return m * valid[piece["postrl_row"].cpu()].to(m.device).unsqueeze(-1).float()
 
     def _weigh(self, pieces: list[dict], per_step: int) -> None:
         world = self.accelerator.num_processes
@@ -347,7 +347,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             mm_token_type_ids=inputs.get("mm_token_type_ids"), image_position_ids=inputs.get("image_position_ids"))
         rows = inputs["postrl_row"].cpu()
         fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
-                  for k, v in self.postrl_objective.batch_fields(self._batch, rows, logp.device).items()}
+                  for k, v in self.postrl_objective.batch_fields(
+                      self._scored["train" if self.model.training else "eval"][0], rows, logp.device).items()}
         fields["mask"] = self._loss_mask(inputs)
         fields["lengths"] = fields["mask"].sum(-1)
         old = inputs.get("old_per_token_logps")
@@ -384,14 +385,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         m.update({k: (v if k == "ratio_max" else v / opt_steps) for k, v in self._loss_sums.items()})
         m = self.procs.reduce_metrics(m)
         end = StepEnd(m, self.procs.all_reduce_mean)
-        m.update(self.postrl_objective.end_step(end, len(self._batch)))
+        batch, info, _ = self._scored["train"]
+        m.update(self.postrl_objective.end_step(end, len(batch)))
         for group in (self.scorer.stages, self.filters, [self.advantage]):
             m.update(stages.end_step(group, end))
         self.postrl_step += 1
         m["step"] = self.postrl_step
-        for name, rate in self._reward_info.get("failure_rate", {}).items():
+        for name, rate in info.get("failure_rate", {}).items():
             if rate > 0:
-                m[f"reward/{name}/first_failure"] = self._reward_info["first_failure"][name]
+                m[f"reward/{name}/first_failure"] = info["first_failure"][name]
         alarms = self.watchdog.step(m)
         for a in alarms:
             self.alarms.append(a.to_dict())
