@@ -231,3 +231,22 @@ def test_readme_snippet_runs(model_dir, tmp_path, monkeypatch):
                 "postrl/pg_loss", "postrl/entropy"):
         assert all(key in r for r in rows), key
     assert trainer.advantage.name == "gdpo" and trainer.postrl_objective.agg.__name__ == "token_mean"
+
+
+def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
+    """TRL's checkpoints hold postrl's state (step count, stateful stages, KL controller); a run resumed from one
+    continues it: it ends at the same step count and adaptive KL coefficient as the uninterrupted run."""
+    import json
+
+    section = {"rewards": [{"name": f"{MODULE}:char_score"}],
+               "kl": {"coef": 0.05, "controller": "adaptive", "target": 1e-6, "horizon": 10}}
+    first = _run_postrl(model_dir, tmp_path, section, save_strategy="steps", save_steps=1, max_steps=2)
+    ckpt = tmp_path / "postrl" / "checkpoint-1"
+    state = json.loads((ckpt / "postrl_state.json").read_text())
+    assert state["step"] == 1 and state["objective"]["kl"]
+    resumed = GRPOTrainer(model=model_dir, postrl=section, args=_args(tmp_path / "resumed", max_steps=2),
+                          train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert first.postrl_step == resumed.postrl_step == 2
+    assert first.postrl_objective.kl_ctrl.value != 0.05  # the controller moved
+    assert resumed.postrl_objective.kl_ctrl.value == pytest.approx(first.postrl_objective.kl_ctrl.value, rel=1e-5)
