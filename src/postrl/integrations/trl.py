@@ -45,7 +45,13 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-import trl
+
+from postrl.errors import ConfigError, PostrlError
+
+try:
+    import trl
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise PostrlError(f"postrl.integrations.trl needs TRL: pip install 'postrl[trl]' ({e})") from None
 
 from postrl import stages
 from postrl.batch import RolloutBatch
@@ -53,7 +59,6 @@ from postrl.config import Config, load_config
 from postrl.context import ModelContext
 from postrl.diagnostics.metrics import batch_metrics, mismatch_metrics
 from postrl.diagnostics.monitors import Watchdog
-from postrl.errors import ConfigError
 from postrl.fields import produce
 from postrl.losses.objective import Objective
 from postrl.rewards import RewardContext
