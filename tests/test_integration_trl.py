@@ -143,7 +143,7 @@ def test_gdpo_equals_trl_normalize_then_sum(model_dir, tmp_path):
     # gdpo's advantages are computed in float64, TRL's in float32 (they differ by ~2e-7); an on-policy gradient
     # sum_i A_i grad log p_i is a small difference of large per-completion terms on a random model, which turns that
     # rounding into ~0.3% of the update (measured: max |diff| 9e-5 for an update of 0.03; the same inputs give the
-    # same gradients to the last bit, see test_grpo_takes_trls_own_step)
+    # same gradients to the last bit, test_token_mean_has_trls_dapo_gradients)
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     moved = _max_diff(_weights(trl_side), start)
     assert moved > 1e-3 and _max_diff(_weights(trl_side), _weights(ours)) < 0.01 * moved
@@ -152,6 +152,29 @@ def test_gdpo_equals_trl_normalize_then_sum(model_dir, tmp_path):
     assert f"postrl/reward/{MODULE}:length_score/mean" in row
     assert row[f"rewards/{MODULE}:char_score/mean"] == pytest.approx(row[f"postrl/reward/{MODULE}:char_score/mean"],
                                                                     abs=1e-6)
+
+
+def test_token_mean_has_trls_dapo_gradients(model_dir, tmp_path, monkeypatch):
+    """On the adapter's own micro-batches, postrl's ppo_clip + token_mean (weights over the optimizer step's two
+    micro-batches) and TRL's loss_type='dapo' (its default) give the same loss and bitwise the same gradients."""
+    seen = []
+    original = GRPOTrainer._compute_loss
+
+    def both(self, model, inputs):
+        params = [p for p in model.parameters() if p.requires_grad]
+        ours = original(self, model, inputs)
+        g_ours = torch.autograd.grad(ours, params, allow_unused=True)
+        theirs = TRLGRPOTrainer._compute_loss(self, model, inputs)
+        g_theirs = torch.autograd.grad(theirs, params, allow_unused=True)
+        seen.append((float(ours - theirs), max(float((a - b).abs().max()) for a, b in zip(g_ours, g_theirs)
+                                               if a is not None)))
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", both)
+    _run_postrl(model_dir, tmp_path, {"rewards": [{"name": f"{MODULE}:char_score"}],
+                                      "loss": {"name": "ppo_clip", "agg": "token_mean"}}, max_steps=1)
+    assert len(seen) == 2  # two micro-batches
+    assert all(abs(dl) < 1e-7 and dg == 0.0 for dl, dg in seen)
 
 
 def test_rl_zvp_trains_where_grpo_has_no_signal(model_dir, tmp_path):
