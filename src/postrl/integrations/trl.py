@@ -31,6 +31,11 @@ the error names the postrl key to use); ``beta`` follows ``kl.coef`` (TRL then k
 PEFT adapter disabled, as usual). A stage that needs what TRL's batch does not carry (logits, a differentiated
 entropy, a greedy generation, a prompt selector or a sampling plan) is refused at construction.
 
+Several processes: every process gathers the completions of all of them (TRL spreads a group over processes),
+scores and shapes that batch, runs the filters and the advantage on it and keeps its own rows, so every process
+holds the same statistics and state; the reward sources therefore run on every process (cheap for verifiers; a
+costly judge is called once per process). Only the one-process path is tested here (CPU).
+
 Prompts and completions reach postrl's reward sources as text: a conversational prompt as its last message's
 content, a conversational completion as its messages' contents joined.
 """
