@@ -1,5 +1,8 @@
-"""Adapters that run postrl's stages inside other trainers.
+"""postrl's stages inside other trainers. Each is imported only when used: ``import postrl`` imports neither TRL nor
+verl.
 
+- :mod:`postrl.integrations.trl`: a TRL ``GRPOTrainer`` subclass (``pip install postrl[trl]``) running postrl's
+  rewards (fault isolation), shaping, keep-mask filters, advantage estimator, objective and diagnostics.
 - :mod:`postrl.integrations.verl`: the verl plug-in (``pip install postrl[verl]``): postrl's advantage estimators
   and policy losses in verl's registries, a verl reward function running postrl's reward sources and shaping,
   postrl's diagnostics on verl's batch; ``postrl export verl RUN.yaml`` writes the matching verl command line.
