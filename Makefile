@@ -19,8 +19,12 @@ $(CORE): pyproject.toml
 	$(PIP) -e .
 	@touch $(CORE)
 
+# verl (the plug-in's tests) without its dependency pins (verl 0.9.1 pins transformers < 5.11): only what its
+# registries, DataProto, configs and compute_advantage need on a CPU.
 $(DEV): $(CORE)
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps verl==0.9.1
+	$(PIP) ray 'tensordict>=0.8,<0.11,!=0.9.0' hydra-core codetiming torchdata
 	@touch $(DEV)
 
 demo: $(CORE)
