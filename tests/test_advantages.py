@@ -219,23 +219,25 @@ def test_rank_tournament_bracket_and_ranks():
     assert close(a3, grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g, torch.tensor([True, True, True, False])))
 
 
-CALLS: list[int] = []
+JUDGE = (
+    "CALLS = []\n\n\n"
+    "def shorter_wins(prompts, first, second):\n"
+    "    CALLS.append(len(first))  # one call per round\n"
+    "    return [1.0 if len(a) < len(b) else 0.0 for a, b in zip(first, second)]\n"
+)
 
 
-def shorter_wins(prompts, first, second):
-    """Test judge: the shorter completion wins."""
-    CALLS.append(len(first))
-    return [1.0 if len(a) < len(b) else 0.0 for a, b in zip(first, second)]
-
-
-def test_rank_tournament_custom_judge_batched_per_round():
-    if "tests.test_advantages" in sys.modules:
-        sys.modules["tests.test_advantages"].CALLS.clear()
+def test_rank_tournament_custom_judge_batched_per_round(tmp_path, monkeypatch):
+    # the judge as a user writes it, in a module of their own named by an import path (not a `tests.` path, which
+    # resolves to whichever installed package ships a top-level `tests`, such as verl)
+    (tmp_path / "postrl_test_judge.py").write_text(JUDGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "postrl_test_judge", raising=False)
     r = torch.tensor([0.1, 0.4, 0.3, 0.2, 0.5, 0.6, 0.7, 0.8])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     comps = ["a", "bb", "ccc", "dddd", "eeeee", "ff", "ggg", "h"]
-    a = rank_tournament(r, g, ["q"] * 8, comps, judge="tests.test_advantages:shorter_wins")
-    calls = sys.modules["tests.test_advantages"].CALLS  # the judge's module as the import path loads it
+    a = rank_tournament(r, g, ["q"] * 8, comps, judge="postrl_test_judge:shorter_wins")
+    calls = sys.modules["postrl_test_judge"].CALLS  # the judge's module as the import path loaded it
     assert calls == [4, 2]  # one judge call per round, with every match of every group; n - 1 matches per group
     # group 0 (seeds by reward: bb, ccc, dddd, a): a beats bb, ccc beats dddd, a beats ccc in the final
     # group 1 (seeds h, ggg, ff, eeeee): h beats eeeee, ff beats ggg, h beats ff

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from postrl import registry, stages
+from postrl import stages
 from postrl.losses import KLController, check_aggregation
 from postrl.losses.tis import tis_weights
 from postrl.stages import StepEnd
@@ -36,11 +36,11 @@ class Objective:
 
     def __init__(self, cfg: Any):
         self.loss = stages.build("loss", cfg.loss.name, cfg.loss.params)
-        self.agg = registry.get("aggregation", cfg.loss.agg)
+        self.agg = stages.build("aggregation", cfg.loss.agg).fn  # (mask, max_len, rows) -> token weights
         self.max_len = cfg.rollout.max_new_tokens
         self.agg_rows = cfg.loss.agg_rows
         self.tis = cfg.loss.tis
-        self.kl = registry.get("regularizer", f"kl_{cfg.kl.estimator}") if cfg.kl.coef > 0 else None
+        self.kl = stages.build("regularizer", f"kl_{cfg.kl.estimator}").fn if cfg.kl.coef > 0 else None
         self.kl_placement = cfg.kl.placement
         self.kl_ctrl = KLController(cfg.kl.coef, adaptive=cfg.kl.controller == "adaptive", target=cfg.kl.target,
                                     horizon=cfg.kl.horizon)
