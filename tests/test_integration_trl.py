@@ -56,6 +56,16 @@ def always_fails(prompts, completions, **kwargs):
     raise RuntimeError("service down")
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """TRL's trainer initialises accelerate's process-wide state with its own mixed precision; reset it after each
+    test so that the next trainer in this process (TRL's or postrl's) starts from a clean state."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-trl") / "model"

@@ -94,7 +94,7 @@ def test_recipe_precedence_yaml_then_overrides(tmp_path):
 def test_cli_recipe_unknown_lists_valid_and_known_runs(model_dir, tmp_path, capsys):
     assert main(["train", "--recipe", "nope", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("postrl: error: unknown recipe 'nope'; valid: cispo, dapo, dler, dr_grpo, gdpo, grpo")
+    assert err.startswith("postrl: error: unknown recipe 'nope'; valid: calculator, cispo, dapo, dler, dr_grpo, gdpo, grpo")
     assert main(["train", "--recipe", "grpo", "--resume", str(tmp_path)]) == 2  # --resume keeps the run's config
     out = tmp_path / "cli"
     assert main(["train", "--recipe", "gspo", "--quiet", *tiny(model_dir, out, "gspo")]) == 0

@@ -213,6 +213,23 @@ def test_eval_without_a_verifier_uses_the_configured_rewards(model_dir, tmp_path
     assert "scored by the configured rewards (the task has no verifier)" in said
 
 
+def test_trainer_refuses_an_accelerate_state_with_mixed_precision(model_dir, tmp_path):
+    """accelerate's state is per process: after a TRL trainer set it to bf16, accelerate would wrap postrl's forward
+    in bf16 autocast, silently; postrl says so and stops instead."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from postrl.errors import PostrlError
+
+    AcceleratorState._reset_state(True)
+    Accelerator(cpu=True, mixed_precision="bf16")
+    try:
+        with pytest.raises(PostrlError, match="mixed_precision=bf16"):
+            Trainer(load_config(None, small(model_dir, tmp_path / "run")), tmp_path / "run")
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 def test_readme_multi_process_command(tmp_path):
     """The README's command as a user types it, default config (built-in model, diagnostics on, prompts of
     different lengths): `accelerate launch --cpu --num_processes 2 -m postrl train train.steps=3`. It used to die at

@@ -65,6 +65,10 @@ class Trainer:
             raise ConfigError("model.dtype=float16 needs loss scaling, which postrl's trainer does not do; use "
                               "bfloat16 (float32 master weights, bf16 autocast)")
         self.mixed = cfg.model.dtype == "bfloat16"
+        if self.acc.mixed_precision != "no":  # accelerate's state is per process: another trainer set it
+            raise PostrlError(f"this process's accelerate state has mixed_precision={self.acc.mixed_precision} (set "
+                              "by an earlier Accelerator, e.g. a TRL trainer); postrl's trainer sets its precision "
+                              "with model.dtype: run it in a fresh process")
         self.procs = Processes(self.acc)
         self.rank, self.world, self.main = self.procs.rank, self.procs.world, self.procs.main
         if cfg.train.prompts_per_step % self.world:
