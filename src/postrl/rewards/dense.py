@@ -64,6 +64,15 @@ def _head(rm, h: torch.Tensor) -> torch.Tensor:
     return out[..., 1] if rm.kind == "odin" else out.mean(-1)
 
 
+def _rm_batches(rm, prompts: list[str], rows: list, batch_size: int):
+    """(row indices, their encodings, ids, mask) of the reward model's inputs, ``batch_size`` rows at a time."""
+    for s in range(0, len(rows), batch_size):
+        idx = list(range(s, min(s + batch_size, len(rows))))
+        enc = [_encode(rm, prompts[i], rows[i][2]) for i in idx]
+        ids, mask = rm.collate([e[0] for e in enc])
+        yield idx, enc, ids, mask
+
+
 @torch.no_grad()
 def red_token_rewards(path: str, prompts: list[str], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                       tokenizer, *, device: str = "cpu", batch_size: int = 8) -> torch.Tensor:
@@ -81,10 +90,7 @@ def red_token_rewards(path: str, prompts: list[str], completion_ids: torch.Tenso
     was = rm.training
     rm.eval()
     try:
-        for s in range(0, len(rows), batch_size):
-            idx = list(range(s, min(s + batch_size, len(rows))))
-            enc = [_encode(rm, prompts[i], rows[i][2]) for i in idx]
-            ids, mask = rm.collate([e[0] for e in enc])
+        for idx, enc, ids, mask in _rm_batches(rm, prompts, rows, batch_size):
             S = _head(rm, rm.hidden(ids, mask)).float().cpu()  # [B, L]
             for b, i in enumerate(idx):
                 _, last_prompt, rm_ends, _ = enc[b]
@@ -130,10 +136,7 @@ def attention_token_rewards(path: str, prompts: list[str], completion_ids: torch
     was = rm.training
     rm.eval()
     try:
-        for s in range(0, len(rows), batch_size):
-            idx = list(range(s, min(s + batch_size, len(rows))))
-            enc = [_encode(rm, prompts[i], rows[i][2]) for i in idx]
-            ids, mask = rm.collate([e[0] for e in enc])
+        for idx, enc, ids, mask in _rm_batches(rm, prompts, rows, batch_size):
             o = bb(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
             h = (o.last_hidden_state if hasattr(o, "last_hidden_state") else o[0]).float()
             if not getattr(o, "attentions", None):
