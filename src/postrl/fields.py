@@ -7,6 +7,7 @@ A stage names the fields it reads (its positional parameters, :func:`postrl.stag
     token_entropy      [N, T]    the policy's token entropy at the rollout temperature (rl_zvp, cure_branching)
     prompt_logprob     [N]       mean log-prob of the prompt tokens, -log perplexity (confidence_scaled)
     info_gain          [N]       log pi(answer | q, o) - log pi(answer | q), answer tokens summed (information_gain)
+    turn_info_gain     [N, K]    pi(answer | q, h_k) - pi(answer | q, h_{k-1}) per turn of a multi-turn episode (turn_igpo)
     greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
     completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
     red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)
@@ -73,6 +74,57 @@ def info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Ten
     return torch.where(torch.tensor([len(a) > 0 for a in ans]), ig, torch.full_like(ig, math.nan))
 
 
+def turn_info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+    """IGPO's per-turn information gain [N, K] of a multi-turn batch (``turn_ends`` [N, K] in ``batch.extra``).
+
+    h_k = the episode's completion up to the end of turn k: the model turn's tokens and the environment's
+    observation after it (everything before the first token of turn k+1; the last turn ends at its last token);
+    h_{-1} = nothing (the prompt alone). With a* = the tokens of the row's ``answer_column`` (default ``answer``):
+        p_k = pi(a* | q, h_k) = exp(sum_t log pi(a*_t | q, h_k, a*_<t))      (``answer_prob: joint``, default)
+           or exp(mean_t log pi(a*_t | ...))   (``answer_prob: per_token``, the geometric mean per answer token)
+        turn_info_gain_{i,k} = p_k - p_{k-1}
+    at temperature 1 (``ctx.sequence_logprob``). A probability, not a log-probability: the abstract's "marginal
+    increase in the policy's probability of producing the correct answer". NaN beyond the episode's turns and for
+    a row without an answer. Source: Information Gain-based Policy Optimization (IGPO)."""
+    column = params.get("answer_column", "answer")
+    if column not in batch.columns:
+        raise ValueError(f"advantage.answer_column: the batch has no column '{column}'; columns: "
+                         f"{', '.join(sorted(batch.columns)) or '(none)'}")
+    mode = params.get("answer_prob", "joint")
+    if mode not in ("joint", "per_token"):
+        raise ValueError(f"advantage.answer_prob: expected joint or per_token, got '{mode}'")
+    if "turn_ends" not in batch.extra:
+        raise ValueError("advantage turn_info_gain: the batch has no turn_ends (a multi-turn rollout: set "
+                         "environment in the config)")
+    ends = batch.extra["turn_ends"].long()
+    N, K = ends.shape
+    ans = [ctx.tokenizer(str(a), add_special_tokens=False)["input_ids"] if a is not None else []
+           for a in batch.columns[column]]
+    model_tok = batch.completion_mask.bool()
+    T = model_tok.shape[1]
+    after = torch.arange(T)[None, None, :] > ends[:, :, None]                                  # [N, K, T]
+    first_next = torch.where(after & model_tok[:, None, :], torch.arange(T), T).amin(-1)       # [N, K]
+    has = ends >= 0
+    nxt_has = torch.cat([has[:, 1:], torch.zeros((N, 1), dtype=torch.bool)], 1)
+    stop = torch.where(nxt_has, first_next, ends + 1)                                          # h_k = o[:stop]
+    contexts, targets, where = [], [], []
+    for i in range(N):
+        if not ans[i] or not bool(has[i].any()):
+            continue
+        p = prompt_tokens(batch, i)
+        cuts = [0] + stop[i][has[i]].tolist()
+        for j, c in enumerate(cuts):
+            contexts.append(p + batch.completion_ids[i, :c].tolist())
+            targets.append(ans[i])
+            where.append((i, j))
+    out = torch.full((N, K + 1), math.nan)
+    if contexts:
+        lp = ctx.sequence_logprob(contexts, targets, mean=mode == "per_token")
+        rows, cols = torch.tensor(where).T
+        out[rows, cols] = lp.exp().float()
+    return out[:, 1:] - out[:, :-1]
+
+
 def greedy_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
     """Greedy completion of each group's context, scored with the run's rewards and shaping (one row per group)."""
     first, inv = group_first_rows(batch)
@@ -122,6 +174,7 @@ PRODUCERS: dict[str, Callable[[ModelContext, RolloutBatch, dict], torch.Tensor]]
     "token_entropy": token_entropy,
     "prompt_logprob": prompt_logprob,
     "info_gain": info_gain,
+    "turn_info_gain": turn_info_gain,
     "greedy_reward": greedy_reward,
     "completion_hidden": completion_hidden,
     "red_token_reward": red_token_reward,

@@ -71,3 +71,49 @@ def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: to
     adv = torch.where(ok, mix * turn + (1 - mix) * batch, torch.zeros_like(g)).reshape(N, K)
     k_t = turn_of_token(turn_ends, completion_mask.shape[1])
     return (adv.gather(1, k_t) * completion_mask.to(torch.float64)).to(torch.float32)
+
+
+@register("advantage", "turn_igpo", source="Information Gain-based Policy Optimization: A Simple and Effective "
+          "Approach for Multi-Turn LLM Agents (IGPO)", needs=("groups",))
+def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: torch.Tensor,
+              completion_mask: torch.Tensor, reward: torch.Tensor, valid: torch.Tensor | None = None, *,
+              gamma: float = 1.0, scale: str = "group", eps: float = 1e-6, answer_column: str = "answer",
+              answer_prob: str = "joint") -> torch.Tensor:
+    """IGPO token advantages [N, T]: dense turn rewards (information gain, outcome on the last turn), group
+    normalised, discounted returns per turn, broadcast to the turn's model tokens.
+
+    For episode i with turns k = 0..K_i-1 (``turn_ends`` >= 0):
+      r_{i,k} = IG_{i,k} for k < K_i - 1     (``turn_info_gain``: pi(a* | q, h_k) - pi(a* | q, h_{k-1}), a probability
+                                             increase, :func:`postrl.fields.turn_info_gain`; non-finite read as 0)
+      r_{i,K_i-1} = R_i                      (the outcome ``reward``: the answer turn is scored by the outcome)
+      r^_{i,k} = (r_{i,k} - mean_g r) / (std_g r + eps)   over every valid (episode, turn) of the group g of i
+                                             (the turn rewards and the outcomes of the group together; unbiased std)
+      A_{i,k} = sum_{j >= k} gamma^(j-k) r^_{i,j},  A_{i,t} = A_{i,k(t)} on model tokens (:func:`turn_of_token`)
+    ``scale='none'`` centres without dividing. Assumed (the abstract leaves them open): the joint normalisation of
+    intrinsic and outcome rewards in the group, gamma 1, eps 1e-6. ``answer_column`` and ``answer_prob`` are read by
+    the producer. Rows with ``valid`` False or a non-finite ``reward`` get 0; observation tokens get 0.
+    Shapes: turn_info_gain [N, K], turn_ends [N, K], group_ids [N], completion_mask [N, T], reward [N] -> [N, T].
+    """
+    if scale not in ("group", "none"):
+        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
+    N, K = turn_ends.shape
+    v = valid_mask(reward, valid)
+    has = turn_ends >= 0
+    last = has & ~torch.cat([has[:, 1:], torch.zeros((N, 1), dtype=torch.bool)], 1)
+    ig = torch.nan_to_num(turn_info_gain.to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    R = torch.nan_to_num(reward.to(torch.float64), nan=0.0)[:, None].expand(N, K)
+    r = torch.where(last, R, torch.where(has, ig, torch.zeros_like(ig)))
+    ok = has & v[:, None]
+    inv, _ = group_index(group_ids)
+    mean, std, _ = group_stats(r.flatten(), inv[:, None].expand(N, K).flatten(), ok.flatten())
+    rn = r.flatten() - mean
+    if scale == "group":
+        rn = rn / (std + eps)
+    rn = torch.where(ok.flatten(), rn, torch.zeros_like(rn)).reshape(N, K)
+    G = rn.clone()
+    for k in range(K - 2, -1, -1):  # G_k = r^_k + gamma G_{k+1} (K is at most environment.max_turns)
+        G[:, k] += gamma * G[:, k + 1]
+    k_t = turn_of_token(turn_ends, completion_mask.shape[1])
+    return (G.gather(1, k_t) * completion_mask.to(torch.float64)).to(torch.float32)
