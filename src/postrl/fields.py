@@ -7,7 +7,7 @@ A stage names the fields it reads (its positional parameters, :func:`postrl.stag
     token_entropy      [N, T]    the policy's token entropy at the rollout temperature (rl_zvp, cure_branching)
     prompt_logprob     [N]       mean log-prob of the prompt tokens, -log perplexity (confidence_scaled)
     info_gain          [N]       log pi(answer | q, o) - log pi(answer | q), answer tokens summed (information_gain)
-    turn_info_gain     [N, K]    pi(answer | q, h_k) - pi(answer | q, h_{k-1}) per turn of a multi-turn episode (turn_igpo)
+    turn_info_gain     [N, K]    pi(answer | q, h_k) - pi(answer | q, h_{k-1}), turn k of an episode (turn_igpo)
     greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
     completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
     red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)

@@ -11,7 +11,10 @@ drives it:
 counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode. Both methods
 may be ``async def`` (:class:`AsyncEnvironment`): the rollout awaits them. An environment that raises ends its
 episode: the episode's reward is NaN (a failed reward entry, excluded from the advantage) and ``env_errors``
-counts it. TRL's ``environment_factory`` classes (``reset`` / ``step``) of the same shape register unchanged.
+counts it. Environments written for other libraries run through :mod:`postrl.environments.adapters`: the
+environments ``trl`` (a TRL ``environment_factory`` class: ``reset(**row)``, tool methods, ``get_reward``) and
+``verifiers`` (a verifiers ``MultiTurnEnv``: ``env_response``, ``is_completed``, its rubric), each taking the
+user's class as an import path parameter.
 
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
@@ -74,4 +77,5 @@ def make(name: str, params: dict | None = None) -> Any:
         raise ConfigError(f"environment '{name}': {e}") from None
 
 
-from postrl.environments import calculator, code_repair, reward, tools  # noqa: E402,F401  (register the built-ins)
+# register the built-ins and the adapters
+from postrl.environments import adapters, calculator, code_repair, reward, tools  # noqa: E402,F401
