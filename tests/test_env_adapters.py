@@ -12,6 +12,7 @@ from postrl.models.tiny import build_tokenizer
 from postrl.rollout import multiturn
 from postrl.rollout.base import Generation, SamplingParams
 from postrl.context import ModelContext
+from test_train import model_dir  # noqa: F401 - the fixture
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -196,3 +197,24 @@ def test_verifiers_max_turns_ends_and_scores():
         make("verifiers", {"env": "HintEnv"})
     assert isinstance(make("verifiers", spec), VerifiersEnvironment)
     assert isinstance(make("trl", {"factory": f"{__name__}:GuessEnv"}), TRLEnvironment)
+
+
+def test_adapters_named_in_the_config_train(model_dir, tmp_path):
+    """Both adapters through the trainer, named in the config with their import path parameter."""
+    from test_train import metrics, run_inprocess
+
+    common = [f"model.path={model_dir}", "task.name=calculator", "task.digits=2", "rewards=[{name: environment}]",
+              "advantage={name: turn_mapo}", "rollout.max_new_tokens=6", "rollout.group_size=2",
+              "train.prompts_per_step=2", "train.steps=1", "train.eval_size=2", "train.eval_k=1"]
+    run_inprocess(common + [f"output_dir={tmp_path / 'trl'}",
+                            "environment={name: trl, factory: %s:GuessEnv, max_turns: 2, max_total_tokens: 20}"
+                            % __name__])
+    # GuessEnv: no correct guess from an untrained model: get_reward 0.25 on an answer turn, 0 for a cut episode
+    row = metrics(tmp_path / "trl")[0]
+    assert row["reward/environment/mean"] == pytest.approx(0.25 * (1 - row["truncated/frac"]))
+    run_inprocess(common + [f"output_dir={tmp_path / 'vf'}",
+                            "environment={name: verifiers, env: %s:HintEnv, args: {max_turns: 2}, max_turns: 3, "
+                            "max_total_tokens: 30}" % __name__])
+    row = metrics(tmp_path / "vf")[0]
+    # HintEnv's max_turns 2 ends every episode on turn 2 (the answer never appears): reward 0 + 0.5 * 2
+    assert row["turns/per_episode"] == 2.0 and row["reward/environment/mean"] == 1.0
