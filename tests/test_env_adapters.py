@@ -112,6 +112,27 @@ def test_trl_environment_factory_episode(word, reward):
     assert b.columns["env_turn_rewards"] == [[None, reward]] and not bool(b.truncated[0])
 
 
+class AsyncToolEnv:
+    def reset(self, **kwargs):
+        return None
+
+    async def double(self, x: int) -> int:
+        """Double a number.
+
+        Args:
+            x: the number
+        """
+        return 2 * x
+
+
+def test_trl_async_tool_is_awaited_and_reset_none_keeps_the_prompt():
+    env = make("trl", {"factory": f"{__name__}:AsyncToolEnv"})
+    assert env.reset({"prompt": "p"}) == "p"
+    obs, reward, done, info = env.step('<tool_call>double(21)</tool_call>')
+    assert obs == "<result>42</result>" and reward is None and not done and info["tool_calls"] == 1
+    assert env.step("done") == ("", None, True, {"tool_calls": 0, "tool_errors": 0, "malformed_calls": 0})
+
+
 def test_trl_adapter_errors():
     with pytest.raises(ConfigError, match="environment.factory"):
         make("trl", {"factory": "GuessEnv"})
