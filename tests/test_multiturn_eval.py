@@ -80,3 +80,28 @@ def test_single_turn_eval_of_the_same_model_is_not_scored_by_the_environment():
                    chat_template="none")
     assert res["scored_by"] == "verifier" and res["accuracy"] == 0.0
     assert episode_runner(ScriptedCalculator(tok), tok, cfg.environment) is None
+
+
+def test_trainer_and_postrl_eval_score_an_environment_run_by_episodes(tmp_path, capsys):
+    """A calculator run's eval.jsonl and `postrl eval RUN` are episode evaluations (scored_by: environment)."""
+    import json
+
+    from postrl.cli import main
+    from postrl.models.tiny import build_local
+    from postrl.train.trainer import Trainer
+
+    model = tmp_path / "nano"
+    build_local(model, size="nano", seed=0)
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"model.path={model}", f"output_dir={out}", "task.name=calculator", "task.digits=2",
+                             "environment={name: calculator, max_turns: 2, max_total_tokens: 20}",
+                             "rewards=[{name: environment}]", "rollout.max_new_tokens=8", "rollout.group_size=2",
+                             "train.prompts_per_step=2", "train.steps=1", "train.eval_size=3", "train.eval_k=2"])
+    Trainer(cfg, out).train()
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["tag"] for e in evals] == ["before", "after"]
+    for e in evals:
+        assert e["scored_by"] == "environment" and e["n"] == 3 and 1.0 <= e["turns"] <= 2.0 and "pass@2" in e
+    assert main(["eval", str(out), "--n", "3", "--k", "2", "--max-new-tokens", "8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["scored_by"] == "environment" and res["n"] == 3 and 1.0 <= res["turns"] <= 2.0
