@@ -455,6 +455,22 @@ def test_proxy_gold_gap_against_held_out_evaluations():
     assert "pass_at_k" in names and "pass@4 fell 0.60 -> 0.45" in names["pass_at_k"].message
 
 
+def test_proxy_gold_gap_is_quiet_when_the_environment_reward_is_the_gold():
+    """A multi-turn run trained on the environment's reward is evaluated by the same reward (episode success):
+    held-out accuracy at its ceiling (greedy 1.0 -> 0.94) while the sampled success rises is no reward hacking."""
+    h = _healthy_history(12)
+    for i, m in enumerate(h):
+        m["reward/mean"] = 0.4 + 0.05 * i
+        m.pop("accuracy")
+    evals = [{"step": 0, "tag": "before", "accuracy": 1.0, "scored_by": "environment"},
+             {"step": 12, "tag": "after", "accuracy": 0.94, "scored_by": "environment"}]
+    base = ["environment={name: calculator}", "task={name: calculator}"]
+    cfg = load_config(None, base + ["rewards=[{name: environment}]"]).model_dump(mode="json")
+    assert not any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, evals)[1])
+    cfg = load_config(None, base + ["rewards=[{name: environment}, {name: format}]"]).model_dump(mode="json")
+    assert any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, evals)[1])
+
+
 def test_stale_config_keys_fall_back_to_defaults():
     w = Watchdog({"diagnostics": {"truncation": {"max_frac": 0.5, "old_key": 1}, "gone_monitor": {}}})
     assert w.cfg.truncation.max_frac == 0.5 and w.cfg.zero_variance_groups == DiagnosticsConfig().zero_variance_groups

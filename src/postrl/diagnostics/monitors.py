@@ -290,8 +290,10 @@ def length_reward_corr(h: list[dict], ctx: Context, p) -> Alarm | None:
 
 
 def _proxy_is_gold(ctx: Context) -> bool:
+    """The run's only weighted reward is the gold measure itself: the verifier (``correct``), or the environment's
+    reward (``environment``), which is what a multi-turn run's held-out episodes are scored by."""
     rewards = [r for r in (ctx.get("rewards", []) or []) if float(r.get("weight", 1.0)) != 0.0]
-    return len(rewards) == 1 and rewards[0].get("name") == "correct"
+    return len(rewards) == 1 and rewards[0].get("name") in ("correct", "environment")
 
 
 def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
