@@ -29,3 +29,5 @@ def test_calculator_recipe_starts_from_the_shipped_model_and_its_success_rate_ri
     assert sum(calls[-5:]) / 5 > sum(calls[:5]) / 5, calls  # by calling the tool more often
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["scored_by"] for e in evals] == ["environment", "environment"]
+    alarms = json.loads((out / "summary.json").read_text()).get("alarms", {})
+    assert "proxy_gold_gap" not in alarms, alarms  # the held-out gold is the trained reward: no false alarm
