@@ -1,6 +1,7 @@
 # `make demo`: create the virtual environment if needed, install postrl, run the main job (postrl train).
 # `make test`: same set-up plus the test extras, then the whole test suite.
-# `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch.
+# `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch;
+# `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test install clean builtin
+.PHONY: demo test install clean builtin builtin-calculator
 
 install: $(DEV)
 
@@ -35,6 +36,9 @@ test: $(DEV)
 
 builtin: $(CORE)
 	$(PY) -m postrl.models.builtin
+
+builtin-calculator: $(CORE)
+	$(PY) -m postrl.models.builtin calculator
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -5,9 +5,10 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from postrl.config import Config
+from postrl import recipes
+from postrl.config import Config, load_config
 from postrl.models import load_model_and_tokenizer
-from postrl.models.builtin import SHIPPED, builtin_name, ensure_builtin
+from postrl.models.builtin import SHIPPED, SHIPPED_RECIPES, builtin_name, ensure_builtin
 
 
 def test_the_default_config_uses_the_shipped_model(tmp_path, monkeypatch):
@@ -15,7 +16,10 @@ def test_the_default_config_uses_the_shipped_model(tmp_path, monkeypatch):
     cfg = Config()
     shipped = SHIPPED / builtin_name(cfg)
     assert (shipped / "config.json").is_file(), "the default config changed: rebuild the shipped model (make builtin)"
-    assert [p.name for p in SHIPPED.glob("builtin-*")] == [shipped.name]  # no stale copies in the package
+    # no stale copies in the package: the default config's model and those of the shipped recipes, each keyed by
+    # its config (a recipe whose task or sft changed needs `make builtin-<recipe>`)
+    of_recipes = {builtin_name(load_config(None, [], base=recipes.load(r))) for r in SHIPPED_RECIPES}
+    assert sorted(p.name for p in SHIPPED.glob("builtin-*")) == sorted({shipped.name} | of_recipes)
     logs = []
     assert ensure_builtin(cfg, log=logs.append) == shipped and logs == []  # nothing built
     assert not any(tmp_path.iterdir())  # nor cached

@@ -334,6 +334,14 @@ def _broken(name: str) -> list[dict]:
             m["reward/group_std"] = 0.005
         elif name == "intrinsic_collapse" and late:
             m.update({"reward/mean": 0.97, "reward/group_std": 0.03})
+        elif name == "env_errors" and i == n - 1:
+            m.update({"turns/env_errors": 0.25, "turns/per_episode": 1.5})
+        elif name == "tool_errors" and late:
+            m.update({"turns/tool_success": 0.4, "turns/tool_calls": 1.2})
+        elif name == "turn_truncation" and late:
+            m["turns/truncated_turns"] = 0.6
+        elif name == "malformed_calls" and late:
+            m["turns/malformed_calls"] = 0.9
         elif name == "reward_all_failed" and i == n - 1:
             m.update({"reward/correct/failure_rate": 1.0, "reward/correct/failures": 8.0})
     return h
@@ -363,6 +371,50 @@ def test_each_monitor_fires_on_its_failure(name):
     assert alarm.cause and alarm.fix
     also = {"nan_guard"} if name == "reward_all_failed" else set()  # (nan_guard counts failing rewards too)
     assert names <= {name, "zero_variance_groups"} | also, names  # and no other monitor is fooled by it
+
+
+TURN_MONITORS = ("env_errors", "tool_errors", "turn_truncation", "malformed_calls")
+
+
+def _multi_turn_history(**late: float) -> list[dict]:
+    """A healthy history of a calculator run with turn metrics; ``late`` overrides them on the last 8 steps."""
+    h = _healthy_history()
+    for i, m in enumerate(h):
+        m.update({"turns/per_episode": 1.8, "turns/tool_calls": 0.9, "turns/tool_success": 0.95,
+                  "turns/malformed_calls": 0.1, "turns/env_errors": 0.0, "turns/truncated_turns": 0.05})
+        if i >= len(h) - 8:
+            m.update({f"turns/{k}": v for k, v in late.items()})
+    return h
+
+
+def test_turn_monitors_do_not_fire_on_healthy_multi_turn_metrics_and_fire_past_their_thresholds():
+    cfg = load_config(None, ["rollout.max_new_tokens=32", "environment={name: calculator}",
+                             "task={name: calculator}", "rewards=[{name: environment}]"]).model_dump(mode="json")
+
+    def fired(h):
+        per_step, final = _run_watchdog(h, cfg)
+        return {a.name: a for al in per_step for a in al} | {a.name: a for a in final}
+
+    assert fired(_multi_turn_history()) == {}
+    # at the thresholds minus a bit: quiet; at them: the one alarm, with the numbers and the config to change
+    below = {"env_errors": 0.04, "tool_success": 0.71, "truncated_turns": 0.29, "malformed_calls": 0.49}
+    assert fired(_multi_turn_history(**below)) == {}
+    a = fired(_multi_turn_history(env_errors=0.05))
+    assert set(a) == {"env_errors"} and a["env_errors"].severity == "error"
+    assert "'calculator' raised 0.05 times per episode" in a["env_errors"].message
+    a = fired(_multi_turn_history(tool_success=0.7))
+    assert set(a) == {"tool_errors"} and "30% of tool calls failed" in a["tool_errors"].message
+    a = fired(_multi_turn_history(truncated_turns=0.3))
+    assert set(a) == {"turn_truncation"} and "environment.max_total_tokens=256" in a["turn_truncation"].message
+    a = fired(_multi_turn_history(malformed_calls=0.5))
+    assert set(a) == {"malformed_calls"} and "0.50 malformed tool calls per episode" in a["malformed_calls"].message
+    # thresholds and patience come from diagnostics.<monitor>
+    quiet = load_config(None, ["environment={name: calculator}", "task={name: calculator}",
+                               "rewards=[{name: environment}]", "diagnostics.malformed_calls.max_per_episode=0.8",
+                               "diagnostics.tool_errors.patience=9"]).model_dump(mode="json")
+    for h in (_multi_turn_history(malformed_calls=0.5), _multi_turn_history(tool_success=0.5)):
+        per_step, _ = _run_watchdog(h, quiet)
+        assert not any(al for al in per_step)
 
 
 def test_alarm_texts_name_the_config_to_change():
@@ -401,6 +453,22 @@ def test_proxy_gold_gap_against_held_out_evaluations():
     names = {a.name: a for a in final}
     assert "proxy_gold_gap" in names and "held-out accuracy went 0.30 -> 0.28" in names["proxy_gold_gap"].message
     assert "pass_at_k" in names and "pass@4 fell 0.60 -> 0.45" in names["pass_at_k"].message
+
+
+def test_proxy_gold_gap_is_quiet_when_the_environment_reward_is_the_gold():
+    """A multi-turn run trained on the environment's reward is evaluated by the same reward (episode success):
+    held-out accuracy at its ceiling (greedy 1.0 -> 0.94) while the sampled success rises is no reward hacking."""
+    h = _healthy_history(12)
+    for i, m in enumerate(h):
+        m["reward/mean"] = 0.4 + 0.05 * i
+        m.pop("accuracy")
+    evals = [{"step": 0, "tag": "before", "accuracy": 1.0, "scored_by": "environment"},
+             {"step": 12, "tag": "after", "accuracy": 0.94, "scored_by": "environment"}]
+    base = ["environment={name: calculator}", "task={name: calculator}"]
+    cfg = load_config(None, base + ["rewards=[{name: environment}]"]).model_dump(mode="json")
+    assert not any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, evals)[1])
+    cfg = load_config(None, base + ["rewards=[{name: environment}, {name: format}]"]).model_dump(mode="json")
+    assert any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, evals)[1])
 
 
 def test_stale_config_keys_fall_back_to_defaults():

@@ -12,7 +12,7 @@ from postrl.errors import ConfigError
 def run(args) -> int:
     from postrl.config import load_config, read_yaml
     from postrl.data import load_source
-    from postrl.evaluate import evaluate
+    from postrl.evaluate import episode_runner, evaluate
     from postrl.models import load_model_and_tokenizer
     from postrl import accel
 
@@ -31,7 +31,8 @@ def run(args) -> int:
                    max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
                    stop=cfg.rollout.stop, max_prompt_length=cfg.rollout.max_prompt_length,
-                   prompt_overflow=cfg.rollout.prompt_overflow)
+                   prompt_overflow=cfg.rollout.prompt_overflow,
+                   episodes=episode_runner(gen, tokenizer, cfg.environment, cfg.model.chat_template))
     res = {"model": str(model_path), "task": cfg.task.name, **res}
     print(json.dumps(res) if args.json else format_metrics(res))
     return 0

@@ -40,6 +40,30 @@ class TruncationConfig(_Section):
                             "rollout.max_new_tokens")
 
 
+class EnvErrorsConfig(_Section):
+    max_per_episode: float = Field(0.05, ge=0.0, description="multi-turn runs: alarm when the environment's step "
+                                   "raised (turns/env_errors, per episode) at least this often; such episodes fail "
+                                   "their reward")
+
+
+class ToolErrorsConfig(_Section):
+    patience: int = _patience(3)
+    max_frac: float = Field(0.3, ge=0.0, le=1.0, description="multi-turn runs: alarm when at least this fraction "
+                            "of executed tool calls raised or timed out (1 - turns/tool_success)")
+
+
+class TurnTruncationConfig(_Section):
+    patience: int = _patience(2)
+    max_frac: float = Field(0.3, ge=0.0, le=1.0, description="multi-turn runs: alarm when at least this fraction "
+                            "of model turns hits the per-turn token limit (turns/truncated_turns)")
+
+
+class MalformedCallsConfig(_Section):
+    patience: int = _patience(3)
+    max_per_episode: float = Field(0.5, ge=0.0, description="multi-turn runs: alarm when malformed tool calls "
+                                   "(turns/malformed_calls, per episode) reach this mean")
+
+
 class EntropyCollapseConfig(_Section):
     patience: int = _patience(3)
     min_entropy: float = Field(0.005, ge=0.0, description="alarm below this mean token entropy (nats)")
@@ -167,6 +191,10 @@ class DiagnosticsConfig(BaseModel):
     zero_variance_groups: ZeroVarianceConfig = Field(default_factory=ZeroVarianceConfig)
     advantage_collapse: AdvantageCollapseConfig = Field(default_factory=AdvantageCollapseConfig)
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+    env_errors: EnvErrorsConfig = Field(default_factory=EnvErrorsConfig)
+    tool_errors: ToolErrorsConfig = Field(default_factory=ToolErrorsConfig)
+    turn_truncation: TurnTruncationConfig = Field(default_factory=TurnTruncationConfig)
+    malformed_calls: MalformedCallsConfig = Field(default_factory=MalformedCallsConfig)
     entropy_collapse: EntropyCollapseConfig = Field(default_factory=EntropyCollapseConfig)
     length_drift: LengthDriftConfig = Field(default_factory=LengthDriftConfig)
     length_reward_corr: LengthRewardCorrConfig = Field(default_factory=LengthRewardCorrConfig)

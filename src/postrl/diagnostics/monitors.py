@@ -161,6 +161,65 @@ def truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
                  "the model learns to stop, or penalise overlong completions (shaping: overlong_soft)")
 
 
+def _env(ctx: Context) -> str:
+    return str(ctx.get("environment.name", "?"))
+
+
+def env_errors(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Multi-turn runs: the environment's ``step`` raised at least ``max_per_episode`` times per episode."""
+    e = _num(h[-1], "turns/env_errors")
+    if e is None or e <= 0.0 or e < p.max_per_episode:
+        return None
+    return Alarm("env_errors", f"the environment '{_env(ctx)}' raised {e:.2f} times per episode (its episodes end "
+                 f"there and their reward fails)",
+                 "a bug in the environment's step, an action it does not handle, or a resource it cannot reach",
+                 "run the environment on the logged completions (samples.jsonl) to see the exception, make step "
+                 "handle any text (return an observation, or a reward of 0), or fix its parameters (environment.*)",
+                 "error")
+
+
+def tool_errors(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Multi-turn runs: the fraction of executed tool calls that raised or timed out is >= ``max_frac``."""
+    ok = _num(h[-1], "turns/tool_success")
+    if ok is None or 1.0 - ok < p.max_frac:
+        return None
+    calls = _num(h[-1], "turns/tool_calls")
+    per = f" ({calls:.2f} calls per episode)" if calls is not None else ""
+    return Alarm("tool_errors", f"{1.0 - ok:.0%} of tool calls failed (raised or timed out){per}",
+                 "the model passes arguments the tool rejects (it has not learned the tool's contract), or the tool "
+                 "is too slow for its timeout or broken",
+                 "read the failing calls in samples.jsonl; warm-start on demonstrations of correct calls (sft), "
+                 "state the tool's arguments in its docstring (the schema the model sees), raise the environment's "
+                 "timeout, or fix the tool")
+
+
+def turn_truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Multi-turn runs: at least ``max_frac`` of model turns hit the per-turn token limit."""
+    t = _num(h[-1], "turns/truncated_turns")
+    if t is None or t < p.max_frac:
+        return None
+    L, T = ctx.get("rollout.max_new_tokens", "?"), ctx.get("environment.max_total_tokens", "?")
+    return Alarm("turn_truncation", f"{t:.0%} of model turns truncated (rollout.max_new_tokens={L} per turn, "
+                 f"environment.max_total_tokens={T} per episode)",
+                 "turns need more tokens than allowed, or the policy never ends a turn: a cut tool call is "
+                 "malformed and a cut answer earns nothing",
+                 f"raise rollout.max_new_tokens (now {L}) or environment.max_total_tokens (now {T}), add a stop "
+                 "string (rollout.stop), or warm-start with SFT so the model ends its turns")
+
+
+def malformed_calls(h: list[dict], ctx: Context, p) -> Alarm | None:
+    """Multi-turn runs: malformed tool calls per episode reach ``max_per_episode``."""
+    m = _num(h[-1], "turns/malformed_calls")
+    if m is None or m <= 0.0 or m < p.max_per_episode:
+        return None
+    return Alarm("malformed_calls", f"{m:.2f} malformed tool calls per episode (unparsable, unknown tool, bad "
+                 f"arguments or unclosed tag) in environment '{_env(ctx)}'",
+                 "the model does not produce the tool-call format the environment parses (the chat template's "
+                 "format, or <tool_call>name(args)</tool_call>), or its calls are cut by the token limit",
+                 "warm-start on demonstrations of well-formed calls (sft), check that the chat template shows the "
+                 "tools (model.chat_template), or penalise malformed calls in the environment's reward")
+
+
 def entropy_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
     ent = _series(h, "entropy")
     e = _num(h[-1], "entropy")
@@ -231,8 +290,10 @@ def length_reward_corr(h: list[dict], ctx: Context, p) -> Alarm | None:
 
 
 def _proxy_is_gold(ctx: Context) -> bool:
+    """The run's only weighted reward is the gold measure itself: the verifier (``correct``), or the environment's
+    reward (``environment``), which is what a multi-turn run's held-out episodes are scored by."""
     rewards = [r for r in (ctx.get("rewards", []) or []) if float(r.get("weight", 1.0)) != 0.0]
-    return len(rewards) == 1 and rewards[0].get("name") == "correct"
+    return len(rewards) == 1 and rewards[0].get("name") in ("correct", "environment")
 
 
 def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -616,6 +677,10 @@ MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
     MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
     MonitorSpec("filtered_sampling", filtered_sampling, "top-p / top-k kept mass with unfiltered log-probs"),
     MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),
+    MonitorSpec("env_errors", env_errors, "multi-turn: environment step failures per episode"),
+    MonitorSpec("tool_errors", tool_errors, "multi-turn: fraction of tool calls that raised or timed out"),
+    MonitorSpec("turn_truncation", turn_truncation, "multi-turn: fraction of model turns hitting the token limit"),
+    MonitorSpec("malformed_calls", malformed_calls, "multi-turn: malformed tool calls per episode"),
     MonitorSpec("edge_of_stability", edge_of_stability, "top Hessian eigenvalue vs 2/lr (Adam: 38/lr)"),
     MonitorSpec("kl_blowup", kl_blowup, "KL to the reference, token-ratio and policy-KL extremes"),
     MonitorSpec("echo_trap", echo_trap, "reward-variance cliff together with a grad-norm spike (RAGEN)"),

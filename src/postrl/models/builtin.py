@@ -5,7 +5,9 @@
 ``save_pretrained`` in a folder named by a hash of everything that determines it. The one for the default config
 ships with the package (``postrl/models/shipped/``), so ``postrl train`` starts RL at once; ``make builtin``
 (``python -m postrl.models.builtin``) rebuilds it with the same code, bit for bit on this project's development
-machine (``tests/test_builtin.py`` rebuilds it and compares). Any other config builds its model on first use and
+machine (``tests/test_builtin.py`` rebuilds it and compares). The ``calculator`` recipe's model (nano, SFT on
+demonstrations of tool use) ships too (:data:`SHIPPED_RECIPES`; ``make builtin-calculator``, i.e.
+``python -m postrl.models.builtin calculator``), so ``postrl train --recipe calculator`` starts RL at once. Any other config builds its model on first use and
 caches it under ``$POSTRL_CACHE`` (default ``~/.cache/postrl``); later runs load it from there, like any local
 model.
 """
@@ -33,6 +35,7 @@ def builtin_key(cfg) -> str:
 
 
 SHIPPED = Path(__file__).parent / "shipped"
+SHIPPED_RECIPES = ("calculator",)  # recipes whose built-in model ships besides the default config's
 
 
 def builtin_name(cfg) -> str:
@@ -74,14 +77,16 @@ def ensure_builtin(cfg, log: Callable[[str], None] = print, use_shipped: bool = 
     return target
 
 
-def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print) -> Path:
-    """Build the default config's built-in model from scratch (in a temporary cache) and put it in ``dest``,
-    replacing the models shipped there before. ``make builtin`` runs this."""
+def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print, recipe: str | None = None) -> Path:
+    """Build the built-in model of the default config (or of the bundled ``recipe``) from scratch (in a temporary
+    cache) and put it in ``dest``, replacing the model of the same task and size shipped there before. ``make
+    builtin`` (``make builtin-calculator``) runs this."""
     import tempfile
 
-    from postrl.config import Config
+    from postrl import recipes
+    from postrl.config import Config, load_config
 
-    cfg = Config()
+    cfg = Config() if recipe is None else load_config(None, [], base=recipes.load(recipe))
     old_cache = os.environ.get("POSTRL_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["POSTRL_CACHE"] = tmp
@@ -93,7 +98,7 @@ def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print) -> Path:
             else:
                 os.environ["POSTRL_CACHE"] = old_cache
         dest.mkdir(parents=True, exist_ok=True)
-        for stale in dest.glob("builtin-*"):
+        for stale in dest.glob(f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-*"):
             shutil.rmtree(stale)
         final = dest / built.name
         shutil.copytree(built, final)
@@ -102,7 +107,9 @@ def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print) -> Path:
 
 
 if __name__ == "__main__":
-    ship()
+    import sys
+
+    ship(recipe=sys.argv[1] if len(sys.argv) > 1 else None)
 
 
 def model_folder(cfg, log=print) -> Path:

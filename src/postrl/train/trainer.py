@@ -29,7 +29,7 @@ from postrl.context import ModelContext
 from postrl.data import load_source
 from postrl.diagnostics.metrics import batch_metrics
 from postrl.errors import ConfigError, PostrlError
-from postrl.evaluate import evaluate
+from postrl.evaluate import episode_runner, evaluate
 from postrl.fields import produce
 from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
@@ -362,7 +362,8 @@ class Trainer:
         res = evaluate(self.backend, self.tokenizer, self.source, rows, max_new_tokens=cfg.rollout.max_new_tokens,
                        k=cfg.train.eval_k, temperature=cfg.rollout.temperature or 1.0, seed=_seed(cfg.seed, "eval"),
                        chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted,
-                       max_prompt_length=cfg.rollout.max_prompt_length, prompt_overflow=cfg.rollout.prompt_overflow)
+                       max_prompt_length=cfg.rollout.max_prompt_length, prompt_overflow=cfg.rollout.prompt_overflow,
+                       episodes=episode_runner(self.backend, self.tokenizer, cfg.environment, cfg.model.chat_template))
         res = {"step": step, "tag": tag, **res}
         if self.main:
             with open(self.run_dir / "eval.jsonl", "a") as f:
