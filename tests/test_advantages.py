@@ -449,7 +449,8 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             # process reward in column a: one step per completion, scored a, ending on its last token
             "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
             # multi-turn: one turn per episode, rewarded with the episode's reward
-            "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1)}
+            "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1),
+            "turn_info_gain": torch.zeros(N, 1)}
 
 
 def make(name):
