@@ -17,6 +17,18 @@ def turn_of_token(turn_ends: torch.Tensor, T: int) -> torch.Tensor:
     return before.sum(-1).clamp(max=max(turn_ends.shape[1] - 1, 0))
 
 
+def _check(scale: str, gamma: float) -> None:
+    if scale not in ("group", "none"):
+        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
+
+
+def _last_turn(has: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool: the episode's last turn (``has``: the turns the episode has)."""
+    return has & ~torch.cat([has[:, 1:], torch.zeros((has.shape[0], 1), dtype=torch.bool)], 1)
+
+
 @register("advantage", "turn_mapo", source="MAPO: Mixed Advantage Policy Optimization for Long-Horizon Multi-Turn "
           "Dialogue (turn level); G-RA: Stabilizing Long-term Multi-turn RL with Gated Rewards", needs=("groups",))
 def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: torch.Tensor,
@@ -40,17 +52,14 @@ def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: to
     """
     if not 0.0 <= mix <= 1.0:
         raise ValueError(f"advantage.mix: expected a value in [0, 1], got {mix}")
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
+    _check(scale, gamma)
     N, K = turn_ends.shape
     v = valid_mask(reward, valid)
     has = turn_ends >= 0
     r = torch.where(has, torch.nan_to_num(turn_rewards.to(torch.float64), nan=0.0), torch.zeros((N, K),
                                                                                               dtype=torch.float64))
     if gate is not None:
-        last = has & ~torch.cat([has[:, 1:], torch.zeros((N, 1), dtype=torch.bool)], 1)
+        last = _last_turn(has)
         ok = (torch.nan_to_num(reward.to(torch.float64), nan=-float("inf")) >= gate)[:, None]
         r = torch.where(last | ok, r, torch.zeros_like(r))
     G = r.clone()
@@ -94,14 +103,11 @@ def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: 
     the producer. Rows with ``valid`` False or a non-finite ``reward`` get 0; observation tokens get 0.
     Shapes: turn_info_gain [N, K], turn_ends [N, K], group_ids [N], completion_mask [N, T], reward [N] -> [N, T].
     """
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
+    _check(scale, gamma)
     N, K = turn_ends.shape
     v = valid_mask(reward, valid)
     has = turn_ends >= 0
-    last = has & ~torch.cat([has[:, 1:], torch.zeros((N, 1), dtype=torch.bool)], 1)
+    last = _last_turn(has)
     ig = torch.nan_to_num(turn_info_gain.to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
     R = torch.nan_to_num(reward.to(torch.float64), nan=0.0)[:, None].expand(N, K)
     r = torch.where(last, R, torch.where(has, ig, torch.zeros_like(ig)))
