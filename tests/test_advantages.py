@@ -19,7 +19,8 @@ from postrl.advantages.outcome import dr_grpo, gpg, opo, pass_at_k, reinforce_pp
 from postrl.advantages.shaped import (aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp,
                                       role_aware)
 from postrl.advantages.tournament import bracket_order, rank_tournament
-from postrl.pipeline import call_stage
+from postrl import stages
+from postrl.stages import call_stage
 
 S2 = math.sqrt(0.5)  # 0.7071...
 nan = float("nan")
@@ -243,7 +244,7 @@ def test_rank_tournament_custom_judge_batched_per_round(tmp_path, monkeypatch):
     # group 1 (seeds h, ggg, ff, eeeee): h beats eeeee, ff beats ggg, h beats ff
     assert close(a[:4], grpo(torch.tensor([2.0, 0.0, 1.0, 0.0]), g[:4]))
     assert close(a[4:], grpo(torch.tensor([0.0, 1.0, 0.0, 2.0]), g[4:]))
-    with pytest.raises(ValueError, match="module:function"):
+    with pytest.raises(registry.ConfigError, match="advantage.judge: expected an import path 'module:attribute'"):
         rank_tournament(r, g, ["q"] * 8, comps, judge="nocolon")
 
 
@@ -495,7 +496,7 @@ def test_unknown_parameter_values_are_errors():
     with pytest.raises(ValueError, match="advantage.mix"):
         mapo(r, g, mix=1.5)
     with pytest.raises(registry.ConfigError, match="unknown parameter 'lambda' for advantage 'gae'; valid: gamma, lam"):
-        registry.check_params("advantage", "gae", {"lambda": 0.9}, where="advantage")
+        stages.check_params("advantage", "gae", {"lambda": 0.9}, where="advantage")
 
 
 # ----------------------------------------------------------------------------------------------- value head

@@ -197,7 +197,7 @@ from postrl.diagnostics.metrics import kept_mass_metrics  # noqa: E402
 from postrl.diagnostics.monitors import Watchdog  # noqa: E402
 from postrl.models import completion_logprobs, filter_logits  # noqa: E402
 from postrl.rollout import hf  # noqa: E402
-from postrl.rollout.base import SamplingParams  # noqa: E402
+from postrl.generation import SamplingParams  # noqa: E402
 
 
 def test_sampler_filtered_logprob_and_kept_mass_hand_values():
@@ -239,7 +239,7 @@ def test_trainer_logprobs_filter_the_same_way_and_keep_the_sampled_token():
 
 def test_generator_filtered_logprobs_equal_the_trainer_recompute():
     from postrl.models.tiny import build_model, build_tokenizer
-    from postrl.rollout.hf import HFGenerator, left_pad
+    from postrl.rollout.hf import HFGenerator
 
     tok = build_tokenizer()
     model = build_model(tok, size="nano", seed=0).eval()
@@ -308,7 +308,7 @@ def test_training_with_filtered_logprobs_both_speed_paths(tmp_path):
 
 def test_multi_temperature_generation_carries_the_kept_logmass():
     """The kept log-mass follows each row when completions at several temperatures are merged (rollout plans)."""
-    from postrl.data.rollout_options import generate_multi_temperature
+    from postrl.selection.sampling import generate_multi_temperature
     from postrl.models.tiny import build_model, build_tokenizer
     from postrl.rollout.hf import HFGenerator
 

@@ -34,7 +34,7 @@ def test_the_default_config_uses_the_shipped_model(tmp_path, monkeypatch):
 
 def _greedy(path, prompts):
     from postrl.models import encode_prompt
-    from postrl.rollout.base import SamplingParams
+    from postrl.generation import SamplingParams
     from postrl.rollout.hf import HFGenerator
 
     model, tok = load_model_and_tokenizer(path)

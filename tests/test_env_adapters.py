@@ -10,7 +10,7 @@ from postrl.environments.adapters import TRLEnvironment, VerifiersEnvironment
 from postrl.errors import ConfigError
 from postrl.models.tiny import build_tokenizer
 from postrl.rollout import multiturn
-from postrl.rollout.base import Generation, SamplingParams
+from postrl.generation import Generation, SamplingParams
 from postrl.context import ModelContext
 from test_train import model_dir  # noqa: F401 - the fixture
 

@@ -14,16 +14,15 @@ import torch
 from postrl import registry
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
-from postrl.data.base import stable_hash
-from postrl.data.filters import (InSight, PassRateCurriculum, PromptCurriculum, beta_mutual_information,
-                                 dynamic_sampling, prompt_key, range_filter)
-from postrl.data.rollout_options import CureBranching, ExpandContext, MultiTemperature, RetryFromFailure
+from postrl.seeding import stable_hash
+from postrl.selection.expansions import CureBranching, ExpandContext, RetryFromFailure
+from postrl.selection.filters import dynamic_sampling, range_filter
+from postrl.selection.sampling import MultiTemperature, generate_multi_temperature
+from postrl.selection.selectors import InSight, PassRateCurriculum, PromptCurriculum, beta_mutual_information, prompt_key
 from postrl.errors import ConfigError
 from postrl.models.tiny import build_local
-from postrl.rollout.base import Generation, SamplingParams
-from postrl.rollout.hf import left_pad
+from postrl.generation import Generation, SamplingParams, left_pad
 from postrl import stages
-from postrl.data.rollout_options import generate_multi_temperature
 from postrl.train import sampling
 from postrl.train.trainer import Trainer
 from test_train import crash_in_step

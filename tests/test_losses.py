@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from postrl import registry
-from postrl.pipeline import call_stage
+from postrl.stages import call_stage
 from postrl.stages import StepEnd
 from postrl.stages import reads as _reads
 from postrl.losses import (AdaptiveEntropy, EntropySmoothing, KLController, check_aggregation, cispo, clip_cov,
@@ -445,8 +445,8 @@ def test_straight_through_kl_has_k2_gradient_and_estimator_value():
         assert torch.allclose(val, base(logp, ref))
         assert torch.allclose(grad_of(val.sum(), logp), grad_of(kl_k2(logp, ref).sum(), logp))
         assert torch.allclose(grad_of(val.sum(), logp), (logp - ref).detach())  # d k2 / d logp = logp - ref
-    assert registry.get("regularizer", "kl_k3+") is kl_k3_st
-    assert {"kl_k1+", "kl_abs+"} <= set(registry.names("regularizer"))
+    assert registry.get("kl", "k3+") is kl_k3_st
+    assert {"k1+", "abs+"} <= set(registry.names("kl"))
 
 
 def test_kl_reward_penalty_hand_values():
@@ -590,7 +590,7 @@ def test_loss_kl_regularizer_config_validation():
         load_config(None, ["regularizers=[{name: adaptive_entropy, tgt: 0.3}]"])
     with pytest.raises(ConfigError, match="unknown regularizer 'nope'"):
         load_config(None, ["regularizers=[{name: nope}]"])
-    with pytest.raises(ConfigError, match="unknown regularizer 'kl_k2\\+'"):
+    with pytest.raises(ConfigError, match="unknown kl 'k2\\+'"):
         load_config(None, ["kl.estimator=k2+"])
     with pytest.raises(ConfigError, match="kl.controller=adaptive needs kl.coef > 0"):
         load_config(None, ["kl.controller=adaptive"])

@@ -15,7 +15,7 @@ from postrl.environments.reward import environment as env_reward
 from postrl.environments.tools import ToolEnvironment, parse_tool_calls, run_tool
 from postrl.models.tiny import build_model, build_tokenizer
 from postrl.rollout import multiturn
-from postrl.rollout.base import Generation, SamplingParams
+from postrl.generation import Generation, SamplingParams
 from postrl.rollout.hf import HFGenerator
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"

@@ -9,8 +9,9 @@ import torch
 
 from postrl.accel.decoder import StaticDecoder
 from postrl.models.tiny import build_model, build_tokenizer
-from postrl.rollout.base import SamplingParams
-from postrl.rollout.hf import HFGenerator, left_pad
+from postrl.generation import SamplingParams
+from postrl.rollout.hf import HFGenerator
+from postrl.generation import left_pad
 
 PROMPTS = ["12+3=", "a", "hello world", "x*y"]
 

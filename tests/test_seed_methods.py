@@ -350,8 +350,8 @@ def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, t
     from postrl.fields import produce
 
     path, rm, tok = tiny_rm
-    with pytest.raises(PostrlError, match="advantage.reward_model: expected the folder"):
-        produce(ModelContext(model=None, tokenizer=tok), _batch(tok, ["q"], ["a"], 2), build("advantage", "red", {}))
+    with pytest.raises(PostrlError, match="advantage.reward_model: required parameter missing"):
+        build("advantage", "red", {})
     from postrl.reward_models.backbones import load_backbone
     from postrl.reward_models.model import RewardModel
     from postrl.rewards.dense import attention_token_rewards

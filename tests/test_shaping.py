@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from postrl.errors import ConfigError
+
 from postrl import registry
-from postrl.pipeline import call_stage
+from postrl.stages import call_stage
 from postrl.rewards.steps import split_steps, step_lengths, step_token_ends
 from postrl.shaping import weighted_sum
 from postrl.stages import StepEnd, build, load_state, reads, state_of
@@ -220,7 +222,7 @@ def test_overlong_soft_three_regions_and_verl_anchor():
     # verl DAPO reward manager: min(-(L - (Lmax - Lc)) / Lc * factor, 0) for L <= Lmax
     verl = [min(-(x - (10 - 4)) / 4 * 1.0, 0.0) for x in L[:4].tolist()]
     close(out["rewards"][:4, 1], verl)
-    with pytest.raises(ValueError, match="buffer"):
+    with pytest.raises(ConfigError, match="buffer"):
         overlong_soft(T([[1.0]]), ["c"], T([1.0]), T([1.0]), max_length=4, buffer=8)
 
 

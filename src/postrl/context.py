@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from postrl.models import completion_logprobs, encode_prompt
-from postrl.rollout.base import SamplingParams
-from postrl.rollout.hf import left_pad
+from postrl.generation import SamplingParams
+from postrl.generation import left_pad
 
 
 def chunks(n: int, size: int):

@@ -12,12 +12,13 @@ import torch
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.data import verify_row
-from postrl.data.base import PromptSource, stable_hash
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.environments import make as make_environment
 from postrl.environments.reward import environment as environment_reward
 from postrl.models import encode_prompt, fit_prompts
 from postrl.rollout import multiturn
-from postrl.rollout.base import SamplingParams
+from postrl.generation import SamplingParams
 
 Episodes = Callable[[list[dict], int, SamplingParams, int], RolloutBatch]
 

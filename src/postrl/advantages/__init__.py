@@ -26,24 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from postrl.groups import group_stats
 from postrl.registry import register
-
-
-def valid_mask(reward: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows that take part: ``valid`` (when given) and a finite reward."""
-    v = torch.isfinite(reward)
-    return v if valid is None else (v & valid.bool())
-
-
-def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(inverse index [N] in 0..ng-1, ng): dense group numbers for scatter/index_add."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
-
-
-def group_sum(x: torch.Tensor, inv: torch.Tensor, ng: int) -> torch.Tensor:
-    """Per-group sums [ng] of ``x`` [N] (float64)."""
-    return torch.zeros(ng, dtype=torch.float64, device=x.device).index_add_(0, inv, x.to(torch.float64))
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -97,25 +81,6 @@ def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, sing
         return mean, std
     one = n == 1
     return torch.where(one, torch.zeros_like(mean), mean), torch.where(one, torch.ones_like(std), std)
-
-
-def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None):
-    """Per-row group mean, unbiased group std and group size, counting only valid rows.
-
-    Returns (mean [N], std [N], count [N]); std is 0 for groups with fewer than 2 valid rows.
-    """
-    x = x.to(torch.float64)
-    v = torch.ones_like(x, dtype=torch.bool) if valid is None else valid.bool()
-    x0 = torch.where(v, x, torch.zeros_like(x))
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    ng = int(inv.max()) + 1 if inv.numel() else 0
-    cnt = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, v.to(torch.float64))
-    s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, x0)
-    mean = s / cnt.clamp(min=1)
-    dev = torch.where(v, x - mean[inv], torch.zeros_like(x))
-    ss = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, dev * dev)
-    var = torch.where(cnt > 1, ss / (cnt - 1).clamp(min=1), torch.zeros_like(ss))
-    return mean[inv], var.sqrt()[inv], cnt[inv]
 
 
 @register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards", needs=("groups",))

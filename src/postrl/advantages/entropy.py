@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from postrl.advantages import group_index, group_stats, group_sum, grpo, valid_mask
+from postrl.groups import group_index, group_stats, group_sum, valid_mask
+from postrl.advantages import grpo
 from postrl.registry import register
 
 

@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 
 from postrl import jsonstate
-from postrl.advantages import masked_whiten, valid_mask
+from postrl.groups import valid_mask
+from postrl.advantages import masked_whiten
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from postrl.advantages import (check_singleton, group_index, group_stats, group_sum, grpo, masked_whiten,
-                               singleton_stats, token_whiten, valid_mask)
+from postrl.advantages import check_singleton, grpo, masked_whiten, singleton_stats, token_whiten
+from postrl.groups import group_index, group_stats, group_sum, valid_mask
 from postrl.registry import register
 
 

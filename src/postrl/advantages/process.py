@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from postrl.advantages import group_index, group_sum, masked_whiten
+from postrl.groups import group_index, group_sum
+from postrl.advantages import masked_whiten
 from postrl.registry import register
 
 _PURE = ("Stop Summation: Min-Form Credit Assignment Is All Process Reward Model Needs for Reasoning (PURE); "

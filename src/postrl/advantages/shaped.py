@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from postrl.advantages import (group_index, group_stats, group_sum, grpo, singleton_stats, token_whiten,
-                               valid_mask)
+from postrl.advantages import grpo, singleton_stats, token_whiten
+from postrl.groups import group_index, group_stats, group_sum, valid_mask
 from postrl.registry import register
 
 
@@ -264,13 +264,13 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
 # ------------------------------------------------------------------------------------------------------ IGPO
 @register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)", needs=("groups",))
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
-                     valid: torch.Tensor | None = None, *, ig_weight: float = 1.0, answer_column: str = "answer",
+                     valid: torch.Tensor | None = None, *, ig_weight: float = 1.0,
                      eps: float = 1e-6) -> torch.Tensor:
     """A_i = GRPO(r_i + ig_weight * IG_i), IG_i = log pi(a* | q, o_i) - log pi(a* | q); single turn, see below.
 
     What is computed: ``info_gain`` (a no-grad forward of the current policy, ``postrl.fields.info_gain``) is
     IG_i = log pi(a* | q, o_i) - log pi(a* | q), the log-probability of the ground-truth answer a* (data column
-    ``answer_column``, default 'answer'; teacher-forced, summed over a*'s tokens) after the prompt and the whole
+    ``answer_column``, a parameter of the producer, default 'answer'; teacher-forced, summed over a*'s tokens) after the prompt and the whole
     completion, minus the same before the completion. The outcome reward and ig_weight * IG_i (default 1.0) are
     added and group-normalised as GRPO (unbiased std, eps 1e-6); rows with a NaN IG (no answer) are excluded.
     With postrl's single-turn rollouts every completion of a group shares q, so log pi(a* | q) is one constant

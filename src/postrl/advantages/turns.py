@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from postrl.advantages import group_index, group_stats, valid_mask
+from postrl.groups import group_index, group_stats, valid_mask
 from postrl.registry import register
 
 
@@ -86,8 +86,7 @@ def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: to
           "Approach for Multi-Turn LLM Agents (IGPO)", needs=("groups",))
 def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: torch.Tensor,
               completion_mask: torch.Tensor, reward: torch.Tensor, valid: torch.Tensor | None = None, *,
-              gamma: float = 1.0, scale: str = "group", eps: float = 1e-6, answer_column: str = "answer",
-              answer_prob: str = "joint") -> torch.Tensor:
+              gamma: float = 1.0, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """IGPO token advantages [N, T]: dense turn rewards (information gain, outcome on the last turn), group
     normalised, discounted returns per turn, broadcast to the turn's model tokens.
 
@@ -99,8 +98,8 @@ def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: 
                                              (the turn rewards and the outcomes of the group together; unbiased std)
       A_{i,k} = sum_{j >= k} gamma^(j-k) r^_{i,j},  A_{i,t} = A_{i,k(t)} on model tokens (:func:`turn_of_token`)
     ``scale='none'`` centres without dividing. Assumed (the abstract leaves them open): the joint normalisation of
-    intrinsic and outcome rewards in the group, gamma 1, eps 1e-6. ``answer_column`` and ``answer_prob`` are read by
-    the producer. Rows with ``valid`` False or a non-finite ``reward`` get 0; observation tokens get 0.
+    intrinsic and outcome rewards in the group, gamma 1, eps 1e-6. ``answer_column`` and ``answer_prob`` are the
+    producer's parameters. Rows with ``valid`` False or a non-finite ``reward`` get 0; observation tokens get 0.
     Shapes: turn_info_gain [N, K], turn_ends [N, K], group_ids [N], completion_mask [N, T], reward [N] -> [N, T].
     """
     _check(scale, gamma)

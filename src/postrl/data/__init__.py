@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from postrl import registry
-from postrl.data.base import PromptSource, stable_hash
+from postrl import registry, stages
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.data.files import DatasetSource, FileSource, RowsSource, read_rows
 from postrl.data.reasoning_gym import ReasoningGymSource
 from postrl.data.tasks import ArithmeticTask, CountdownTask, ProceduralTask, is_held_out
@@ -46,8 +47,7 @@ def load_source(spec: dict[str, Any]) -> PromptSource:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"task: missing 'name' (one of: {', '.join(registry.names('task'))})")
     cls = registry.get("task", name)
-    registry.check_params("task", name, params, where="task")
-    return cls(**params)
+    return cls(**stages.check_params("task", name, params, where="task"))
 
 
 def verify_row(completion: str, row: dict) -> float | None:
@@ -64,6 +64,3 @@ def verify_row(completion: str, row: dict) -> float | None:
         return None
     return cls.verify(completion, row)
 
-
-# Filters, prompt selectors and rollout options register themselves (kind "filter") on import.
-from postrl.data import filters, rollout_options  # noqa: E402,F401

@@ -20,7 +20,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from postrl.data.base import PromptSource, stable_hash
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
+from postrl.io import read_jsonl
 from postrl.errors import ConfigError, DataError
 from postrl.registry import register
 
@@ -29,22 +31,6 @@ _SPLIT_SEED = "postrl-eval-split"
 
 
 # --------------------------------------------------------------------------------------------- reading
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}: line {lineno} is a {type(obj).__name__}, expected a JSON object")
-            rows.append(obj)
-    return rows
 
 
 def _read_json(path: Path) -> list[dict]:
@@ -88,7 +74,7 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         raise DataError(f"{p}: is a directory, expected a {', '.join(SUFFIXES)} file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        rows = _read_jsonl(p)
+        rows = read_jsonl(p, strict=True)
     elif suffix == ".json":
         rows = _read_json(p)
     elif suffix == ".csv":

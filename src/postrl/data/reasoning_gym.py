@@ -15,7 +15,8 @@ import json
 import random
 from typing import Any
 
-from postrl.data.base import PromptSource, stable_hash
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.data.tasks import is_held_out
 from postrl.errors import ConfigError, DataError
 from postrl.registry import register

@@ -18,7 +18,8 @@ from abc import abstractmethod
 from collections import Counter
 from typing import Any
 
-from postrl.data.base import PromptSource, stable_hash
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.errors import ConfigError
 from postrl.registry import register
 

@@ -13,26 +13,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from postrl.io import read_jsonl
 from postrl.diagnostics.metrics import memory_metrics, mismatch_metrics
 from postrl.diagnostics.monitors import Alarm, Watchdog
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
 
 
 class Diagnostics:
@@ -50,8 +39,8 @@ class Diagnostics:
         self.alarm_log: dict[str, dict] = {}
         # a resumed run replays its (already truncated) logs through the monitors, so that their windows and
         # patience counts continue exactly as in the uninterrupted run
-        logged = _read_jsonl(self.run_dir / "metrics.jsonl") if main else []
-        evals = sorted(_read_jsonl(self.run_dir / "eval.jsonl") if main else [],
+        logged = read_jsonl(self.run_dir / "metrics.jsonl") if main else []
+        evals = sorted(read_jsonl(self.run_dir / "eval.jsonl") if main else [],
                        key=lambda e: int(e.get("step", 0)))
         for m in logged:
             while evals and int(evals[0].get("step", 0)) < int(m.get("step", 0)):
@@ -223,7 +212,7 @@ class Diagnostics:
         """
         from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
         from postrl.models import completion_logprobs
-        from postrl.rollout.base import SamplingParams
+        from postrl.generation import SamplingParams
 
         p = self.cfg.edge_of_stability
         obj = self.objective

@@ -67,10 +67,10 @@ async def _await(aw: Any) -> Any:
 
 def make(name: str, params: dict | None = None) -> Any:
     """One instance of the environment registered as ``name`` (or ``module:Class``) with ``params``."""
-    from postrl import registry
+    from postrl import registry, stages
 
     entry = registry.find("environment", name)
-    registry.check_params("environment", name, dict(params or {}), where="environment")
+    params = stages.check_params("environment", name, dict(params or {}), where="environment")
     try:
         return entry.fn(**dict(params or {}))
     except (TypeError, ValueError) as e:

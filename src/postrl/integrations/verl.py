@@ -121,7 +121,7 @@ def _call(stage: stages.Stage, fields: dict) -> Any:
 
 
 def _required(stage: stages.Stage, field: str) -> bool:
-    from postrl.pipeline import signature
+    from postrl.stages import signature
 
     fn = stage.fn.__call__ if stage.stateful else stage.fn
     p = signature(fn).parameters.get(field)

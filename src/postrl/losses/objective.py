@@ -40,7 +40,7 @@ class Objective:
         self.max_len = cfg.rollout.max_new_tokens
         self.agg_rows = cfg.loss.agg_rows
         self.tis = cfg.loss.tis
-        self.kl = stages.build("regularizer", f"kl_{cfg.kl.estimator}").fn if cfg.kl.coef > 0 else None
+        self.kl = stages.build("kl", cfg.kl.estimator, where="kl.estimator").fn if cfg.kl.coef > 0 else None
         self.kl_placement = cfg.kl.placement
         self.kl_ctrl = KLController(cfg.kl.coef, adaptive=cfg.kl.controller == "adaptive", target=cfg.kl.target,
                                     horizon=cfg.kl.horizon)

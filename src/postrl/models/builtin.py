@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from postrl.data import load_source
-from postrl.data.base import stable_hash
+from postrl.seeding import stable_hash
 
 
 def cache_root() -> Path:

@@ -101,7 +101,7 @@ def hf_sampler(model, tokenizer, *, max_new_tokens: int = 32, temperature: float
     The prompt is encoded like the policy's (``encode_prompt``), the prefix tokenised without special tokens.
     """
     from postrl.models import encode_prompt
-    from postrl.rollout.base import SamplingParams
+    from postrl.generation import SamplingParams
     from postrl.rollout.hf import HFGenerator
 
     gen = HFGenerator(model, tokenizer, batch_size=batch_size)

@@ -55,7 +55,7 @@ import torch
 
 from postrl import registry
 from postrl.errors import RewardError
-from postrl.pipeline import signature
+from postrl.stages import signature
 
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
 ISOLATE_CALLS = 256  # default bound on the extra calls that isolate the failing rows, per source and step
@@ -94,7 +94,7 @@ def _is_verl(fn: Callable) -> bool:
 def _accepts(fn: Callable) -> tuple[frozenset[str], bool]:
     """(names of the parameters ``fn`` takes by keyword, whether it takes ``**kwargs``)."""
     try:
-        sig = signature(fn)  # (cached per function: postrl.pipeline)
+        sig = signature(fn)  # (cached per function: postrl.stages)
     except (TypeError, ValueError):
         return frozenset(), True
     names = frozenset(p.name for p in sig.parameters.values()
@@ -448,3 +448,15 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
             sr[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
         out.step_rewards = sr
     return out
+
+
+def columns_in_kwargs(fn: Callable) -> bool:
+    """True when a reward function's ``**kwargs`` receive the prompt rows' columns (a TRL-style function), so its
+    config parameters are its keyword-only arguments alone; False for a verl-style ``compute_score`` (whose
+    ``**kwargs`` take its parameters, verl's ``reward_kwargs``) and for a reward class."""
+    if inspect.isclass(fn) or _is_verl(fn):
+        return False
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False

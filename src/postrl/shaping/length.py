@@ -10,12 +10,16 @@ Correctness is read from the column ``source`` (default 'correct'): correct = r 
 from __future__ import annotations
 
 import math
+from typing import Annotated, Any
+
 
 import torch
+from annotated_types import Ge
 
+from postrl.errors import ConfigError
 from postrl.registry import register
-from postrl.shaping._util import (NAN, append_column, col, cols, correctness, group_index, group_minmax,
-                                  with_column)
+from postrl.groups import group_index, group_minmax
+from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
 from postrl.stages import StepEnd, Stateful
 from postrl.rewards.steps import step_lengths
 
@@ -25,9 +29,36 @@ def _nan_where(x: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     return torch.where(known, x, torch.full_like(x, NAN))
 
 
-@register("shaping", "overlong_soft", source="DAPO soft overlong punishment; verl reward_model.overlong_buffer")
-def overlong_soft(rewards, reward_names, reward_weights, lengths, *, max_length: int = 20480, buffer: int = 4096,
-                  penalty: float = 1.0, name: str = "overlong_soft", weight: float = 1.0):
+_OVERLONG_BUFFER_FRACTION = 4096 / 20480  # DAPO: buffer Lc = 4096 of Lmax = 20480 (a fifth)
+
+
+def _overlong_lengths(params: dict, run: Any, where: str) -> dict:
+    """``overlong_soft``'s lengths against the run (checked when the config is read).
+
+    DAPO's Lmax is the maximum response length, so in a config ``max_length`` defaults to
+    ``rollout.max_new_tokens`` and ``buffer`` to a fifth of ``max_length`` (DAPO: 4096 of 20480), at least 1.
+    The punishment starts above ``max_length - buffer`` tokens; a stage that starts at or beyond
+    ``max_new_tokens`` can never apply and is an error, as is a buffer outside [1, max_length].
+    """
+    if run is None:
+        return params
+    max_new_tokens = run.rollout.max_new_tokens
+    max_length = params.get("max_length", max_new_tokens)
+    buffer = params.get("buffer", max(1, round(max_length * _OVERLONG_BUFFER_FRACTION)))
+    if not 1 <= buffer <= max_length:
+        raise ConfigError(f"{where}.buffer: expected an integer in [1, max_length = {max_length}], got {buffer!r}")
+    if max_length - buffer >= max_new_tokens:
+        raise ConfigError(f"{where}: overlong_soft never applies: it punishes completions longer than max_length - "
+                          f"buffer = {max_length - buffer} tokens and rollout.max_new_tokens is {max_new_tokens} "
+                          f"(leave out {where}.max_length and {where}.buffer to derive them from max_new_tokens)")
+    return {**params, "max_length": max_length, "buffer": buffer}
+
+
+@register("shaping", "overlong_soft", source="DAPO soft overlong punishment; verl reward_model.overlong_buffer",
+          check=_overlong_lengths)
+def overlong_soft(rewards, reward_names, reward_weights, lengths, *, max_length: Annotated[int, Ge(1)] = 20480,
+                  buffer: Annotated[int, Ge(1)] = 4096, penalty: float = 1.0, name: str = "overlong_soft",
+                  weight: float = 1.0):
     """DAPO soft overlong punishment, appended as a column:
 
         R(L) = 0                                   if L <= Lmax - Lc
@@ -36,10 +67,12 @@ def overlong_soft(rewards, reward_names, reward_weights, lengths, *, max_length:
 
     Lmax = ``max_length`` (DAPO: 20480), Lc = ``buffer`` (DAPO: 4096), penalty 1.0. Anchor: verl
     ``reward_model.overlong_buffer.{enable: true, len: Lc, penalty_factor: penalty}`` with
-    ``data.max_response_length = Lmax`` (identical for L <= Lmax; verl never sees L > Lmax).
+    ``data.max_response_length = Lmax`` (identical for L <= Lmax; verl never sees L > Lmax). In a config,
+    ``max_length`` defaults to ``rollout.max_new_tokens`` and ``buffer`` to a fifth of it (a stage that could never
+    apply is an error); ``buffer`` <= ``max_length``.
     """
-    if buffer <= 0 or buffer > max_length:
-        raise ValueError(f"overlong_soft.buffer: expected 0 < buffer <= max_length ({max_length}), got {buffer}")
+    if buffer > max_length:
+        raise ConfigError(f"overlong_soft.buffer: expected 0 < buffer <= max_length ({max_length}), got {buffer}")
     L = lengths.to(torch.float64)
     start = max_length - buffer
     r = torch.where(L <= start, torch.zeros_like(L), (start - L) / buffer * penalty)

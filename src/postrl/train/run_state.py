@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from postrl.io import read_jsonl
 from postrl.errors import PostrlError
 
 LOCK_FILE = "run.lock"
@@ -284,26 +285,10 @@ def record_config(run_dir: str | os.PathLike, cfg) -> bool:
     return True
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def after_eval(run_dir: str | os.PathLike, steps: int) -> dict | None:
     """The final evaluation ("after" at ``steps``) already in eval.jsonl, or None: a process killed after the
     final checkpoint wrote it, and the resumed one reuses it instead of appending a second one."""
-    found = [e for e in _read_jsonl(Path(run_dir) / "eval.jsonl") if e.get("tag") == "after" and e.get("step") == steps]
+    found = [e for e in read_jsonl(Path(run_dir) / "eval.jsonl") if e.get("tag") == "after" and e.get("step") == steps]
     return found[-1] if found else None
 
 

@@ -29,21 +29,15 @@ import torch
 from postrl import stages
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
-from postrl.data.base import stable_hash
-from postrl.data.rollout_options import ExpandContext, generate_multi_temperature
+from postrl.seeding import derive_seed
+from postrl.selection.expansions import ExpandContext
+from postrl.selection.sampling import generate_multi_temperature
 from postrl.environments import make as make_environment
 from postrl.errors import ConfigError
 from postrl.fields import produce
 from postrl.models import encode_prompt, fit_prompts
 from postrl.rollout import multiturn
 from postrl.train.scoring import Scorer
-
-_HASH_MOD = 2**62
-
-
-def derive_seed(*parts: Any) -> int:
-    return stable_hash(*parts) % _HASH_MOD
-
 
 def check(cfg: Any, all_stages: list[stages.Stage]) -> list[str]:
     """What the stages declared they need of the run: a ConfigError for a filter or a selection that cannot

@@ -35,14 +35,14 @@ from postrl.losses import kl_reward_penalty
 from postrl.losses.objective import Objective
 from postrl.report.samples import append_samples
 from postrl.rewards import RewardContext
-from postrl.rollout.base import SamplingParams
+from postrl.generation import SamplingParams
 from postrl.stages import StepEnd
 from postrl.train import checkpoint as ckpt
 from postrl.train import run_state, sampling
 from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
 from postrl.train.policy import load_policy, reference_model
 from postrl.train.processes import Processes
-from postrl.train.sampling import derive_seed as _seed
+from postrl.seeding import derive_seed as _seed
 from postrl.train.scoring import Scorer
 
 class Trainer:

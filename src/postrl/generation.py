@@ -1,4 +1,4 @@
-"""The generation-backend interface.
+"""The generation interface: sampling parameters, a generation's result, the backend protocol, left padding.
 
 A backend turns tokenised prompts into ``n`` sampled completions each, with the log-prob of every sampled
 token. The CPU backend (:mod:`postrl.rollout.hf`) drives any HF causal LM with a KV cache; a vLLM backend
@@ -95,3 +95,18 @@ class GenerationBackend(ABC):
 
     def close(self) -> None:  # pragma: no cover - trivial for in-process backends
         """Release what the backend holds besides the model (processes, servers); it may generate again later."""
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(ids, mask)``, both ``[len(seqs), max_len]`` long tensors.
+
+    ``mask`` is 1 on real tokens and 0 on padding (which sits on the left).
+    """
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        if len(seq):
+            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
