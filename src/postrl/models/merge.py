@@ -29,10 +29,10 @@ import json
 import math
 import shutil
 import warnings
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -179,7 +179,7 @@ def read_model_files(path: str | Path) -> ModelFiles:
         f_path = p / shard
         try:
             with safe_open(str(f_path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     files[name], shapes[name] = f_path, tuple(f.get_slice(name).get_shape())
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a missing / damaged file
             raise PostrlError(f"'{p}': cannot read {shard} ({type(e).__name__}: {e})") from None
