@@ -157,6 +157,24 @@ def test_linear_folder_is_the_weighted_average(models, tmp_path, capsys):
     assert "merged 2 model(s) by linear" in capsys.readouterr().out
 
 
+def test_sharded_first_model_keeps_its_layout(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(models["a"], sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(models["a"]).save_pretrained(sharded, max_shard_size="100KB")
+    index = json.loads((sharded / M.INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    out = tmp_path / "out"
+    assert merge(sharded, models["b"], "--out", out) == 0  # the second model in one file: read by tensor name
+    assert json.loads((out / M.INDEX_FILE).read_text()) == index
+    wa, wb = weights_of(models["a"]), weights_of(models["b"])
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name in wa:
+        assert torch.allclose(merged[name], 0.5 * wa[name] + 0.5 * wb[name], atol=1e-7), name
+
+
 @pytest.mark.parametrize("method,extra", [("task_arithmetic", ["--lambda", "0.5"]),
                                           ("ties", ["--density", "0.3"]),
                                           ("dare", ["--density", "0.3", "--seed", "5"]),
