@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-from postrl.cli import calibrate, compare, config, doctor, export, methods, prm, probe_reward, report, rm, samples, sft, train
+from postrl.cli import (calibrate, compare, config, doctor, export, merge, methods, prm, probe_reward, report, rm, samples,
+                        sft, train)
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -31,11 +32,12 @@ EPILOG = """examples:
   postrl methods --kind advantage               list registered stages
   postrl methods overlong_soft                  one stage: description, source, parameters and defaults
   postrl eval runs/arithmetic-... --task arithmetic
+  postrl merge models/a models/b --out models/ab  the weighted average of two models (docs/merge.md)
 """
 
 # in the order `postrl --help` lists them (bench between config and samples, sandbox last: added below)
 _BEFORE_BENCH = (train, sft, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export)
+_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export, merge)
 
 
 def build_parser() -> argparse.ArgumentParser:
