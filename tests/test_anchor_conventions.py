@@ -79,12 +79,12 @@ def test_objective_counts_failed_rows_but_not_padding():
     with a loss token."""
     mask = torch.ones(4, 2)
     batch = _batch(torch.tensor([1.0, 0.0, float("nan"), 1.0]), torch.tensor([True, True, False, False]), mask)
-    obj = Objective(load_config(None, ["loss.agg=seq_mean_token_mean"]))
+    obj = Objective.from_config(load_config(None, ["loss.agg=seq_mean_token_mean"]))
     assert obj.rows(batch).tolist() == [True, True, True, False]
     loss_mask = mask * batch.valid.unsqueeze(-1).float()
     w = obj.weights(loss_mask, obj.rows(batch))
     assert torch.allclose(w.sum(-1), torch.tensor([1 / 3, 1 / 3, 0.0, 0.0]))  # each trained row weighs 1/3
-    obj2 = Objective(load_config(None, ["loss.agg=seq_mean_token_mean", "loss.agg_rows=nonempty"]))
+    obj2 = Objective.from_config(load_config(None, ["loss.agg=seq_mean_token_mean", "loss.agg_rows=nonempty"]))
     assert obj2.rows(batch).tolist() == [True, True, False, False]
     assert torch.allclose(obj2.weights(loss_mask, obj2.rows(batch)).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
     assert torch.allclose(obj2.weights(loss_mask).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
@@ -179,7 +179,7 @@ def test_low_var_kl_is_verls_clamped_k3_and_k3_is_trls_unclamped():
     (g2,) = torch.autograd.grad(st.sum(), logp)
     assert torch.allclose(st, ours) and torch.allclose(g2, logp.detach() - ref)
     cfg = load_config(None, ["kl.coef=0.1", "kl.estimator=low_var_kl"])
-    assert Objective(cfg).kl is kl_low_var_kl
+    assert Objective.from_config(cfg).kl is kl_low_var_kl
 
 
 def test_kl_cov_default_coefficient_is_verls_shipped_value():
@@ -195,7 +195,7 @@ def test_kl_cov_default_coefficient_is_verls_shipped_value():
 # ---------------------------------------------------------------------------------------------- top-p / top-k
 from postrl.diagnostics.metrics import kept_mass_metrics  # noqa: E402
 from postrl.diagnostics.monitors import Watchdog  # noqa: E402
-from postrl.models import completion_logprobs, filter_logits  # noqa: E402
+from postrl.logprobs import completion_logprobs, filter_logits  # noqa: E402
 from postrl.rollout import hf  # noqa: E402
 from postrl.generation import SamplingParams  # noqa: E402
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from postrl import registry
+from postrl import registry, stages
 from postrl.errors import ConfigError
 from postrl.stages import StepEnd
 from postrl.rewards.code import (VeRPOWeightedTests, code_reshaped, code_tests, extract_code, last_results,
@@ -69,7 +69,9 @@ def test_verrpo_weights_by_running_difficulty():
              fence("def add(a, b):\n    return a + b if a < 2 else 0\n"), fence("import sys\nsys.exit(0)\n")]
     got = r(None, comps, tests=tests)
     assert r.state_dict()["stats"] == {}  # a call reads the statistics with its batch merged in; the step keeps it
-    r.end_step(StepEnd())
+    r.observe(comps, {"tests": tests})
+    assert r.state_dict()["stats"] == {}  # recorded, not applied
+    stages.end_step([stages.Stage("reward", "verrpo_weighted_tests", r, {}, ())], StepEnd())
     # passes per test: t1 2/4, t2 1/4, t3 3/4 -> p = (passes + 0.5) / (4 + 1) -> w = 1 - p = 0.5, 0.7, 0.3
     w = [0.5, 0.7, 0.3]
     want = [1.0, 0.5 * (0.3 / 1.5), 0.5 * ((0.5 + 0.3) / 1.5), 0.0]
@@ -80,7 +82,8 @@ def test_verrpo_weights_by_running_difficulty():
     assert sorted(v for v in st["stats"].values()) == [[1.0, 4.0], [2.0, 4.0], [3.0, 4.0]]
     # statistics persist: the same problem again, only the correct program -> every test's rate rises
     again = r(None, comps[:1], tests=tests[:1])
-    r.end_step(StepEnd())
+    r.observe(comps[:1], {"tests": tests[:1]})
+    stages.end_step([stages.Stage("reward", "verrpo_weighted_tests", r, {}, ())], StepEnd())
     assert again == pytest.approx([1.0])
     assert sorted(v for v in r.state_dict()["stats"].values()) == [[2.0, 5.0], [3.0, 5.0], [4.0, 5.0]]
     # restore into a fresh instance and through pickle
@@ -107,21 +110,24 @@ def test_verrpo_ema_and_bad_params():
 
 def test_registered_sources_work_through_score_batch():
     assert {"code_tests", "code_reshaped", "verrpo_weighted_tests"} <= set(registry.names("reward"))
-    registry.check_params("reward", "verrpo_weighted_tests", {"pass_bonus": 0.2, "timeout": 5}, "rewards.0")
+    stages.check_params("reward", "verrpo_weighted_tests", {"pass_bonus": 0.2, "timeout": 5}, "rewards.0")
     with pytest.raises(ConfigError, match="valid: pass_bonus"):
-        registry.check_params("reward", "verrpo_weighted_tests", {"bonus": 0.2}, "rewards.0")
-    VeRPOWeightedTests._shared_instances.clear()
+        stages.check_params("reward", "verrpo_weighted_tests", {"bonus": 0.2}, "rewards.0")
     specs = [SimpleNamespace(name="code_tests", params={"timeout": 8.0}),
              SimpleNamespace(name="verrpo_weighted_tests", params={"pass_bonus": 0.5, "timeout": 8.0})]
+    built = stages.build_all("reward", specs)
     comps = [fence(GOOD), fence("def add(a, b):\n    return 3\n")]
     cols = {"tests": [TESTS, TESTS], "group_ids": [0, 0]}
-    out = score_batch(["p", "p"], comps, cols, specs)
+    out = score_batch(["p", "p"], comps, cols, specs, built=[(st.fn, st.params) for st in built])
     assert out.failures == {}
     # verrpo: t_a passed by both (p = 2.5/3, w = 1/6), t_b by one (p = 1.5/3, w = 1/2)
     assert out.matrix[:, 0].tolist() == pytest.approx([1.0, 0.5])
     assert out.matrix[:, 1].tolist() == pytest.approx([1.0, 0.5 * (1 / 6) / (1 / 6 + 1 / 2)])
-    shared = VeRPOWeightedTests.shared(pass_bonus=0.5, timeout=8.0)
-    assert sum(v[1] for v in shared.state_dict()["stats"].values()) == 4  # state kept across calls
+    verrpo = built[1]
+    assert verrpo.state_dict()["stats"] == {}  # a call changes no state
+    verrpo.observe({"completions": comps, "columns": cols})
+    stages.end_step(built, StepEnd())
+    assert sum(v[1] for v in verrpo.state_dict()["stats"].values()) == 4  # 2 completions x 2 tests, kept
 
 
 def test_rows_without_tests_are_none_and_results_are_inspectable():

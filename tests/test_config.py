@@ -89,7 +89,7 @@ def test_config_reference_doc_is_current():
     """docs/config.md is generated from the code (postrl config reference > docs/config.md): keep it true."""
     from pathlib import Path
 
-    from postrl.config import reference_markdown
+    from postrl.cli.reference import reference_markdown
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert doc.read_text().strip() == reference_markdown().strip(), "regenerate: postrl config reference > docs/config.md"

@@ -345,9 +345,7 @@ def test_attention_credit_spreads_the_score_by_last_layer_attention(tiny_rm):
 
 
 def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, tmp_path):
-    from postrl.context import ModelContext
     from postrl.errors import PostrlError
-    from postrl.fields import produce
 
     path, rm, tok = tiny_rm
     with pytest.raises(PostrlError, match="advantage.reward_model: required parameter missing"):

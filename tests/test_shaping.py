@@ -12,8 +12,8 @@ import torch
 from postrl.errors import ConfigError
 
 from postrl import registry
-from postrl.stages import call_stage
-from postrl.rewards.steps import split_steps, step_lengths, step_token_ends
+from postrl.stages import Stage, call_stage
+from postrl.reasoning_steps import split_steps, step_lengths, step_token_ends
 from postrl.shaping import weighted_sum
 from postrl.stages import StepEnd, build, load_state, reads, state_of
 from postrl.shaping.length import (AdaptiveLengthCoef, LaserD, conciseness_gated, cosine_length, grpo_lambda,
@@ -42,7 +42,7 @@ def stepped(stage, *args):
     names = reads(stage)
     out = stage(*args)
     call_stage(stage.observe, dict(zip(names, args)), {})
-    stage.end_step(StepEnd())
+    Stage("shaping", "s", stage, {}, names).end_step(StepEnd())  # applies what it recorded, then forgets it
     return out
 
 
@@ -471,8 +471,8 @@ def test_trainer_step_return_puts_step_returns_on_tokens(nano_dir, tmp_path):
                "rollout.max_new_tokens=24")
     tr = Trainer(cfg, out)
     batch = tr.batches.rollout(0)
-    tr.scorer.score(batch)
-    tr.advantages(batch)
+    tr.step.score(batch)
+    tr.step.advantages(tr.ctx, batch)
     A = batch.advantages
     assert A.shape == batch.completion_mask.shape and torch.isfinite(A).all()
     assert (A[batch.completion_mask == 0] == 0).all()
@@ -500,7 +500,7 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
                "{name: weighted_sum}]")
     tr = Trainer(cfg, out)
     batch = tr.batches.rollout(0)
-    info = tr.scorer.score(batch)
+    info = tr.step.score(batch)
     n = len(batch)
     assert batch.reward_names == ["correct", "steps_prm", "kimi_length"]
     assert batch.extra["raw_reward_names"] == ("correct", "steps_prm") and batch.raw_rewards.shape == (len(batch), 2)
@@ -519,10 +519,10 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     assert info["failure_rate"] == {"correct": 0.0, "steps_prm": pytest.approx(no_steps)}
     tr.train()
     state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
-    saved = state["shaping"]["1:running_norm"]["stats"]["correct"]
+    saved = state["stages"]["shaping"]["1:running_norm"]["stats"]["correct"]
     assert saved[0] == 3 * n  # the score() above + two training steps, merged into the running statistics
     tr2 = Trainer(cfg, out, resume=True)
-    assert tr2.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
+    assert tr2.step.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
 
 
 @registry.register("reward", "half_none", source="test: fails on every other completion")
@@ -537,10 +537,10 @@ def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
     tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_none}]", "reward.alarm_rate=0.25"), out)
     batch = tr.batches.rollout(0)
     with caplog.at_level("WARNING", logger="postrl.rewards"):
-        info = tr.scorer.score(batch)
+        info = tr.step.score(batch)
     assert info["failure_rate"] == {"correct": 0.0, "half_none": 0.5}
     assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
     alarms = [r.getMessage() for r in caplog.records if "half_none" in r.getMessage()]
     assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned None" in alarms[0]
-    m = tr.batch_metrics(batch, info)
+    m = tr.step.metrics(batch, info)
     assert m["reward/half_none/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0

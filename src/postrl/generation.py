@@ -1,4 +1,5 @@
-"""The generation interface: sampling parameters, a generation's result, the backend protocol, left padding.
+"""The generation interface: sampling parameters, a generation's result, the backend protocol, prompt encoding and
+left padding.
 
 A backend turns tokenised prompts into ``n`` sampled completions each, with the log-prob of every sampled
 token. The CPU backend (:mod:`postrl.rollout.hf`) drives any HF causal LM with a KV cache; a vLLM backend
@@ -110,3 +111,24 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
             mask[i, width - len(seq) :] = 1
     return ids, mask
+
+
+def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int]:
+    """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
+    and ``chat_template='auto'``; the plain text otherwise. SFT, RL and eval all encode prompts here."""
+    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def fit_prompts(prompts: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
+    """``rollout.max_prompt_length``: (prompts, over): each prompt longer than ``max_length`` tokens cut to its last
+    ``max_length`` tokens (left truncation, TRL's ``max_prompt_length``: the end of the prompt, with the chat
+    template's generation prompt, is what the completion follows), and ``over[i]`` whether prompt i was. With
+    ``rollout.prompt_overflow=drop`` the caller leaves the flagged ones out. ``max_length`` None: no limit."""
+    over = [max_length is not None and len(p) > max_length for p in prompts]
+    return [p[-max_length:] if o else p for p, o in zip(prompts, over)], over

@@ -261,22 +261,37 @@ def check_params(kinds: str | tuple[str, ...], name: str, params: Mapping[str, A
 
 @dataclass
 class StepEnd:
-    """What ``Stateful.end_step`` receives: the step's metrics (reduced over processes) and ``all_reduce_mean``,
-    which averages a tensor in place over processes (a no-op on one process)."""
+    """What ``Stateful.end_step`` receives: the step's metrics (reduced over processes), ``all_reduce_mean``, which
+    averages a tensor in place over processes, and ``gather``, which returns every process's picklable object in
+    rank order (both no-ops on one process)."""
 
     metrics: Mapping[str, Any] = field(default_factory=dict)
     all_reduce_mean: Callable[[Any], None] = lambda t: None
+    gather: Callable[[Any], list] = lambda obj: [obj]
 
 
 class Stateful:
     """Base of the stages that keep state across steps (see the module docstring for the protocol).
 
-    Subclasses list the attribute names of their JSON-serialisable state in ``_state`` (or override
-    ``state_dict`` / ``load_state_dict``), record in ``observe`` (positional parameters = fields, like
-    ``__call__``) and apply in ``end_step``.
+    ``observe(<fields>)`` (positional parameters = fields, like ``__call__``) records what the state must learn with
+    ``self.record(item)`` (any picklable item); :func:`end_step` gathers the recorded items of every stateful stage
+    from every process in one collective, so ``end_step(step)`` finds in ``self.observed`` the items of the whole
+    step, in rank order, and every process applies the same update. A stage whose recorded data is too large to
+    gather (a value head's hidden states) sets ``gather_observed = False`` and reduces in ``end_step`` itself
+    (``step.all_reduce_mean``). Subclasses list the attribute names of their JSON-serialisable state in
+    ``_state`` (or override ``state_dict`` / ``load_state_dict``).
     """
 
     _state: tuple[str, ...] = ()
+    gather_observed = True
+
+    @property
+    def observed(self) -> list:
+        """What ``observe`` recorded this step (in ``end_step``: of every process)."""
+        return self.__dict__.setdefault("_observed", [])
+
+    def record(self, item: Any) -> None:
+        self.observed.append(item)
 
     def observe(self) -> None:
         """Record what the state must learn from a batch that trains (default: nothing)."""
@@ -292,20 +307,6 @@ class Stateful:
         for k in self._state:
             if k in state:
                 setattr(self, k, copy.deepcopy(state[k]))
-
-
-def reads(fn: Any) -> tuple[str, ...]:
-    """The batch fields a stage (function or instance) reads: its positional parameters, or what it declares in a
-    ``reads`` attribute (a stage that is not called on the batch itself, such as an expansion); nothing for a stage
-    that is not callable (a prompt selector)."""
-    declared = getattr(fn, "reads", None)
-    if isinstance(declared, tuple):
-        return declared
-    if not callable(fn):
-        return ()
-    params = list(signature(fn.__call__ if inspect.isclass(fn) else fn).parameters.values())
-    return tuple(p.name for p in params[inspect.isclass(fn):]
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 @dataclass
@@ -340,7 +341,13 @@ class Stage:
             call_stage(self.fn.observe, source, {}, what=f"{self.kind} '{self.label}'")
 
     def end_step(self, step: StepEnd) -> dict:
-        return self.fn.end_step(step) if self.stateful else {}
+        """Apply what the stage recorded this step (then forget it); its metrics."""
+        if not self.stateful:
+            return {}
+        try:
+            return self.fn.end_step(step)
+        finally:
+            self.fn.__dict__["_observed"] = []
 
     def state_dict(self) -> dict | None:
         return self.fn.state_dict() if self.stateful else None
@@ -369,12 +376,12 @@ def build(kind: str | tuple[str, ...], name: str, params: Mapping[str, Any] | No
     return Stage(entry.kind, name, fn, params, reads(fn), entry.needs, label, field_params)
 
 
-def build_all(kind: str | tuple[str, ...], specs: list) -> list[Stage]:
-    """One stage per config entry (objects with ``name`` and ``params``); a name used twice is labelled
-    ``name.i`` (its position) in metrics and checkpoints."""
+def build_all(kind: str | tuple[str, ...], specs: list, section: str | None = None) -> list[Stage]:
+    """One stage per config entry (objects with ``name`` and ``params``) of the config list ``section`` (named in
+    errors as ``section.i``); a name used twice is labelled ``name.i`` (its position) in metrics and checkpoints."""
     names = [s.name for s in specs]
-    return [build(kind, s.name, s.params, label=s.name if names.count(s.name) == 1 else f"{s.name}.{i}")
-            for i, s in enumerate(specs)]
+    return [build(kind, s.name, s.params, label=s.name if names.count(s.name) == 1 else f"{s.name}.{i}",
+                  where=f"{section}.{i}" if section else None) for i, s in enumerate(specs)]
 
 
 def state_of(stages: list[Stage]) -> dict:
@@ -391,8 +398,14 @@ _PREFIX = {"regularizer": "reg"}
 
 
 def end_step(stages: list[Stage], step: StepEnd) -> dict:
-    """Every stage's end-of-step update, once; their metrics, a name without '/' prefixed with
-    '<kind>/<label>/' (``reg/`` for regularizers)."""
+    """Every stage's end-of-step update, once: what the stateful stages recorded is first gathered from every
+    process (one ``step.gather`` for all of them), then each applies it. Returns their metrics, a name without '/'
+    prefixed with '<kind>/<label>/' (``reg/`` for regularizers)."""
+    gathering = [s.fn for s in stages if s.stateful and s.fn.gather_observed]
+    if gathering:
+        per_rank = step.gather([list(fn.observed) for fn in gathering])
+        for j, fn in enumerate(gathering):
+            fn.__dict__["_observed"] = [item for rank in per_rank for item in rank[j]]
     out: dict = {}
     for s in stages:
         for k, v in s.end_step(step).items():

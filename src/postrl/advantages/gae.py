@@ -92,16 +92,18 @@ class GAE(Stateful):
         self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
         self.head: torch.nn.Linear | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._fit_on: tuple | None = None
 
     # ---------------------------------------------------------------------------------------- the estimator
     def __call__(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
         """Advantages [N, T] from the value head's V on ``completion_hidden`` [N, T, H] (the policy's last hidden
-        state at each completion position); the batch is kept for the head's fit at the end of the step."""
-        values = self.values(completion_hidden)
-        self._fit_on = (completion_hidden, reward, completion_mask, valid, values)
-        return self.estimate(reward, values, completion_mask, valid)
+        state at each completion position)."""
+        return self.estimate(reward, self.values(completion_hidden), completion_mask, valid)
+
+    def observe(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+        """Keep the batch (and the values the advantages used) for the head's fit at the end of the step."""
+        self.record((completion_hidden, reward, completion_mask, valid, self.values(completion_hidden)))
 
     def estimate(self, reward: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,12 +116,13 @@ class GAE(Stateful):
             adv = masked_whiten(adv, mask)
         return (adv * mask).to(torch.float32)
 
+    gather_observed = False  # each process fits on its own rows; the gradients are averaged over processes
+
     def end_step(self, step: StepEnd) -> dict:
         """Fit the value head on the step's batch (once per step; gradients averaged over processes)."""
-        if self._fit_on is None:
+        if not self.observed:
             return {}
-        hidden, reward, mask, valid, values = self._fit_on
-        self._fit_on = None
+        hidden, reward, mask, valid, values = self.observed[-1]
         return self.fit(hidden, reward, mask, valid, values, all_reduce=step.all_reduce_mean)
 
     # ---------------------------------------------------------------------------------------- the value head

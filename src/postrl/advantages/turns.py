@@ -1,4 +1,4 @@
-"""Turn-level advantages for multi-turn episodes (``postrl.rollout.multiturn``): each model turn's tokens get the
+"""Turn-level advantages for multi-turn episodes (``postrl.environments.episodes``): each model turn's tokens get the
 advantage of that turn's return, normalised among the episodes of the same prompt at the same turn."""
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def memory_metrics(device: torch.device | None = None) -> dict[str, float]:
 
 
 def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]:
-    """Multi-turn episodes (``postrl.rollout.multiturn``): ``turns/per_episode`` (mean model turns),
+    """Multi-turn episodes (``postrl.environments.episodes``): ``turns/per_episode`` (mean model turns),
     ``turns/tool_calls`` (mean per episode), ``turns/tool_success`` (executed calls that returned / executed calls;
     NaN without calls), ``turns/malformed_calls`` and ``turns/env_errors`` (mean per episode),
     ``turns/truncated_turns`` (fraction of model turns that hit the token limit), ``turns/truncated_turn_<k>``

@@ -198,10 +198,6 @@ def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_
 
 # ------------------------------------------------------------------------------------------------ VeRPO
 
-_VERRPO_PARAMS = ("pass_bonus", "momentum", "prior_pass", "prior_weight", "min_weight", "timeout", "memory_mb",
-                  "test_timeout", "isolation")
-
-
 @register("reward", "verrpo_weighted_tests",
           source="VeRPO: Verifiable Dense Reward Policy Optimization for Code Generation", needs=("sandbox",))
 class VeRPOWeightedTests(Stateful):
@@ -224,21 +220,12 @@ class VeRPOWeightedTests(Stateful):
     normalisation by sum_j w_j (keeps r in [0, 1]; a fully correct program scores 1.0), the bonus mix, the prior
     and the floor. A row whose run failed in the sandbox itself (status error) scores None and is not counted.
 
-    An instance is the reward (``r(prompts, completions, tests=...)``); ``state_dict()`` / ``load_state_dict()``
-    save and restore the statistics (plain JSON data). Called through the class, as a function-style reward
-    source is (``VeRPOWeightedTests(prompts, completions, tests=..., **params)``), it uses one shared instance per
-    parameter set, so the statistics persist across steps; :meth:`shared` returns that instance, which keeps each
-    call's merge at once (nothing calls its ``end_step``).
+    An instance is the reward (``r(prompts, completions, tests=...)``, built once per run by
+    ``postrl.stages.build``); a call reads the statistics and never changes them (it remembers each completion's
+    test outcomes); ``observe(completions, columns)`` records the outcomes of a batch that trains and ``end_step``
+    merges every process's, once per step. ``state_dict()`` / ``load_state_dict()`` save and restore the
+    statistics (plain JSON data).
     """
-
-    _shared_instances: dict = {}
-    _shared_lock = threading.Lock()
-
-    def __new__(cls, *args, **kwargs):
-        if args:  # called as a reward function: dispatch to the shared instance of these parameters
-            params = {k: kwargs.pop(k) for k in list(kwargs) if k in _VERRPO_PARAMS}
-            return cls.shared(**params)(*args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(self, *, pass_bonus: float = 0.5, momentum: float | None = None, prior_pass: float = 0.5,
                  prior_weight: float = 1.0, min_weight: float = 0.05, timeout: float = 10.0, memory_mb: int = 512,
@@ -257,27 +244,28 @@ class VeRPOWeightedTests(Stateful):
         self.limits = _limits(timeout, memory_mb, test_timeout)
         self.isolation = isolation
         self.stats: dict[str, list[float]] = {}  # key -> [passes, attempts] (counts) or [rate, attempts] (EMA)
-        self._pending: list[dict[str, list[int]]] = []  # this step's outcomes, merged by end_step
-        self._keep_each_call = False  # the shared instance of function-style calls merges at each call
+        self._outcomes: dict[tuple, tuple[list[str], list[int]]] = {}  # (completion, tests) -> (keys, passes)
         self._lock = threading.Lock()
 
-    def end_step(self, step: StepEnd) -> dict:
-        """Merge the outcomes of every batch this step scored into the running statistics (once per step)."""
+    def observe(self, completions, columns) -> None:
+        """Record the test outcomes of a batch that trains (as its call computed them)."""
+        tests = columns.get("tests") or [None] * len(completions)
+        outcomes: dict[str, list[int]] = {}
         with self._lock:
-            for outcomes in self._pending:
-                self._update(outcomes)
-            self._pending = []
-        return {}
+            for c, t in zip(completions, tests):
+                row = self._outcomes.get((c, repr(t)))
+                for k, p in zip(*row) if row is not None else ():
+                    outcomes.setdefault(k, []).append(p)
+        self.record(outcomes)
 
-    @classmethod
-    def shared(cls, **params) -> "VeRPOWeightedTests":
-        """The process-wide instance for ``params`` (created on first use)."""
-        key = tuple(sorted((k, repr(v)) for k, v in params.items()))
-        with cls._shared_lock:
-            if key not in cls._shared_instances:
-                cls._shared_instances[key] = cls(**params)
-                cls._shared_instances[key]._keep_each_call = True
-            return cls._shared_instances[key]
+    def end_step(self, step: StepEnd) -> dict:
+        """Merge the outcomes of every batch this step trained on, of every process, into the running statistics
+        (once per step)."""
+        with self._lock:
+            for outcomes in self.observed:
+                self._update(outcomes)
+            self._outcomes = {}
+        return {}
 
     def pass_rate(self, key: str) -> float:
         return self._rate(self.stats.get(key))
@@ -321,14 +309,13 @@ class VeRPOWeightedTests(Stateful):
             rows.append((keys, passes))
             for k, p in zip(keys, passes):
                 outcomes.setdefault(k, []).append(p)
-        with self._lock:  # the statistics with this batch merged in; end_step keeps the merge
+        with self._lock:  # the statistics with this batch merged in (read only); end_step keeps the merge
             merged = {k: list(self.stats[k]) for k in outcomes if k in self.stats}
             self._update(outcomes, merged)
             rates = {k: self._rate(merged.get(k)) for k in outcomes}
-            if self._keep_each_call:
-                self.stats.update(merged)
-            else:
-                self._pending.append(outcomes)
+            for c, t, row in zip(completions, tests if tests is not None else [None] * len(completions), rows):
+                if row is not None:
+                    self._outcomes[(c, repr(t))] = row
         out = []
         for row in rows:
             if row is None:

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import torch
 
-from postrl import registry
+from postrl import stages
 from postrl.errors import RewardError
 from postrl.stages import signature
 
@@ -364,8 +364,8 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
         columns = {**columns, "completion_ids": list(completion_ids)}
     vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
     out = RewardOutcome(torch.empty((n, len(specs))))
-    if built is None:
-        built = [(registry.get("reward", spec.name), spec.params) for spec in specs]
+    if built is None:  # (a reward class becomes one instance: its state lives as long as the caller keeps it)
+        built = [(st.fn, st.params) for st in (stages.build("reward", spec.name, spec.params) for spec in specs)]
     fns = [fn for fn, _ in built]
     call_params = [params for _, params in built]
     group_ids = columns.get("group_ids")

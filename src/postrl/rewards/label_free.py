@@ -226,7 +226,7 @@ def _sample(context, text: str, n: int, max_new_tokens: int, temperature: float)
     """n completions of ``text`` sampled from the policy in ``context`` (a RewardContext), decoded."""
     import torch
 
-    from postrl.models import encode_prompt
+    from postrl.generation import encode_prompt
 
     tok = context.tokenizer
     ids = torch.tensor([encode_prompt(tok, text, context.chat_template)] * n, device=context.device)

@@ -26,7 +26,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from postrl.models import cache_keyword, filter_logits, output_cache
+from postrl.models import cache_keyword, output_cache
+from postrl.logprobs import filter_logits
 from postrl.generation import Generation, GenerationBackend, SamplingParams, left_pad
 
 __all__ = ["HFGenerator", "left_pad"]

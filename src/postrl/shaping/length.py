@@ -21,7 +21,7 @@ from postrl.registry import register
 from postrl.groups import group_index, group_minmax
 from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
 from postrl.stages import StepEnd, Stateful
-from postrl.rewards.steps import step_lengths
+from postrl.reasoning_steps import step_lengths
 
 
 def _nan_where(x: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,6 @@ class LaserD(Stateful):
         self.targets: list[int] = [t0, t0, t0]
         self.seen: list[list[list[float]]] = [[], [], []]  # per level: [length, correct] pairs
         self.calls = 0  # steps seen
-        self._seen: list[list[list[float]]] = [[], [], []]  # this step's pairs, kept by end_step
 
     def _update(self) -> None:
         for d in range(3):
@@ -184,12 +183,11 @@ class LaserD(Stateful):
         d = _difficulty(c, known, group_ids, self.cuts)
         for lvl in range(3):
             sel = known & (d == lvl)
-            self._seen[lvl].extend([float(L), float(x)] for L, x in zip(lengths[sel].tolist(), c[sel].tolist()))
+            self.record((lvl, [[float(L), float(x)] for L, x in zip(lengths[sel].tolist(), c[sel].tolist())]))
 
     def end_step(self, step: StepEnd) -> dict:
-        for lvl in range(3):
-            self.seen[lvl].extend(self._seen[lvl])
-        self._seen = [[], [], []]
+        for lvl, pairs in self.observed:  # every process's pairs of this step
+            self.seen[lvl].extend(pairs)
         self.calls += 1
         if self.calls % self.update_every == 0:
             self._update()
@@ -331,7 +329,6 @@ class AdaptiveLengthCoef(Stateful):
         self.max_length, self.lr, self.target, self.lam_max = max_length, lr, target_accuracy, lambda_max
         self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
         self.lam = float(lambda_init)
-        self._seen = [0.0, 0.0]  # this step's (correct, known) counts, applied by end_step
 
     def __call__(self, rewards, reward_names, reward_weights, lengths):
         c, known = correctness(rewards, reward_names, self.source, self.thr, "adaptive_length_coef")
@@ -341,12 +338,11 @@ class AdaptiveLengthCoef(Stateful):
 
     def observe(self, rewards, reward_names) -> None:
         c, known = correctness(rewards, reward_names, self.source, self.thr, "adaptive_length_coef")
-        self._seen[0] += float((c & known).sum())
-        self._seen[1] += float(known.sum())
+        self.record((float((c & known).sum()), float(known.sum())))
 
     def end_step(self, step: StepEnd) -> dict:
-        right, known = self._seen
-        self._seen = [0.0, 0.0]
+        right = sum(r for r, _ in self.observed)  # every process's counts of this step
+        known = sum(k for _, k in self.observed)
         used = {"lambda": self.lam}  # the value this step used
         if known:
             self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (right / known - self.target)))

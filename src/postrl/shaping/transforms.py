@@ -99,7 +99,6 @@ class RunningNorm(Stateful):
             raise ValueError(f"running_norm.clip: expected a positive number, got {clip}")
         self.sources, self.center, self.scale, self.eps, self.clip = sources, center, scale, eps, clip
         self.stats: dict[str, list[float]] = {}
-        self._seen: list[tuple[str, torch.Tensor]] = []
 
     @staticmethod
     def merge(stats: list[float], x: torch.Tensor) -> list[float]:
@@ -135,12 +134,12 @@ class RunningNorm(Stateful):
         return {"rewards": out}
 
     def observe(self, rewards, reward_names) -> None:
-        self._seen.extend((name, ok) for _, name, _, ok in self._columns(rewards, reward_names))
+        for _, name, _, ok in self._columns(rewards, reward_names):
+            self.record((name, ok))
 
     def end_step(self, step: StepEnd) -> dict:
-        for name, ok in self._seen:
+        for name, ok in self.observed:  # every process's values of this step, in rank order
             self.stats[name] = self.merge(self.stats.get(name, [0.0, 0.0, 0.0]), ok)
-        self._seen = []
         return {}
 
 
@@ -222,7 +221,6 @@ class DatasetMedian(Stateful):
             raise ValueError(f"dataset_median.window: expected >= 1, got {window}")
         self.key, self.target, self.window, self.sources = key, target, window, sources
         self.history: dict[str, list[float]] = {}
-        self._seen: list[tuple[str, list[float]]] = []
 
     def __call__(self, rewards, reward_names, columns):
         out = rewards.clone()
@@ -262,13 +260,12 @@ class DatasetMedian(Stateful):
                 yield k, lab, rows, [r[i] for i in rows if math.isfinite(r[i])]
 
     def observe(self, rewards, reward_names, columns) -> None:
-        self._seen.extend((f"{reward_names[k]}|{lab}", values)
-                          for k, lab, _, values in self._groups(rewards, reward_names, columns))
+        for k, lab, _, values in self._groups(rewards, reward_names, columns):
+            self.record((f"{reward_names[k]}|{lab}", values))
 
     def end_step(self, step: StepEnd) -> dict:
-        for key, values in self._seen:
+        for key, values in self.observed:  # every process's rewards of this step, in rank order
             self.history[key] = (self.history.get(key, []) + values)[-self.window:]
-        self._seen = []
         return {}
 
 

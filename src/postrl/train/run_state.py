@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -328,3 +329,19 @@ def open_new_run(run_dir: Path, config_yaml: str) -> RunLock:
         (run_dir / name).write_text("")
     (run_dir / "summary.json").unlink(missing_ok=True)
     return lock
+
+
+def append_samples(path: Path, step: int, batch, n: int) -> None:
+    """Append the first ``n`` rows of a training batch to samples.jsonl: prompt, completion, each reward, the
+    scalar reward, the mean advantage, truncated / valid (non-finite values as null)."""
+    def f(x) -> float | None:
+        v = float(x)
+        return v if math.isfinite(v) else None
+
+    lines = [json.dumps({"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
+                         "rewards": {name: f(batch.rewards[i, j]) for j, name in enumerate(batch.reward_names)},
+                         "reward": f(batch.reward[i]), "advantage": f(batch.advantages[i].mean()),
+                         "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i])})
+             for i in range(min(len(batch), n))]
+    with open(path, "a") as fh:
+        fh.write("".join(line + "\n" for line in lines))

@@ -1,10 +1,11 @@
 """Rewards then shaping on a rollout batch: the run's reward sources and shaping stages as one object.
 
 ``Scorer.score(batch)`` fills ``rewards`` [N, K] (every source scores every completion: in parallel, per-call
-timeout, failures isolated as NaN and counted; ``cfg.reward``), ``raw_rewards`` (before shaping), the step texts /
+timeout, failures isolated as NaN and counted; the config's ``reward`` section), ``raw_rewards`` (before shaping), the step texts /
 step ends when a source or stage reads them, then runs the shaping stages in config order; ``valid`` marks the
 completions with a finite reward. ``observe=False`` scores a batch that does not train (a greedy baseline): the
-stateful stages then learn nothing from it. ``end_step`` applies what the stateful stages recorded, once a step.
+stateful stages then learn nothing from it; on a batch that trains, every stateful reward source and shaping stage
+records it (``observe``); the step applies what they recorded once (:meth:`postrl.step.Step.end`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
-from postrl.rewards.steps import split_steps, step_token_ends
-from postrl.stages import StepEnd
+from postrl.reasoning_steps import split_steps, step_token_ends
 
 _log = logging.getLogger("postrl.rewards")
 
 
 class Scorer:
-    def __init__(self, cfg: Any, context: RewardContext, tokenizer: Any, log: Callable[[str], None] | None = None):
-        self.cfg = cfg.reward
-        self.train_cfg = cfg.train  # (train.steps may grow on a resume)
-        self.specs = cfg.rewards
-        self.rewards = stages.build_all("reward", cfg.rewards)
-        self.shaping = stages.build_all("shaping", cfg.shaping)
-        self.weights = torch.tensor(cfg.reward.weights if cfg.reward.weights is not None
-                                    else [r.weight for r in cfg.rewards], dtype=torch.float32)
+    """``reward``: the config's ``reward`` section (evaluation and fault handling); ``rewards`` / ``shaping``: its
+    stage lists; ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (step ends)."""
+
+    def __init__(self, reward: Any, rewards: list, shaping: list, context: RewardContext, tokenizer: Any,
+                 log: Callable[[str], None] | None = None):
+        self.cfg = reward
+        self.specs = rewards
+        self.rewards = stages.build_all("reward", rewards, section="rewards")
+        self.shaping = stages.build_all("shaping", shaping, section="shaping")
+        self.weights = torch.tensor(reward.weights if reward.weights is not None
+                                    else [r.weight for r in rewards], dtype=torch.float32)
         self.context = context
         self.tokenizer = tokenizer
         self.log = log
@@ -66,7 +69,7 @@ class Scorer:
                               completion_ids=[ids[:n].tolist() for ids, n in zip(batch.completion_ids,
                                                                                  batch.lengths.long().tolist())],
                               trainer_state={"global_step": int(batch.extra.get("step", 0)),
-                                             "max_steps": self.train_cfg.steps})
+                                             "max_steps": int(batch.extra.get("max_steps", 0))})
         batch.reward_names = [r.name for r in self.specs]
         batch.rewards = outcome.matrix
         batch.reward_weights = self.weights
@@ -78,6 +81,9 @@ class Scorer:
         if outcome.step_rewards is not None or self.wants_step_ends:
             batch.step_ends = step_token_ends(batch.completion_ids, batch.lengths, batch.completions,
                                               self.tokenizer, rc.step_delimiter)
+        if observe:
+            for stage in self.rewards:
+                stage.observe(batch)
         for stage in self.shaping:
             out = stage(batch)
             if observe:
@@ -108,7 +114,4 @@ class Scorer:
         out = score_batch(prompts, completions, columns, self.specs, built=[(s.fn, s.params) for s in self.rewards],
                           context=self.context, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size)
         return (out.matrix * self.weights).sum(-1).tolist()
-
-    def end_step(self, step: StepEnd) -> dict:
-        return stages.end_step(self.stages, step)
 
