@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from postrl.errors import ConfigError, PostrlError
 from postrl.rewards.code import code_tests, last_results
-from postrl.sandbox import Limits, SandboxPool, capabilities, core, run
+from postrl.sandbox import (Limits, SandboxConfigError, SandboxError, SandboxPool, SandboxUnavailable, capabilities,
+                            confine, launch, probe, run)
 
 try:
     CAPS = capabilities()
-except PostrlError as e:  # pragma: no cover - a machine where no sandbox works at all
+except SandboxError as e:  # pragma: no cover - a machine where no sandbox works at all
     pytest.skip(f"no code sandbox on this machine: {e}", allow_module_level=True)
 NAMESPACES = CAPS["mode"] in ("bwrap", "namespaces")
 TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
@@ -49,10 +49,10 @@ def _stray(results) -> list[int]:
     """Processes left by these runs: any descendant of this test process, any process of a run's uid. Python's
     multiprocessing resource tracker, which the first spawned process of the session (test_helpers' generation
     helpers) starts and which lives until the session ends, is not one of them."""
-    left = [p for p in core._proc_descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
+    left = [p for p in launch._proc_descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
     for r in results:
         if r is not None and r.uid is not None:
-            left += core._proc_uid_pids(r.uid)
+            left += launch._proc_uid_pids(r.uid)
     return left
 
 
@@ -134,7 +134,7 @@ def test_capabilities_say_what_is_enforced():
 def _fallback():
     try:
         return capabilities("fallback")
-    except PostrlError as e:
+    except SandboxUnavailable as e:
         pytest.skip(f"fallback sandbox unavailable here: {e}")
 
 
@@ -143,7 +143,7 @@ def test_fallback_is_announced_once_at_startup(caplog):
     assert caps["mode"] == "fallback"
     for what in ("network", "filesystem reads outside the sandbox", "process visibility"):
         assert what in caps["warning"]
-    core._WARNED.discard(caps["warning"])
+    probe._WARNED.discard(caps["warning"])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="postrl.sandbox"):
         capabilities("fallback")
@@ -153,17 +153,17 @@ def test_fallback_is_announced_once_at_startup(caplog):
 
 
 def test_bwrap_required_but_missing_is_a_startup_error(monkeypatch):
-    monkeypatch.setattr(core, "_bwrap_binary", lambda: None)
-    with pytest.raises(PostrlError, match="bubblewrap does not work here"):
-        core._probe("bwrap")
+    monkeypatch.setattr(probe, "_bwrap_binary", lambda: None)
+    with pytest.raises(SandboxUnavailable, match="bubblewrap does not work here"):
+        probe._probe("bwrap")
 
 
 def test_bad_limits_and_mode_are_one_line_errors():
-    with pytest.raises(ConfigError, match="'timeout' must be a positive number"):
+    with pytest.raises(SandboxConfigError, match="'timeout' must be a positive number"):
         Limits(timeout=0)
-    with pytest.raises(ConfigError, match="memory_mb"):
+    with pytest.raises(SandboxConfigError, match="memory_mb"):
         Limits(memory_mb=4)
-    with pytest.raises(ConfigError, match="sandbox mode 'docker'"):
+    with pytest.raises(SandboxConfigError, match="sandbox mode 'docker'"):
         capabilities("docker")
 
 
@@ -342,11 +342,11 @@ def _kernel_has_namespaces() -> bool:
 
 def _isolating_modes() -> list[str]:
     modes = []
-    if core._bwrap_binary():
+    if probe._bwrap_binary():
         try:
             capabilities("bwrap")
             modes.append("bwrap")
-        except PostrlError:
+        except SandboxUnavailable:
             pass
     if _kernel_has_namespaces():
         modes.append("namespaces")  # must work here: a failure to start is a test failure, not a skip
@@ -561,7 +561,7 @@ print('HELD', len(alive), flush=True)
     held = max([int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("HELD")] or [0])
     assert "HELD" in r.stdout or r.status == "memory", (r.status, r.reason, r.stderr)
     if caps["cgroup"]:
-        assert held * 90 <= lim.memory_mb + core._CGROUP_SLACK_MB, (held, r.stdout)
+        assert held * 90 <= lim.memory_mb + confine.CGROUP_SLACK_MB, (held, r.stdout)
         assert r.status == "memory" and "whole program" in r.reason, (r.status, r.reason)
         assert "cgroup" in caps["limits"]["memory"]
     else:
@@ -620,7 +620,7 @@ def test_namespaces_mode_as_an_unprivileged_user():
     py = "/usr/bin/python3"
     if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(py):
         pytest.skip("needs root (to become nobody), setpriv and /usr/bin/python3")
-    src = str(Path(core.__file__).resolve().parents[2])
+    src = str(Path(probe.__file__).resolve().parents[2])
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
