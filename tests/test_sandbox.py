@@ -49,10 +49,10 @@ def _stray(results) -> list[int]:
     """Processes left by these runs: any descendant of this test process, any process of a run's uid. Python's
     multiprocessing resource tracker, which the first spawned process of the session (test_helpers' generation
     helpers) starts and which lives until the session ends, is not one of them."""
-    left = [p for p in launch._proc_descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
+    left = [p for p in launch.descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
     for r in results:
         if r is not None and r.uid is not None:
-            left += launch._proc_uid_pids(r.uid)
+            left += launch.uid_pids(r.uid)
     return left
 
 

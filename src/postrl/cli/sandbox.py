@@ -75,5 +75,6 @@ def add_parser(sub) -> None:
     s.add_argument("--stdin", metavar="FILE", help="feed FILE to the program's stdin (plain run)")
     s.add_argument("--isolation", choices=("auto", "bwrap", "namespaces", "fallback"), default=None,
                    help="sandbox mode (default: POSTRL_SANDBOX or auto)")
-    s.add_argument("--capabilities", action="store_true", help="print what this machine enforces (isolation, limits, the seccomp filter) and exit")
+    s.add_argument("--capabilities", action="store_true",
+                   help="print what this machine enforces (isolation, limits, the seccomp filter) and exit")
     s.set_defaults(fn=cmd_sandbox)

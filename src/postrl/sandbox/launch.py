@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from postrl.sandbox import confine, seccomp
+from postrl.sandbox._harness.util import descendants, kill_pids, proc_scan
 from postrl.sandbox.errors import SandboxUnavailable
 from postrl.sandbox.limits import Limits
 from postrl.sandbox.results import SandboxResult, interpret
@@ -256,55 +257,16 @@ def launch(caps: dict, code: str, kind_spec: dict | None, stdin: str | None, lim
 # ------------------------------------------------------------------------------------------------ teardown
 
 
-def _proc_uid_pids(uid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    out.append(int(name))
-            except OSError:
-                pass
-    return out
-
-
-def _proc_ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read()
-        return int(st[st.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_descendants(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            pp = _proc_ppid(int(name))
-            if pp is not None:
-                kids.setdefault(pp, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _kill(pids) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
+def uid_pids(uid: int) -> list[int]:
+    """Processes whose real uid is ``uid`` (the harness's process table: /proc/PID/status)."""
+    return [pid for pid, _, u, _ in proc_scan() if u == uid]
 
 
 def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int | None) -> None:
     """Kill the whole sandbox and reap its top process; afterwards nothing of the run is left."""
     if caps["mode"] == "bwrap":
-        if child_pid and _proc_ppid(child_pid) == p.pid:
-            _kill([child_pid])  # the pid namespace's init: the kernel kills every process inside with it
+        if child_pid and any(pid == child_pid and ppid == p.pid for pid, ppid, _, _ in proc_scan()):
+            kill_pids([child_pid])  # the pid namespace's init: the kernel kills every process inside with it
         try:
             p.wait(timeout=2.0)
             return
@@ -312,7 +274,7 @@ def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int 
             pass
     if caps["mode"] == "namespaces":  # the top process waits outside; its death kills the namespace's init
         while p.poll() is None:
-            _kill(_proc_descendants(p.pid) + [p.pid])
+            kill_pids(descendants(p.pid) + [p.pid])
             time.sleep(0.005)
         p.wait()
         return
@@ -320,16 +282,16 @@ def _terminate(p: subprocess.Popen, caps: dict, child_pid: int | None, uid: int 
     # reap and exit; only if it does not, kill it too.
     t_end = time.monotonic() + 1.0
     while p.poll() is None:
-        victims = _proc_descendants(p.pid)
+        victims = descendants(p.pid)
         if uid is not None:
-            victims += _proc_uid_pids(uid)
-        _kill(victims)
+            victims += uid_pids(uid)
+        kill_pids(victims)
         if time.monotonic() > t_end:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except OSError:
                 pass
-            _kill([p.pid])
+            kill_pids([p.pid])
         time.sleep(0.005)
     p.wait()
 
@@ -340,10 +302,10 @@ def _sweep_uid(uid: int | None) -> None:
     if uid is None:
         return
     for _ in range(100):
-        pids = _proc_uid_pids(uid)
+        pids = uid_pids(uid)
         if not pids:
             break
-        _kill(pids)
+        kill_pids(pids)
         time.sleep(0.01)
     for d in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm", "/run/lock")):
         try:
@@ -382,8 +344,6 @@ def _dir_bytes(path: str, max_entries: int = 20000) -> int:
             except OSError:
                 pass
     return total
-
-
 
 
 def _rmtree(path: str) -> None:

@@ -41,11 +41,7 @@ def harden(spec):
             for cap in range(64):
                 if prctl(_PR_CAPBSET_DROP, cap) != 0 and cap > 40:
                     break
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-        if os.getuid() != uid or os.geteuid() != uid:
-            raise RuntimeError("could not drop to the sandbox uid")
+        _drop_to(uid, gid)
     try:
         with open("/proc/sys/fs/suid_dumpable") as f:
             suid_dumpable = f.read().strip()
@@ -55,6 +51,15 @@ def harden(spec):
         prctl(_PR_SET_DUMPABLE, 0)
     if full:
         prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _drop_to(uid, gid):
+    """Root to ``uid`` / ``gid`` for good (real, effective and saved ids; no supplementary groups)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise RuntimeError("could not drop to the sandbox uid")
 
 
 def load_seccomp(program):
@@ -172,11 +177,7 @@ def confine(c, report_fd):
     if as_root:
         _sys(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
         _build_root(c, libc)
-        os.setgroups([])
-        os.setresgid(c["uid"], c["uid"], c["uid"])
-        os.setresuid(c["uid"], c["uid"], c["uid"])
-        if os.geteuid() != c["uid"]:
-            raise RuntimeError("could not drop to the sandbox uid")
+        _drop_to(c["uid"], c["uid"])
         prctl(_PR_SET_DUMPABLE, 1)  # the uid change made /proc/self root's; the maps below need it ours (no
         # program runs yet; harden() makes this process undumpable again before one does)
     uid, gid = os.geteuid(), os.getegid()

@@ -1,6 +1,7 @@
 """Harness helpers: the report's JSON, the spec's framing, libc (``prctl``), the process table, wait statuses.
 
-Built-in modules only (see the package docstring).
+Built-in modules only (see the package docstring). The host's teardown (:mod:`postrl.sandbox.launch`) uses the
+process table helpers too.
 """
 
 import os
@@ -87,7 +88,6 @@ def get_libc():
 def prctl(*args):
     libc = get_libc()
     return -1 if libc is None else libc.prctl(*(list(args) + [0] * (5 - len(args))))
-
 
 
 def proc_scan():
