@@ -879,3 +879,54 @@ def test_callers_turn_sandbox_errors_into_one_line_postrl_errors(tmp_path, capsy
     assert main(["sandbox", str(prog), "--timeout", "0"]) == 2
     assert capsys.readouterr().err.strip() == \
         "postrl: error: sandbox limit 'timeout' must be a positive number, got 0.0"
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_the_filter_program_decides_as_documented(arch):
+    """The compiled classic-BPF program, run by a small interpreter here, for both architectures (only the one of
+    this machine can be run by the kernel): the numbers are the test's own (Linux uapi tables)."""
+    import struct
+
+    from postrl.sandbox import seccomp
+
+    prog = seccomp.program(arch)
+    ins = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+
+    def decide(nr, arg0=0, audit=None):
+        data = struct.pack("<iIQ6Q", nr, audit if audit is not None else AUDIT[arch], 0, arg0, 0, 0, 0, 0, 0)
+        pc, acc = 0, 0
+        while True:
+            code, jt, jf, k = ins[pc]
+            if code == 0x20:  # ld [k]
+                acc = struct.unpack_from("<I", data, k)[0]
+            elif code == 0x06:  # ret k
+                return {0x7FFF0000: "allow", 0x80000000: "kill", 0x0: "kill", 0x50001: "EPERM",
+                        0x50026: "ENOSYS"}[k]
+            elif code in (0x15, 0x35, 0x45):  # jeq / jge / jset
+                hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
+                pc += jt if hit else jf
+            else:
+                raise AssertionError(f"unexpected opcode {code:#x}")
+            pc += 1
+
+    AUDIT = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+    nr = {"x86_64": {"io_uring_setup": 425, "keyctl": 250, "add_key": 248, "perf_event_open": 298, "bpf": 321,
+                     "open_by_handle_at": 304, "unshare": 272, "personality": 135, "clone": 56, "clone3": 435,
+                     "read": 0, "write": 1, "getpid": 39, "mount": 165, "ptrace": 101},
+          "aarch64": {"io_uring_setup": 425, "keyctl": 219, "add_key": 217, "perf_event_open": 241, "bpf": 280,
+                      "open_by_handle_at": 265, "unshare": 97, "personality": 92, "clone": 220, "clone3": 435,
+                      "read": 63, "write": 64, "getpid": 172, "mount": 40, "ptrace": 117}}[arch]
+    for name in (*LISTED[:-1], "mount", "ptrace"):
+        assert decide(nr[name]) == "EPERM", name
+    for name in ("read", "write", "getpid"):
+        assert decide(nr[name]) == "allow", name
+    assert decide(nr["clone3"]) == "ENOSYS"
+    assert decide(nr["clone"], 0x01200011) == "allow"  # fork: CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD
+    assert decide(nr["clone"], 0x003D0F00) == "allow"  # a thread (glibc's flags)
+    assert decide(nr["clone"], 0x10000000 | 17) == "EPERM"  # CLONE_NEWUSER
+    assert decide(nr["clone"], 0x40000000 | 17) == "EPERM"  # CLONE_NEWNET
+    assert decide(nr["personality"], 0xFFFFFFFF) == "allow" and decide(nr["personality"], 0) == "allow"
+    assert decide(nr["personality"], 0x0040000) == "EPERM"  # ADDR_NO_RANDOMIZE
+    assert decide(nr["getpid"], audit=0x40000003) == "kill"  # AUDIT_ARCH_I386 (int 0x80) / any other arch
+    if arch == "x86_64":
+        assert decide(0x40000000 | 39) == "EPERM"  # x32 getpid
