@@ -4,6 +4,7 @@ test runner's report is the next observation."""
 from __future__ import annotations
 
 from postrl.environments import Environment
+from postrl.errors import sandbox_errors
 from postrl.registry import register
 
 
@@ -45,7 +46,8 @@ class CodeRepairEnv(Environment):
         from postrl.sandbox import Limits, run
 
         code = extract_code(action)
-        res = run(code, self.row["tests"], limits=Limits(timeout=self.timeout, memory_mb=self.memory_mb))
+        with sandbox_errors():
+            res = run(code, self.row["tests"], limits=Limits(timeout=self.timeout, memory_mb=self.memory_mb))
         if res.status == "error":
             raise RuntimeError(f"code_repair: the sandbox failed: {res.reason}")
         solved = res.status == "ok" and res.total > 0 and res.passed == res.total

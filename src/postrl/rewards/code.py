@@ -25,7 +25,7 @@ import re
 import threading
 from typing import Any
 
-from postrl.errors import ConfigError
+from postrl.errors import ConfigError, sandbox_errors
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 from postrl.sandbox import Limits, SandboxResult, default_pool
@@ -59,7 +59,8 @@ def last_results() -> list[SandboxResult | None]:
 
 
 def _limits(timeout: float, memory_mb: int, test_timeout: float | None) -> Limits:
-    return Limits(timeout=timeout, memory_mb=memory_mb, test_timeout=test_timeout)
+    with sandbox_errors():
+        return Limits(timeout=timeout, memory_mb=memory_mb, test_timeout=test_timeout)
 
 
 def _check_isolation(isolation: str | None) -> None:
@@ -76,10 +77,11 @@ def run_completions(completions: list[str], tests: list | None, limits: Limits,
         tests = [None] * n
     if len(tests) != n:
         raise ConfigError(f"tests column has {len(tests)} rows for {n} completions")
-    pool = default_pool()
-    futs = [None if t is None else pool.submit(extract_code(c), t, limits=limits, mode=isolation)
-            for c, t in zip(completions, tests)]
-    results = [None if f is None else f.result() for f in futs]
+    with sandbox_errors():
+        pool = default_pool()
+        futs = [None if t is None else pool.submit(extract_code(c), t, limits=limits, mode=isolation)
+                for c, t in zip(completions, tests)]
+        results = [None if f is None else f.result() for f in futs]
     _LAST.results = results
     return results
 
@@ -355,7 +357,8 @@ class VeRPOWeightedTests(Stateful):
 def _unit_keys(tests: Any) -> list[str]:
     from postrl.sandbox.testspec import unit_keys
 
-    return unit_keys(tests)
+    with sandbox_errors():
+        return unit_keys(tests)
 
 
 __all__ = ["extract_code", "code_tests", "code_reshaped", "VeRPOWeightedTests", "lint_issues", "last_results",

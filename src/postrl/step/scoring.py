@@ -17,7 +17,7 @@ import torch
 
 from postrl import stages
 from postrl.batch import RolloutBatch
-from postrl.errors import ConfigError
+from postrl.errors import ConfigError, sandbox_errors
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
 from postrl.reasoning_steps import split_steps, step_token_ends
@@ -49,7 +49,8 @@ class Scorer:
         if any("sandbox" in s.needs for s in self.rewards) and self.log is not None:
             from postrl.sandbox import capabilities
 
-            warning = capabilities().get("warning")
+            with sandbox_errors():
+                warning = capabilities().get("warning")
             if warning:
                 self.log(f"warning: {warning}")
 
