@@ -276,7 +276,7 @@ def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
     first = _run_postrl(model_dir, tmp_path, section, save_strategy="steps", save_steps=1, max_steps=2)
     ckpt = tmp_path / "postrl" / "checkpoint-1"
     state = json.loads((ckpt / "postrl_state.json").read_text())
-    assert state["step"] == 1 and state["objective"]["kl"]
+    assert state["step"] == 1 and state["stages"]["kl"]
     resumed = GRPOTrainer(model=model_dir, postrl=section, args=_args(tmp_path / "resumed", max_steps=2),
                           train_dataset=_dataset())
     resumed.train(resume_from_checkpoint=str(ckpt))

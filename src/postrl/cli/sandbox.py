@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from postrl.errors import PostrlError, sandbox_errors
+from postrl.errors import PostrlError
 
 
 def _read(path: str, what: str) -> str:
@@ -20,6 +20,8 @@ def _read(path: str, what: str) -> str:
 
 
 def cmd_sandbox(args) -> int:
+    from postrl.rewards.code import sandbox_errors
+
     with sandbox_errors():
         return _sandbox(args)
 

@@ -4,7 +4,7 @@ test runner's report is the next observation."""
 from __future__ import annotations
 
 from postrl.environments import Environment
-from postrl.errors import sandbox_errors
+from postrl.rewards.code import sandbox_errors
 from postrl.registry import register
 
 

@@ -20,12 +20,14 @@ anything cannot turn a failing test into a pass.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import re
 import threading
 from typing import Any
 
-from postrl.errors import ConfigError, sandbox_errors
+from postrl.errors import ConfigError, DataError, PostrlError
+from postrl.sandbox.errors import SandboxConfigError, SandboxDataError, SandboxError
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 from postrl.sandbox import Limits, SandboxResult, default_pool
@@ -37,6 +39,23 @@ _LAST: threading.local = threading.local()
 # does a program that ends its own process, or hits the time or memory limit, before it has even loaded.
 _ZERO_STATUSES = ("killed", "output_limit", "error")
 _ZERO_LOAD = ("exit", "timeout", "memory", "killed")
+
+
+@contextlib.contextmanager
+def sandbox_errors():
+    """Re-raise the code sandbox's own errors (:mod:`postrl.sandbox.errors`: the sandbox imports nothing of postrl)
+    as these: ``SandboxConfigError`` as :class:`ConfigError`, ``SandboxDataError`` (a row's malformed ``tests``) as
+    :class:`DataError`, any other ``SandboxError`` (the requested isolation does not work here) as
+    :class:`PostrlError`; the message is kept."""
+    try:
+        yield
+    except SandboxConfigError as e:
+        raise ConfigError(str(e)) from None
+    except SandboxDataError as e:
+        raise DataError(str(e)) from None
+    except SandboxError as e:
+        raise PostrlError(str(e)) from None
+
 
 
 def _hostile(r: SandboxResult) -> bool:

@@ -17,7 +17,8 @@ import torch
 
 from postrl import stages
 from postrl.batch import RolloutBatch
-from postrl.errors import ConfigError, sandbox_errors
+from postrl.errors import ConfigError
+from postrl.rewards.code import sandbox_errors
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import wants
 from postrl.reasoning_steps import split_steps, step_token_ends
