@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import torch
 
+from postrl.groups import group_index
+
 from postrl.evaluate import pass_at_k
 
 _NAN = float("nan")
@@ -33,9 +35,9 @@ def _np(x: torch.Tensor | np.ndarray, dtype=np.float64) -> np.ndarray:
 
 
 def _group_index(group_ids) -> tuple[np.ndarray, int]:
-    _, inv = np.unique(_np(group_ids, None), return_inverse=True)
-    inv = inv.reshape(-1)
-    return inv, (int(inv.max()) + 1 if inv.size else 0)
+    """``postrl.groups.group_index`` as numpy (the metrics are computed in numpy)."""
+    inv, ng = group_index(torch.as_tensor(_np(group_ids, None)))
+    return inv.numpy(), ng
 
 
 def _mean(x: np.ndarray) -> float:
