@@ -422,6 +422,8 @@ def test_tis_token_and_sequence_truncate_and_mask():
     assert torch.allclose(seq, torch.tensor([[6.25] * 3, [3.0] * 3]), atol=1e-5)
     seqm = tis_weights(old, sampler, mask, level="sequence", mode="mask", cap=5.0)
     assert torch.allclose(seqm, torch.tensor([[0.0] * 3, [3.0] * 3]), atol=1e-5)
+    with pytest.raises(ValueError, match="cap"):
+        tis_weights(old, sampler, mask, cap=0.0)
     with pytest.raises(ConfigError, match=r"^loss.tis.cap: "):  # the run's loss.tis section holds cap > 0
         load_config(None, ["loss.tis.level=token", "loss.tis.cap=0"])
 
@@ -474,6 +476,8 @@ def test_adaptive_kl_controller_matches_ziegler_update():
     assert c2.value == 0.5
     c2.load_state_dict(c.state_dict())
     assert c2.value == c.value
+    with pytest.raises(ValueError):
+        KLController(0.1, adaptive=True, target=0.0)
     with pytest.raises(ConfigError, match=r"^kl.target: "):  # the run's kl section holds target > 0
         load_config(None, ["kl.controller=adaptive", "kl.coef=0.1", "kl.target=0"])
 

@@ -122,10 +122,11 @@ class KLController:
     e = clip(current / target - 1, -0.2, 0.2);  coef <- coef * (1 + e * n / horizon).
     Defaults target = 0.1, horizon = 10000 (verl ``kl_ctrl.target_kl`` / ``kl_ctrl.horizon``). The coefficient
     is part of the checkpoint (``state_dict``), so a resumed run continues with the adapted value.
-    Built from the run's ``kl`` section, whose schema (``postrl.config.KLConfig``) holds target > 0, horizon >= 1.
     """
 
     def __init__(self, coef: float, *, adaptive: bool = False, target: float = 0.1, horizon: int = 10000):
+        if adaptive and (target <= 0 or horizon <= 0):
+            raise ValueError(f"kl: adaptive controller needs target > 0 and horizon > 0, got {target} / {horizon}")
         self.value = float(coef)
         self.adaptive = adaptive
         self.target = float(target)

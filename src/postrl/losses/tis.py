@@ -9,8 +9,6 @@ Training", Yao et al. 2025). TIS multiplies the policy loss by a detached, trunc
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 LEVELS = ("none", "token", "sequence")
@@ -18,8 +16,7 @@ MODES = ("truncate", "mask")
 
 
 def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, *,
-                level: Literal["token", "sequence"] = "token", mode: Literal["truncate", "mask"] = "truncate",
-                cap: float = 2.0) -> torch.Tensor:
+                level: str = "token", mode: str = "truncate", cap: float = 2.0) -> torch.Tensor:
     """Detached weights [N, T] for the policy-loss matrix (``loss.tis``).
 
     d_t = old_logp_t - sampler_logp_t (trainer's log-prob of the policy that generated the batch minus the
@@ -30,8 +27,13 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
     ``truncate``; TRL ``vllm_importance_sampling_mode`` = ``{token,sequence}_{truncate,mask}`` with
     ``vllm_importance_sampling_cap`` (TRL's current defaults: sequence_mask, cap 3.0). ``mask`` zeroes the weight
     and keeps the token in the aggregation's normaliser, as TRL does (verl's rejection mask removes it instead).
-    The values come from the run's ``loss.tis`` section, whose schema (``postrl.config.TISConfig``) holds cap > 0.
     """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"loss.tis.level: expected 'token' or 'sequence', got {level!r}")
+    if mode not in MODES:
+        raise ValueError(f"loss.tis.mode: expected 'truncate' or 'mask', got {mode!r}")
+    if cap <= 0:
+        raise ValueError(f"loss.tis.cap: expected a value > 0, got {cap}")
     with torch.no_grad():
         d = (old_logp - sampler_logp) * mask
         if level == "sequence":
