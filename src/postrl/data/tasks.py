@@ -109,15 +109,22 @@ def _ops(ops: str) -> str:
 Ops = Annotated[str, AfterValidator(_ops)]
 
 
-def _digit_range(params: dict, run: Any, where: str) -> dict:
-    """``arithmetic``: ``min_digits`` <= ``digits``."""
-    p = {**{k: d for k, (_, d) in parameters(ArithmeticTask).items()}, **params}
-    if p["min_digits"] > p["digits"]:
-        raise ConfigError(f"{where}.min_digits: expected a value <= digits ({p['digits']}), got {p['min_digits']}")
-    return params
+def digit_range(task: str) -> Any:
+    """The registered check of an ``arithmetic``-like task (registered as ``task``): ``min_digits`` <= ``digits``,
+    each defaulting to the task's own default."""
+
+    def check(params: dict, run: Any, where: str) -> dict:
+        from postrl import registry
+
+        p = {**{k: d for k, (_, d) in parameters(registry.get("task", task)).items()}, **params}
+        if p["min_digits"] > p["digits"]:
+            raise ConfigError(f"{where}.min_digits: expected a value <= digits ({p['digits']}), got {p['min_digits']}")
+        return params
+
+    return check
 
 
-@register("task", "arithmetic", source="procedural (TinyStories-scale sanity task)", check=_digit_range)
+@register("task", "arithmetic", source="procedural (TinyStories-scale sanity task)", check=digit_range("arithmetic"))
 class ArithmeticTask(ProceduralTask):
     """Integer arithmetic ``a<op>b=`` with operands of min_digits..digits digits; answer is the integer.
 
