@@ -197,9 +197,11 @@ FUZZ = [
     (["task.digits=0"], r"^task\.digits: expected a value >= 1, got 0$"),
     (["task.digits=2", "task.min_digits=3"], r"^task\.min_digits: expected a value <= digits \(2\), got 3$"),
     (["task.ops=/"], r"^task\.ops: expected a non-empty string of '\+', '-', '\*', got '/'$"),
-    (["filters=[{name: range_filter, low: 1, high: 0}]"], r"^filters\.0\.high: expected a value > low \(1\.0\), got 0\.0$"),
+    (["filters=[{name: range_filter, low: 1, high: 0}]"],
+     r"^filters\.0\.high: expected a value > low \(1\.0\), got 0\.0$"),
     (["filters=[{name: pcl, epochs: 0}]"], r"^filters\.0\.epochs: expected a value >= 1, got 0$"),
-    (["regularizers=[{name: top_entropy_tokens, q: 0}]"], r"^regularizers\.0\.q: expected a value > 0 and <= 1, got 0$"),
+    (["regularizers=[{name: top_entropy_tokens, q: 0}]"],
+     r"^regularizers\.0\.q: expected a value > 0 and <= 1, got 0$"),
     (["shaping=[{name: ensemble_brme, lam: 2}, {name: weighted_sum}]"],
      r"^shaping\.0\.lam: expected a value >= 0 and <= 1, got 2$"),
 ]

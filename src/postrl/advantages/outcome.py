@@ -157,8 +157,8 @@ def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
 @register("advantage", "gpg", source="GPG: A Simple and Strong Reinforcement Learning Baseline (Chu et al. 2025); "
           "verl adv_estimator=gpg", needs=("groups",))
 def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-        f_norm: Annotated[float, Gt(0)] = 1.0,
-        count: Literal["nonzero_reward", "informative"] = "nonzero_reward", singleton: Singleton = "zero") -> torch.Tensor:
+        f_norm: Annotated[float, Gt(0)] = 1.0, count: Literal["nonzero_reward", "informative"] = "nonzero_reward",
+        singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = alpha * (r_i - mean_g r) / f_norm, alpha = B / max(1, M).
 
     "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning": a group-mean advantage

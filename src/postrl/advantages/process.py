@@ -31,7 +31,8 @@ def _loo_mean(x: torch.Tensor, inv: torch.Tensor, ng: int, v: torch.Tensor) -> t
 def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: torch.Tensor, reward_names: list,
                 reward_weights: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
                 step_reward_source: str | None = None, valid: torch.Tensor | None = None, *,
-                source: str | None = None, baseline: Literal["token", "step"] = "token", whiten: bool = False) -> torch.Tensor:
+                source: str | None = None, baseline: Literal["token", "step"] = "token",
+                whiten: bool = False) -> torch.Tensor:
     """Token advantages [N, T]: the return of the token's step minus a leave-one-out baseline, plus the outcome's.
 
     Usable with every policy loss.

@@ -95,7 +95,7 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
 
 
 def _verifier(verifier: str) -> str:
-    """A registered task with a verifier (not a data source)."""
+    """a registered task with a verifier (not a data source)"""
     from postrl import registry
 
     try:

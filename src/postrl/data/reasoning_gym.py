@@ -104,6 +104,7 @@ def _score_fn(dataset: str, config_json: str) -> Any:
 
 
 def _dataset_options(config: dict) -> dict:
+    """the dataset's options, without size and seed (task parameters)"""
     for key in ("size", "seed"):
         if key in config:
             raise ValueError(f"set '{key}' as a task parameter, not inside config")

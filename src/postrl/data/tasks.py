@@ -101,6 +101,7 @@ def parse_int(text: str) -> int | None:
 
 
 def _ops(ops: str) -> str:
+    """a non-empty string of '+', '-', '*'"""
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"expected a non-empty string of '+', '-', '*', got {ops!r}")
     return ops

@@ -36,6 +36,7 @@ Extract = Literal["none", "answer_tag", "boxed", "last_number", "auto"]  # where
 
 
 def _compiles(pattern: str) -> str:
+    """a regular expression (Python re)"""
     try:
         re.compile(pattern)
     except re.error as e:
@@ -44,6 +45,7 @@ def _compiles(pattern: str) -> str:
 
 
 def _tag_name(tag: str) -> str:
+    """a tag name (letters, digits, _ or -)"""
     if not re.fullmatch(r"[\w-]+", tag):
         raise ValueError(f"expected a tag name (letters, digits, _ or -) like 'think', got {tag!r}")
     return tag

@@ -20,7 +20,6 @@ anything cannot turn a failing test into a pass.
 from __future__ import annotations
 
 import ast
-import math
 import re
 import threading
 from typing import Annotated, Any, Literal

@@ -57,7 +57,8 @@ def delta_prm(step_rewards, rewards, reward_names, step_reward_source=None, *, s
 
 @register("shaping", "min_form", source="Stop Summation: Min-Form Credit Assignment Is All Process Reward Model "
                                         "Needs for Reasoning (PURE)")
-def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *, temperature: Annotated[float, Ge(0)] = 0.0,
+def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *,
+             temperature: Annotated[float, Ge(0)] = 0.0,
              source: str | None = None):
     """Min-form credit assignment (PURE): return_t = min_{k >= t} r_k instead of sum_{k >= t} gamma^(k-t) r_k.
 
@@ -107,7 +108,8 @@ def gated(step_rewards, rewards, reward_names, step_reward_source=None, *, outco
 
 
 @register("shaping", "potential", source="potential-based reward shaping (Ng, Harada & Russell 1999)")
-def potential(step_rewards, rewards, reward_names, step_reward_source=None, *, gamma: Annotated[float, Gt(0), Le(1)] = 1.0,
+def potential(step_rewards, rewards, reward_names, step_reward_source=None, *,
+              gamma: Annotated[float, Gt(0), Le(1)] = 1.0,
               phi0: float = 0.0, source: str | None = None):
     """Potential-based shaping over steps: F_t = gamma * Phi(s_t) - Phi(s_{t-1}), t = 1..T.
 
