@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from postrl.groups import group_index, valid_mask
-from postrl.advantages import grpo
+from postrl.advantages import Eps, grpo
 from postrl.io import load_object
 from postrl.registry import register
 
@@ -31,7 +31,7 @@ def _load_judge(judge: str) -> Callable:
           "Relative Ranking", needs=("groups",))
 def rank_tournament(reward: torch.Tensor, group_ids: torch.Tensor, prompts: list, completions: list,
                     valid: torch.Tensor | None = None, *, judge: str | None = None, seed: int = 0,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: Eps = 1e-6) -> torch.Tensor:
     """Seeded single-elimination tournament inside each group; the round reached is ranked, then GRPO-normalised.
 
     "ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based Relative Ranking": pairwise comparisons in a

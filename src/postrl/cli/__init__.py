@@ -30,7 +30,7 @@ EPILOG = """examples:
   postrl train --resume runs/arithmetic-...     continue a run from its latest checkpoint
   postrl config show run.yaml train.steps=10    print the resolved config
   postrl methods --kind advantage               list registered stages
-  postrl methods overlong_soft                  one stage: description, source, parameters and defaults
+  postrl methods overlong_soft                  one stage: description, source, parameters (type, range, default)
   postrl eval runs/arithmetic-... --task arithmetic
   postrl merge models/a models/b --out models/ab  the weighted average of two models (docs/merge.md)
 """

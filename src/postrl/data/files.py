@@ -18,7 +18,10 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Lt
+from pydantic import AfterValidator
 
 from postrl.data.base import PromptSource
 from postrl.seeding import stable_hash
@@ -91,14 +94,21 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
 # --------------------------------------------------------------------------------------------- sources
 
 
-def _check_verifier(verifier: str | None) -> None:
-    if verifier is None:
-        return
+def _verifier(verifier: str) -> str:
+    """a registered task with a verifier (not a data source)"""
     from postrl import registry
 
-    cls = registry.get("task", verifier)  # unknown name -> ConfigError listing the valid ones
+    try:
+        cls = registry.get("task", verifier)
+    except ConfigError as e:  # unknown name: the registry's message lists the valid ones
+        raise ValueError(str(e)) from None
     if isinstance(cls, type) and issubclass(cls, RowsSource):
-        raise ConfigError(f"task: verifier '{verifier}' is a data source, not a task with a verifier")
+        raise ValueError(f"'{verifier}' is a data source, not a task with a verifier")
+    return verifier
+
+
+Verifier = Annotated[str, AfterValidator(_verifier)]
+EvalFraction = Annotated[float, Ge(0), Lt(1)]  # the share of rows held out for evaluation
 
 
 class RowsSource(PromptSource):
@@ -117,13 +127,6 @@ class RowsSource(PromptSource):
         eval_fraction: float,
         verifier: str | None,
     ) -> None:
-        if not isinstance(eval_fraction, (int, float)) or not 0.0 <= eval_fraction < 1.0:
-            raise ConfigError(f"task: eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
-        if columns is not None and (
-            not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns)
-        ):
-            raise ConfigError(f"task: columns must be a list of column names, got {columns!r}")
-        _check_verifier(verifier)
         self.label = label
         self.prompt_column = prompt_column
         self.columns = list(columns) if columns is not None else None
@@ -211,12 +214,10 @@ class FileSource(RowsSource):
         path: str,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_path: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"task 'file': path must be a file path, got {path!r}")
         self.path = str(path)
         rows = read_rows(path)
         eval_rows = read_rows(eval_path) if eval_path is not None else None
@@ -272,9 +273,9 @@ class DatasetSource(RowsSource):
         config_name: str | None = None,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_split: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
         self.name_or_path = str(name_or_path)
         rows = _load_split(self.name_or_path, split, config_name)

@@ -15,9 +15,10 @@ of the prompt) and ``extra['completion_prefix']`` (the prefix text).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
+from annotated_types import Ge
 
 from postrl.batch import RolloutBatch
 from postrl.generation import left_pad
@@ -129,9 +130,7 @@ class CureBranching(Expansion):
 
     reads = ("token_entropy",)
 
-    def __init__(self, *, branches: int = 1, group_size: int | None = None):
-        if branches < 1 or (group_size is not None and group_size < 1):
-            raise ValueError("filters.cure_branching: expected branches >= 1 and group_size >= 1 (or null)")
+    def __init__(self, *, branches: Annotated[int, Ge(1)] = 1, group_size: Annotated[int, Ge(1)] | None = None):
         self.branches, self.group_size = branches, group_size
 
     def expand(self, batch: RolloutBatch, ctx: ExpandContext) -> RolloutBatch | None:
@@ -164,10 +163,8 @@ class RetryFromFailure(Expansion):
     (no feedback model), and R^3L's positive amplification (up-weighting successes) is not applied.
     """
 
-    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: int | None = None,
-                 max_per_group: int = 1, delimiter: str = "\n"):
-        if max_per_group < 1 or (retries is not None and retries < 1):
-            raise ValueError("filters.retry_from_failure: expected max_per_group >= 1 and retries >= 1 (or null)")
+    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: Annotated[int, Ge(1)] | None = None,
+                 max_per_group: Annotated[int, Ge(1)] = 1, delimiter: str = "\n"):
         self.reward, self.threshold, self.retries = reward, threshold, retries
         self.max_per_group, self.delimiter = max_per_group, delimiter
 
