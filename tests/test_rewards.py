@@ -521,7 +521,7 @@ class _Judge(BaseHTTPRequestHandler):
         self.server.requests.append(body)
         user = body["messages"][-1]["content"]
         if "SLOW" in user:
-            time.sleep(1.0)
+            time.sleep(4.0)
         if "HTTP500" in user:
             self.send_response(500)
             self.end_headers()
@@ -557,7 +557,7 @@ def test_judge_against_local_server(judge_server, monkeypatch):
     comps = ["GOOD", "FENCED", "BADJSON", "RANGE", "NOSCORE", "HTTP500", "SLOW", "meh"]
     registry.register("reward", "t_judge", source="test")(judge)
     out = score_batch(["q"] * 8, comps, {"group_ids": list(range(8)), "answer": ["42"] * 8},
-                      [spec("t_judge", base_url=url, timeout=0.3, api_key_env="POSTRL_TEST_KEY")],
+                      [spec("t_judge", base_url=url, timeout=2.0, api_key_env="POSTRL_TEST_KEY")],
                       workers=1, timeout=10.0)
     col = out.matrix[:, 0].tolist()
     assert col[0] == pytest.approx(0.8) and col[1] == 1.0 and col[7] == 0.0
@@ -566,7 +566,7 @@ def test_judge_against_local_server(judge_server, monkeypatch):
     assert "JudgeError: reply is not JSON" in out.first_failure["t_judge"]
     req = judge_server.requests[0]
     assert req["model"] == "judge" and req["messages"][0]["role"] == "system" and "42" in req["messages"][1]["content"]
-    direct = judge(["q"], ["SLOW"], base_url=url, timeout=0.3)
+    direct = judge(["q"], ["SLOW"], base_url=url, timeout=2.0)  # (a timeout a loaded machine cannot miss)
     assert "failed" in str(direct[0])  # a timeout is an entry failure, not an exception
 
 
