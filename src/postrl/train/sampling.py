@@ -72,10 +72,11 @@ class BatchSource:
     def __init__(self, cfg: Any, source: Any, ctx: ModelContext, scorer: Scorer, *, rank: int = 0, world: int = 1,
                  gather: Callable[[Any], list] = lambda obj: [obj],
                  max_over_processes: Callable[[int], int] = lambda n: n,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, notice: Any = None):
         self.cfg, self.source, self.ctx, self.scorer = cfg, source, ctx, scorer
         self.rank, self.world, self.gather, self.max_over_processes = rank, world, gather, max_over_processes
         self.log = log
+        self.notice = notice  # run_state.Notices: what changes the run, in every mode (the first time)
         self.stages = stages.build_all(stages.FILTER_KINDS, cfg.filters)
         by_kind = {k: [s for s in self.stages if s.kind == k] for k in stages.FILTER_KINDS}
         self.keepers, self.expansions = by_kind["filter"], by_kind["expansion"]
@@ -196,7 +197,9 @@ class BatchSource:
                    f"rounds (max_attempts={self.max_attempts}); the other {short} groups are masked out of the "
                    f"update")
             logging.getLogger("postrl.filters").warning(msg)
-            if self.log is not None:
+            if self.notice is not None and self.notice.once("filters_cap_hit", msg, step=step + 1, kind="warning"):
+                pass
+            elif self.log is not None:
                 self.log(f"warning: {msg}")
         batch = kept
         if self.selector is not None:  # every process's outcomes, so every process keeps the same state

@@ -77,6 +77,8 @@ class Trainer:
         self.reporter = reporter
         log = reporter.log if reporter is not None else print
         self.log = log if self.main else (lambda s: None)
+        # what changes what the run does: stderr in every mode (--quiet too) and RUN/notices.jsonl
+        self.notice = run_state.Notices(self.run_dir, enabled=self.main)
         self.source = load_source(cfg.task.model_dump())
         model, self.tokenizer, self.model_path = load_policy(cfg, self.acc.device, self.log, model, tokenizer)
         # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
@@ -111,10 +113,11 @@ class Trainer:
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
                                 score=lambda b: self.scorer.score(b, observe=False))
         self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
-                                                chat_template=cfg.model.chat_template), self.tokenizer, log=self.log)
+                                                chat_template=cfg.model.chat_template), self.tokenizer, log=self.log,
+                             notice=self.notice)
         self.batches = sampling.BatchSource(cfg, self.source, self.ctx, self.scorer, rank=self.rank,
                                             world=self.world, gather=self.procs.gather,
-                                            max_over_processes=self.procs.max, log=self.log)
+                                            max_over_processes=self.procs.max, log=self.log, notice=self.notice)
         for msg in sampling.check(cfg, [*self.batches.stages, self.advantage]):
             self._warn(msg)
         self.scorer.check_sandbox()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
@@ -127,6 +130,7 @@ class Trainer:
             self._resume()
         elif self.main:
             self._lock = run_state.open_new_run(self.run_dir, dump_yaml(cfg))
+        self.notice.start(new=not resume)
         # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         from postrl.diagnostics.hooks import Diagnostics
 
@@ -146,6 +150,7 @@ class Trainer:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)  # the command line prints it as one "warning: ..." line
+        self.notice(msg, kind="warning", echo=False)  # and RUN/notices.jsonl keeps it
 
     def _make_backend(self):
         return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
@@ -160,7 +165,7 @@ class Trainer:
         """Continue from the newest usable checkpoint (newer unusable ones are moved aside, saying so); decide
         ``train.steps`` (run_state.resume_steps) and whether the run already finished (then ``train`` does
         nothing); cut the logs back to the checkpoint's step."""
-        say = (self.reporter.log if self.reporter is not None else print) if self.main else (lambda s: None)
+        say = self.notice  # what a resume decides changes the run: said in every mode, kept in notices.jsonl
         if self.main:
             self._lock = run_state.RunLock(self.run_dir)
         last, skipped = ckpt.resumable_checkpoint(self.run_dir)
