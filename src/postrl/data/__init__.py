@@ -47,7 +47,25 @@ def load_source(spec: dict[str, Any]) -> PromptSource:
         raise ConfigError(f"task: missing 'name' (one of: {', '.join(registry.names('task'))})")
     cls = registry.get("task", name)
     registry.check_params("task", name, params, where="task")
+    _check_required(cls, name, params)
     return cls(**params)
+
+
+def _check_required(cls: Any, name: str, params: dict[str, Any]) -> None:
+    """A required keyword-only parameter the spec lacks (``task.name=file`` without ``task.path``) is one
+    ConfigError line naming it, not a TypeError from the constructor."""
+    import inspect
+
+    target = cls.__init__ if inspect.isclass(cls) else cls
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    missing = [p.name for p in sig.parameters.values()
+               if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in params]
+    if missing:
+        keys = " and ".join(f"task.{m}" for m in missing)
+        raise ConfigError(f"task '{name}' needs {keys} (e.g. task={{name: {name}, {missing[0]}: ...}})")
 
 
 def verify_row(completion: str, row: dict) -> float | None:

@@ -23,6 +23,7 @@ from postrl.errors import ConfigError
 from postrl.registry import register
 
 HELD_OUT_MOD = 10
+MAX_DIGITS = 1000  # arithmetic operands: a product has up to 2000 digits, within Python's int <-> str limit (4300)
 
 
 def is_held_out(prompt: str) -> bool:
@@ -111,8 +112,10 @@ class ArithmeticTask(ProceduralTask):
         if not isinstance(chatty, (int, float)) or not 0.0 <= chatty <= 1.0:
             raise ConfigError(f"task 'arithmetic': chatty must be a fraction in [0, 1], got {chatty!r}")
         self.chatty = float(chatty)
-        if not isinstance(digits, int) or digits < 1:
-            raise ConfigError(f"task 'arithmetic': digits must be an integer >= 1, got {digits!r}")
+        if not isinstance(digits, int) or isinstance(digits, bool) or not 1 <= digits <= MAX_DIGITS:
+            shown = repr(digits) if len(repr(digits)) <= 40 else f"an integer of {len(repr(digits))} digits"
+            raise ConfigError(f"task 'arithmetic': digits must be an integer in 1..{MAX_DIGITS} (a product of two "
+                              f"operands has twice as many digits), got {shown}")
         if not isinstance(min_digits, int) or not 1 <= min_digits <= digits:
             raise ConfigError(
                 f"task 'arithmetic': min_digits must be an integer in 1..digits ({digits}), got {min_digits!r}"

@@ -12,17 +12,27 @@ from postrl.errors import PostrlError
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_model_folder(path: str | Path, what: str = "model.path") -> Path:
+    """``path`` when it is a model folder (``config.json`` in it); else one PostrlError line naming ``what``, the
+    same whether ``postrl config show`` or ``postrl train`` checks it."""
+    p = Path(path)
+    expected = "expected a folder written by save_pretrained"
+    if not p.exists():
+        raise PostrlError(f"{what} '{p}': no such folder ({expected})")
+    if not p.is_dir():
+        raise PostrlError(f"{what} '{p}': a file, not a folder ({expected})")
+    if not (p / "config.json").is_file():
+        raise PostrlError(f"{what} '{p}': no config.json in it ({expected})")
+    return p
+
+
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", quantization_config=None):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder written by ``save_pretrained``
     (``quantization_config``: QLoRA's 4-bit base, :func:`postrl.models.lora.quantization_config`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    p = Path(path)
-    if not p.is_dir():
-        raise PostrlError(f"model.path '{p}': no such folder (expected a folder written by save_pretrained)")
-    if not (p / "config.json").is_file():
-        raise PostrlError(f"model.path '{p}': no config.json in it (expected a folder written by save_pretrained)")
+    p = check_model_folder(path)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -46,16 +56,36 @@ def prepare_tokenizer(tokenizer) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int]:
+def encode_prompt(tokenizer, text: str | list[dict], chat_template: str = "auto") -> list[int]:
     """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
-    and ``chat_template='auto'``; the plain text otherwise. SFT, RL and eval all encode prompts here."""
-    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+    and ``chat_template='auto'``; the plain text otherwise. A conversation (a list of ``{role, content}``
+    messages, TRL's conversational format) is rendered with the chat template, which it needs. SFT, RL and eval
+    all encode prompts here."""
+    has_template = chat_template == "auto" and getattr(tokenizer, "chat_template", None)
+    if isinstance(text, list):
+        if not has_template:
+            why = "model.chat_template is none" if chat_template != "auto" else "the tokenizer has no chat template"
+            raise PostrlError(f"a conversational prompt (a list of messages) needs a chat template, but {why}; "
+                              "give the prompt as a string, or use a model whose tokenizer has a chat template")
+        ids = tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return _nonempty(list(ids), text)
+    if has_template:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return _nonempty(list(ids), text)
+    return _nonempty(list(tokenizer(text, add_special_tokens=True)["input_ids"]), text)
+
+
+def _nonempty(ids: list[int], prompt) -> list[int]:
+    """``ids``; a prompt with text that encodes to no token (generation needs one) is one error line."""
+    if not ids and prompt:
+        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+        raise PostrlError(f"prompt {shown} encodes to no tokens; every prompt needs at least one token")
+    return ids
 
 
 def enable_gradient_checkpointing(model) -> None:
