@@ -6,8 +6,8 @@ timeout, failures isolated as NaN and counted; ``cfg.reward``), ``raw_rewards`` 
 ends when a source or stage reads them, then runs the shaping stages in config order; ``valid`` marks the
 completions with a finite reward. What TRL-style sources log (``log_extra``: ``extra['log_extra:<column>']``, one
 value per row, into samples.jsonl; ``log_metric``: the step's mean per name, in the returned ``metrics``) comes
-back with the outcome. A source that raises on every completion of the first batch the Scorer scores stops the run
-with one line (``reward.on_all_failed=stop``, a bug in the reward); notices (``notice``: stderr in every mode and
+back with the outcome. A source that raises on every completion (two or more) of the first batch the Scorer
+scores stops the run with one line (``reward.on_all_failed=stop``, a bug in the reward); notices (``notice``: stderr in every mode and
 the run directory) say what changes the run: that, a source failing on more than ``reward.alarm_rate`` of a batch,
 rows no source applies to. ``observe=False`` scores a batch that does not train (a greedy baseline): the
 stateful stages then learn nothing from it. ``end_step`` applies what the stateful stages recorded, once a step.
@@ -90,7 +90,7 @@ class Scorer:
         first, self.scored = self.scored == 0, self.scored + 1
         n = len(batch)
         for name, k in outcome.raised.items():
-            if first and n and k == n:
+            if first and n >= 2 and k == n:  # (one row, e.g. verl's per-response call, is no evidence of a bug)
                 msg = (f"reward '{name}' raised {outcome.first_exception[name]} on every completion of the first "
                        f"step: a bug in the reward, not in the data")
                 if rc.on_all_failed == "stop":
