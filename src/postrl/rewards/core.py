@@ -176,7 +176,10 @@ def postrl_own(fn: Callable) -> bool:
 
 def _by_keyword(fn: Callable, known: set[str]) -> bool:
     """TRL calls a reward function by keyword. A function whose required positional parameters are not all among
-    the names passed (``def f(p, c)``: postrl's older positional form) is called ``f(prompts, completions, ...)``."""
+    the names passed (``def f(p, c)``: postrl's older positional form) is called ``f(prompts, completions, ...)``;
+    so is a class called as a function (its signature is its constructor's)."""
+    if inspect.isclass(fn):
+        return False
     try:
         params = signature(fn).parameters.values()
     except (TypeError, ValueError):
