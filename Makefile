@@ -35,10 +35,10 @@ test: $(DEV)
 	$(PY) -m pytest -q
 
 builtin: $(CORE)
-	$(PY) -m postrl.models.builtin
+	$(PY) -m postrl.train.builtin
 
 builtin-calculator: $(CORE)
-	$(PY) -m postrl.models.builtin calculator
+	$(PY) -m postrl.train.builtin calculator
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

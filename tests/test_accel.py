@@ -8,7 +8,7 @@ import torch
 from postrl.accel import Accel
 from postrl.accel.cpu import ThreadPolicy
 from postrl.accel.fused import FUSED_MAX_POSITIONS
-from postrl.models import completion_logprobs
+from postrl.logprobs import completion_logprobs
 from postrl.models.tiny import build_model, build_tokenizer
 from test_rollout import _reinit, _tiny_qwen2
 

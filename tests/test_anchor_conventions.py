@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from postrl import registry
+from postrl import registry, stages
+from postrl.errors import ConfigError
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
 from postrl.losses import dr_grpo, seq_mean_token_mean, seq_mean_token_sum, token_mean
@@ -79,12 +80,12 @@ def test_objective_counts_failed_rows_but_not_padding():
     with a loss token."""
     mask = torch.ones(4, 2)
     batch = _batch(torch.tensor([1.0, 0.0, float("nan"), 1.0]), torch.tensor([True, True, False, False]), mask)
-    obj = Objective(load_config(None, ["loss.agg=seq_mean_token_mean"]))
+    obj = Objective.from_config(load_config(None, ["loss.agg=seq_mean_token_mean"]))
     assert obj.rows(batch).tolist() == [True, True, True, False]
     loss_mask = mask * batch.valid.unsqueeze(-1).float()
     w = obj.weights(loss_mask, obj.rows(batch))
     assert torch.allclose(w.sum(-1), torch.tensor([1 / 3, 1 / 3, 0.0, 0.0]))  # each trained row weighs 1/3
-    obj2 = Objective(load_config(None, ["loss.agg=seq_mean_token_mean", "loss.agg_rows=nonempty"]))
+    obj2 = Objective.from_config(load_config(None, ["loss.agg=seq_mean_token_mean", "loss.agg_rows=nonempty"]))
     assert obj2.rows(batch).tolist() == [True, True, False, False]
     assert torch.allclose(obj2.weights(loss_mask, obj2.rows(batch)).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
     assert torch.allclose(obj2.weights(loss_mask).sum(-1), torch.tensor([0.5, 0.5, 0.0, 0.0]))
@@ -128,8 +129,8 @@ def test_singleton_default_zero_and_raw_matches_verl():
     assert opo(R, G, torch.tensor([3.0, 2, 1, 4, 2, 2]), singleton="raw")[3].item() == pytest.approx(0.7)
     alpha = 6 / 5  # 5 non-zero scores of 6
     assert gpg(R, G, singleton="raw")[3].item() == pytest.approx(alpha * 0.7)
-    with pytest.raises(ValueError, match="advantage.singleton"):
-        grpo(R, G, singleton="verl")
+    with pytest.raises(ConfigError, match="^advantage.singleton: expected 'zero' or 'raw', got 'verl'$"):
+        stages.build("advantage", "grpo", {"singleton": "verl"})
 
 
 def test_reinforce_pp_baseline_raw_singleton_whitens_the_raw_reward_as_verl():
@@ -179,7 +180,7 @@ def test_low_var_kl_is_verls_clamped_k3_and_k3_is_trls_unclamped():
     (g2,) = torch.autograd.grad(st.sum(), logp)
     assert torch.allclose(st, ours) and torch.allclose(g2, logp.detach() - ref)
     cfg = load_config(None, ["kl.coef=0.1", "kl.estimator=low_var_kl"])
-    assert Objective(cfg).kl is kl_low_var_kl
+    assert Objective.from_config(cfg).kl is kl_low_var_kl
 
 
 def test_kl_cov_default_coefficient_is_verls_shipped_value():
@@ -195,9 +196,9 @@ def test_kl_cov_default_coefficient_is_verls_shipped_value():
 # ---------------------------------------------------------------------------------------------- top-p / top-k
 from postrl.diagnostics.metrics import kept_mass_metrics  # noqa: E402
 from postrl.diagnostics.monitors import Watchdog  # noqa: E402
-from postrl.models import completion_logprobs, filter_logits  # noqa: E402
+from postrl.logprobs import completion_logprobs, filter_logits  # noqa: E402
 from postrl.rollout import hf  # noqa: E402
-from postrl.rollout.base import SamplingParams  # noqa: E402
+from postrl.generation import SamplingParams  # noqa: E402
 
 
 def test_sampler_filtered_logprob_and_kept_mass_hand_values():
@@ -239,7 +240,7 @@ def test_trainer_logprobs_filter_the_same_way_and_keep_the_sampled_token():
 
 def test_generator_filtered_logprobs_equal_the_trainer_recompute():
     from postrl.models.tiny import build_model, build_tokenizer
-    from postrl.rollout.hf import HFGenerator, left_pad
+    from postrl.rollout.hf import HFGenerator
 
     tok = build_tokenizer()
     model = build_model(tok, size="nano", seed=0).eval()
@@ -308,7 +309,7 @@ def test_training_with_filtered_logprobs_both_speed_paths(tmp_path):
 
 def test_multi_temperature_generation_carries_the_kept_logmass():
     """The kept log-mass follows each row when completions at several temperatures are merged (rollout plans)."""
-    from postrl.data.rollout_options import generate_multi_temperature
+    from postrl.selection.sampling import generate_multi_temperature
     from postrl.models.tiny import build_model, build_tokenizer
     from postrl.rollout.hf import HFGenerator
 

@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 from postrl import recipes
 from postrl.config import Config, load_config
 from postrl.models import load_model_and_tokenizer
-from postrl.models.builtin import SHIPPED, SHIPPED_RECIPES, builtin_name, ensure_builtin
+from postrl.models.builtin import SHIPPED, SHIPPED_RECIPES, builtin_name
+from postrl.train.builtin import ensure_builtin
 
 
 def test_the_default_config_uses_the_shipped_model(tmp_path, monkeypatch):
@@ -33,8 +34,8 @@ def test_the_default_config_uses_the_shipped_model(tmp_path, monkeypatch):
 
 
 def _greedy(path, prompts):
-    from postrl.models import encode_prompt
-    from postrl.rollout.base import SamplingParams
+    from postrl.generation import encode_prompt
+    from postrl.generation import SamplingParams
     from postrl.rollout.hf import HFGenerator
 
     model, tok = load_model_and_tokenizer(path)

@@ -7,7 +7,8 @@ import json
 from postrl import recipes
 from postrl.cli import main
 from postrl.config import load_config
-from postrl.models.builtin import SHIPPED, builtin_name, ensure_builtin
+from postrl.models.builtin import SHIPPED, builtin_name
+from postrl.train.builtin import ensure_builtin
 
 
 def test_calculator_recipe_starts_from_the_shipped_model_and_its_success_rate_rises(tmp_path, monkeypatch):

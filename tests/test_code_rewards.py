@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from postrl import registry
+from postrl import registry, stages
 from postrl.errors import ConfigError
 from postrl.stages import StepEnd
 from postrl.rewards.code import (VeRPOWeightedTests, code_reshaped, code_tests, extract_code, last_results,
@@ -58,8 +58,10 @@ def test_code_reshaped_stages_hand_computed():
     assert got == pytest.approx(want)
     w = dict(w_parse=0.0, w_compile=0.0, w_run=0.5, w_tests=0.5, w_lint=0.0)
     assert code_reshaped(None, comps[:2], [TESTS] * 2, timeout=8.0, **w) == pytest.approx([1.0, 0.5 + 0.25])
-    with pytest.raises(ConfigError, match="'w_run' must be a non-negative number"):
-        code_reshaped(None, comps[:1], [TESTS], w_run=-1.0)
+    with pytest.raises(ConfigError, match=r"^rewards.0.w_run: expected a value >= 0, got -1.0$"):
+        stages.check_params("reward", "code_reshaped", {"w_run": -1.0}, "rewards.0")
+    with pytest.raises(ConfigError, match=r"^rewards.0.w_run: expected a number, got True$"):
+        stages.check_params("reward", "code_reshaped", {"w_run": True}, "rewards.0")
 
 
 def test_verrpo_weights_by_running_difficulty():
@@ -69,7 +71,9 @@ def test_verrpo_weights_by_running_difficulty():
              fence("def add(a, b):\n    return a + b if a < 2 else 0\n"), fence("import sys\nsys.exit(0)\n")]
     got = r(None, comps, tests=tests)
     assert r.state_dict()["stats"] == {}  # a call reads the statistics with its batch merged in; the step keeps it
-    r.end_step(StepEnd())
+    r.observe(comps, {"tests": tests})
+    assert r.state_dict()["stats"] == {}  # recorded, not applied
+    stages.end_step([stages.Stage("reward", "verrpo_weighted_tests", r, {}, ())], StepEnd())
     # passes per test: t1 2/4, t2 1/4, t3 3/4 -> p = (passes + 0.5) / (4 + 1) -> w = 1 - p = 0.5, 0.7, 0.3
     w = [0.5, 0.7, 0.3]
     want = [1.0, 0.5 * (0.3 / 1.5), 0.5 * ((0.5 + 0.3) / 1.5), 0.0]
@@ -80,7 +84,8 @@ def test_verrpo_weights_by_running_difficulty():
     assert sorted(v for v in st["stats"].values()) == [[1.0, 4.0], [2.0, 4.0], [3.0, 4.0]]
     # statistics persist: the same problem again, only the correct program -> every test's rate rises
     again = r(None, comps[:1], tests=tests[:1])
-    r.end_step(StepEnd())
+    r.observe(comps[:1], {"tests": tests[:1]})
+    stages.end_step([stages.Stage("reward", "verrpo_weighted_tests", r, {}, ())], StepEnd())
     assert again == pytest.approx([1.0])
     assert sorted(v for v in r.state_dict()["stats"].values()) == [[2.0, 5.0], [3.0, 5.0], [4.0, 5.0]]
     # restore into a fresh instance and through pickle
@@ -99,29 +104,34 @@ def test_verrpo_ema_and_bad_params():
     assert r.pass_rate("k") == pytest.approx(0.5)
     r._update({"k": [1, 1]})
     assert r.pass_rate("k") == pytest.approx(0.75)
-    with pytest.raises(ConfigError, match="pass_bonus"):
-        VeRPOWeightedTests(pass_bonus=2)
-    with pytest.raises(ConfigError, match="momentum"):
-        VeRPOWeightedTests(momentum=1.0)
+    with pytest.raises(ConfigError, match=r"^reward.pass_bonus: expected a value >= 0 and <= 1, got 2$"):
+        stages.build("reward", "verrpo_weighted_tests", {"pass_bonus": 2})
+    with pytest.raises(ConfigError, match=r"^reward.momentum: expected a value >= 0 and < 1, got 1.0$"):
+        stages.build("reward", "verrpo_weighted_tests", {"momentum": 1.0})
+    with pytest.raises(ConfigError, match=r"^rewards.0.isolation: expected 'auto', 'bwrap', 'namespaces' or "):
+        stages.check_params("reward", "code_tests", {"isolation": "docker"}, "rewards.0")
 
 
 def test_registered_sources_work_through_score_batch():
     assert {"code_tests", "code_reshaped", "verrpo_weighted_tests"} <= set(registry.names("reward"))
-    registry.check_params("reward", "verrpo_weighted_tests", {"pass_bonus": 0.2, "timeout": 5}, "rewards.0")
+    stages.check_params("reward", "verrpo_weighted_tests", {"pass_bonus": 0.2, "timeout": 5}, "rewards.0")
     with pytest.raises(ConfigError, match="valid: pass_bonus"):
-        registry.check_params("reward", "verrpo_weighted_tests", {"bonus": 0.2}, "rewards.0")
-    VeRPOWeightedTests._shared_instances.clear()
+        stages.check_params("reward", "verrpo_weighted_tests", {"bonus": 0.2}, "rewards.0")
     specs = [SimpleNamespace(name="code_tests", params={"timeout": 8.0}),
              SimpleNamespace(name="verrpo_weighted_tests", params={"pass_bonus": 0.5, "timeout": 8.0})]
+    built = stages.build_all("reward", specs)
     comps = [fence(GOOD), fence("def add(a, b):\n    return 3\n")]
     cols = {"tests": [TESTS, TESTS], "group_ids": [0, 0]}
-    out = score_batch(["p", "p"], comps, cols, specs)
+    out = score_batch(["p", "p"], comps, cols, specs, built=[(st.fn, st.params) for st in built])
     assert out.failures == {}
     # verrpo: t_a passed by both (p = 2.5/3, w = 1/6), t_b by one (p = 1.5/3, w = 1/2)
     assert out.matrix[:, 0].tolist() == pytest.approx([1.0, 0.5])
     assert out.matrix[:, 1].tolist() == pytest.approx([1.0, 0.5 * (1 / 6) / (1 / 6 + 1 / 2)])
-    shared = VeRPOWeightedTests.shared(pass_bonus=0.5, timeout=8.0)
-    assert sum(v[1] for v in shared.state_dict()["stats"].values()) == 4  # state kept across calls
+    verrpo = built[1]
+    assert verrpo.state_dict()["stats"] == {}  # a call changes no state
+    verrpo.observe({"completions": comps, "columns": cols})
+    stages.end_step(built, StepEnd())
+    assert sum(v[1] for v in verrpo.state_dict()["stats"].values()) == 4  # 2 completions x 2 tests, kept
 
 
 def test_rows_without_tests_are_none_and_results_are_inspectable():

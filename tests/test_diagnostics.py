@@ -19,8 +19,8 @@ import torch
 from postrl import registry
 from postrl.cli import main
 from postrl.config import dump_yaml, load_config
-from postrl.diagnostics.config import DiagnosticsConfig
-from postrl.diagnostics.doctor import diagnose
+from postrl.config.diagnostics import DiagnosticsConfig
+from postrl.report.doctor import diagnose
 from postrl.diagnostics.metrics import group_metrics, length_metrics, mismatch_metrics
 from postrl.diagnostics.monitors import MONITORS, Watchdog, replay
 from postrl.diagnostics.stability import stability_threshold, top_eigenvalue
@@ -650,7 +650,7 @@ def test_console_prints_new_alarms_once():
 
 # ------------------------------------------------------------------------------------------------ sinks
 def _sink_roundtrip(name: str, tmp_path: Path):
-    from postrl.report.sinks import make_sinks
+    from postrl.diagnostics.sinks import make_sinks
 
     cfg = load_config(None, []).model_dump(mode="json")
     (sink,) = make_sinks([name], tmp_path, cfg, run_name="t", project="postrl-test")

@@ -9,8 +9,8 @@ from postrl.environments import make
 from postrl.environments.adapters import TRLEnvironment, VerifiersEnvironment
 from postrl.errors import ConfigError
 from postrl.models.tiny import build_tokenizer
-from postrl.rollout import multiturn
-from postrl.rollout.base import Generation, SamplingParams
+from postrl.environments import episodes
+from postrl.generation import Generation, SamplingParams
 from postrl.context import ModelContext
 from test_train import model_dir  # noqa: F401 - the fixture
 
@@ -91,7 +91,7 @@ def test_trl_environment_factory_episode(word, reward):
     tok = chat_tokenizer()
     gen, seen = scripted(tok, [f'<tool_call>guess("{word}")</tool_call> tail', "ok</s>"])
     factory = f"{__name__}:GuessEnv"
-    b = multiturn.rollout(ctx_for(tok, gen), [{"prompt": "w?", "answer": "cat"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, gen), [{"prompt": "w?", "answer": "cat"}], 1, [0],
                           lambda: make("trl", {"factory": factory, "timeout": 2.0}), max_turns=3,
                           max_total_tokens=200, group_ids=torch.tensor([0]))
     env = make("trl", {"factory": factory})
@@ -142,6 +142,19 @@ def test_trl_adapter_errors():
         make("trl", {"factory": "no_such_module:X"})
     with pytest.raises(ConfigError, match="environment"):
         make("trl", {"factory": f"{__name__}:GuessEnv", "bogus": 1})
+    # parameters are checked from their annotations before the factory is imported
+    with pytest.raises(ConfigError, match=r"^environment.timeout: expected a value > 0, got 0$"):
+        make("trl", {"factory": "no_such_module:X", "timeout": 0})
+    with pytest.raises(ConfigError, match=r"^environment.args: expected a mapping, got list$"):
+        make("verifiers", {"env": "no_such_module:X", "args": [1]})
+    with pytest.raises(ConfigError, match=r"^environment.memory_mb: expected a value >= 1, got 0$"):
+        make("code_repair", {"memory_mb": 0})
+    from postrl.data import load_source
+
+    with pytest.raises(ConfigError, match=r"^task.min_digits: expected a value <= digits \(3\), got 4$"):
+        load_source({"name": "calculator", "min_digits": 4})  # the calculator's own default digits, 3
+    with pytest.raises(ConfigError, match=r"^task.direct: expected a value >= 0 and <= 1, got 2$"):
+        load_source({"name": "calculator", "direct": 2})
 
 
 class HintRubric:
@@ -183,7 +196,7 @@ def test_verifiers_multiturn_env_episode(new_style):
     tok = chat_tokenizer()
     gen, seen = scripted(tok, ["12</s>", "7</s>", "42</s>"])
     spec = {"env": f"{__name__}:HintEnv", "args": {"hint": "no", "new_style": new_style}}
-    b = multiturn.rollout(ctx_for(tok, gen), [{"prompt": "6*7=", "answer": "42"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, gen), [{"prompt": "6*7=", "answer": "42"}], 1, [0],
                           lambda: make("verifiers", spec), max_turns=4, max_total_tokens=300,
                           group_ids=torch.tensor([0]))
     t1, t2, t3 = ids(tok, "12</s>"), ids(tok, "7</s>"), ids(tok, "42</s>")
@@ -207,7 +220,7 @@ def test_verifiers_max_turns_ends_and_scores():
     tok = chat_tokenizer()
     gen, _ = scripted(tok, ["1</s>", "2</s>", "3</s>"])
     spec = {"env": f"{__name__}:HintEnv", "args": {"max_turns": 2}}
-    b = multiturn.rollout(ctx_for(tok, gen), [{"prompt": "6*7=", "answer": "42"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, gen), [{"prompt": "6*7=", "answer": "42"}], 1, [0],
                           lambda: make("verifiers", spec), max_turns=4, max_total_tokens=300,
                           group_ids=torch.tensor([0]))
     assert b.extra["num_turns"].tolist() == [2]

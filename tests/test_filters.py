@@ -14,17 +14,16 @@ import torch
 from postrl import registry
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
-from postrl.data.base import stable_hash
-from postrl.data.filters import (InSight, PassRateCurriculum, PromptCurriculum, beta_mutual_information,
-                                 dynamic_sampling, prompt_key, range_filter)
-from postrl.data.rollout_options import CureBranching, ExpandContext, MultiTemperature, RetryFromFailure
+from postrl.seeding import stable_hash
+from postrl.selection.expansions import CureBranching, ExpandContext, RetryFromFailure
+from postrl.selection.filters import dynamic_sampling, range_filter
+from postrl.selection.sampling import MultiTemperature, generate_multi_temperature
+from postrl.selection.selectors import InSight, PassRateCurriculum, PromptCurriculum, beta_mutual_information, prompt_key
 from postrl.errors import ConfigError
 from postrl.models.tiny import build_local
-from postrl.rollout.base import Generation, SamplingParams
-from postrl.rollout.hf import left_pad
+from postrl.generation import Generation, SamplingParams, left_pad
 from postrl import stages
-from postrl.data.rollout_options import generate_multi_temperature
-from postrl.train import sampling
+from postrl.step import Step
 from postrl.train.trainer import Trainer
 from test_train import crash_in_step
 
@@ -60,8 +59,12 @@ def test_range_filter_hand_values():
     g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # means 0, 0.5, 1, 0.75
     assert range_filter(r, ["correct"], g).tolist() == [False, False, True, True, False, False, True, True]
     assert range_filter(r, ["correct"], g, low=0.6).tolist() == [False] * 6 + [True, True]
-    with pytest.raises(ValueError, match="low < high"):
-        range_filter(r, ["correct"], g, low=0.5, high=0.5)
+    with pytest.raises(ConfigError, match=r"^filters.0.high: expected a value > low \(0.5\), got 0.5$"):
+        load_config(None, ["filters=[{name: range_filter, low: 0.5, high: 0.5}]"])
+    with pytest.raises(ConfigError, match=r"^filter.high: expected a value > low \(0.0\), got -1.0$"):
+        stages.build("filter", "range_filter", {"high": -1})
+    with pytest.raises(ConfigError, match=r"^filter.max_attempts: expected a value >= 1, got 0$"):
+        stages.build("filter", "range_filter", {"max_attempts": 0})
 
 
 # ----------------------------------------------------------------------------------------------- selectors
@@ -127,7 +130,12 @@ def test_pcl_value_probe_learns_and_selects_mid_difficulty():
 def test_selector_summary_counts_fresh_groups_only():
     b = fake_batch(rewards=[1.0, 0.0, 1.0, 1.0], groups=[0, 0, 1, 1])
     b.extra["branch"] = torch.tensor([False, False, True, True])
-    assert InSight().summarize(b) == [(prompt_key("q"), 1.0, 2.0)]
+    sel = stages.build("selector", "insight")
+    sel.observe(b)
+    assert sel.fn.observed == [(prompt_key("q"), 1.0, 2.0)]
+    assert sel.fn.post == {}  # recorded, applied at the end of the step
+    stages.end_step([sel], stages.StepEnd())
+    assert sel.fn.post == {prompt_key("q"): [1.0, 1.0]} and sel.fn.observed == []
 
 
 # ----------------------------------------------------------------------------------------------- rollout options
@@ -155,6 +163,14 @@ def test_multi_temperature_interleaves_groups():
     assert mt.plan(5) == [0.5, 1.0, 0.5, 1.0, 0.5]
     with pytest.raises(ConfigError, match="group_size=1 is smaller than the 2 temperatures"):
         mt.plan(1)
+    # ... and when the config is read, against rollout.group_size
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures: rollout.group_size=2 is smaller than the 3 "):
+        load_config(None, ["rollout.group_size=2", "filters=[{name: multi_temperature}]"])
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures.1: .*greater than or equal to 0, got -1"):
+        load_config(None, ["filters=[{name: multi_temperature, temperatures: [0.5, -1]}]"])
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures: .*at least 1 item"):
+        load_config(None, ["filters=[{name: multi_temperature, temperatures: []}]"])
+    assert stages.build("sampling", "multi_temperature", {"temperatures": [1, 0.5]}).fn.temperatures == [1.0, 0.5]
     be = FakeBackend()
     gen, temps = generate_multi_temperature(be.generate, [[5], [6]], SamplingParams(), mt.plan(3), [1, 2])
     assert sorted(be.calls) == [(2, 1, 1.0), (2, 2, 0.5)]
@@ -214,12 +230,17 @@ def test_retry_restarts_at_the_failing_step_and_trains_the_suffix():
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
-        sampling.check(cfg, stages.build_all(stages.FILTER_KINDS, cfg.filters))
+        Step(cfg)
     cfg = load_config(None, ["rollout.group_size=1"])
-    assert "every advantage is 0" in sampling.check(cfg, [stages.build("advantage", "grpo")])[0]
-    assert sampling.check(cfg, [stages.build("advantage", "reinforce_pp")]) == []  # declares no group baseline
+    assert "every advantage is 0" in Step(cfg).warnings[0]
+    assert Step(load_config(None, ["rollout.group_size=1", "advantage.name=reinforce_pp"])).warnings == []
+    cfg = load_config(None, ["filters=[{name: insight}, {name: pass_rate_curriculum}]"])
     with pytest.raises(ConfigError, match="at most one prompt selector"):
-        sampling.check(cfg, [stages.build("selector", "insight"), stages.build("selector", "pass_rate_curriculum")])
+        Step(cfg)
+    with pytest.raises(ConfigError, match="filters.0.max_attempts: 'insight' is a selector stage"):
+        load_config(None, ["filters=[{name: insight, max_attempts: 3}]"])
+    assert Step(load_config(None, ["filters=[{name: dynamic_sampling}]"])).attempts == 10  # DAPO's default
+    assert Step(load_config(None, ["filters=[{name: dynamic_sampling, max_attempts: 2}]"])).attempts == 2
 
 
 # ----------------------------------------------------------------------------------------------- in the trainer
@@ -249,7 +270,7 @@ def test_dynamic_sampling_regenerates_until_full(model_dir, tmp_path):
                                   "filters=[{name: dynamic_sampling, reward: filters_coin, max_attempts: 10}]"))
     tr = Trainer(cfg, tmp_path / "ds")
     b = tr.batches.rollout(0)
-    tr.scorer.score(b)
+    tr.step.score(b)
     first = group_ranges(b, b.rewards[:, 1])
     assert 0.0 in first  # some groups of the first round carry no signal...
     out = tr.batches.filter(b)
@@ -266,7 +287,7 @@ def test_dynamic_sampling_cap_uses_raw_reward_and_warns(model_dir, tmp_path, cap
                                   "filters=[{name: dynamic_sampling, max_attempts: 3}]"))
     tr = Trainer(cfg, tmp_path / "cap")
     b = tr.batches.rollout(0)
-    tr.scorer.score(b)
+    tr.step.score(b)
     assert max(group_ranges(b, b.reward)) > 0  # the shaped reward alone would have kept some groups
     with caplog.at_level(logging.WARNING, logger="postrl.filters"):
         out = tr.batches.filter(b)
@@ -275,7 +296,7 @@ def test_dynamic_sampling_cap_uses_raw_reward_and_warns(model_dir, tmp_path, cap
     assert m["filter/cap_hit"] == 1.0 and m["filter/attempts"] == 3 and m["filter/padded_groups"] == 8
     assert m["filter/dropped_groups"] == 24
     assert out.num_groups == 8 and len(out) == 32 and not out.valid.any()  # full shape, masked out of the update
-    tr.advantages(out)
+    tr.step.advantages(tr.ctx, out)
     assert torch.all(out.advantages == 0)
 
 
@@ -285,8 +306,8 @@ def test_stateful_filters_and_value_head_resume_exactly(model_dir, tmp_path, mon
     a, b = tmp_path / "a", tmp_path / "b"
     Trainer(load_config(None, small(model_dir, a, *extra)), a).train()
     state = json.loads((a / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
-    assert len(state["filters"]["0:insight"]["post"]) == 8  # 2 steps x 4 prompts observed
-    assert state["advantage"]["0:gae"]["head"]["weight"]["shape"] == [1, 64]
+    assert len(state["stages"]["filters"]["0:insight"]["post"]) == 8  # 2 steps x 4 prompts observed
+    assert state["stages"]["advantage"]["0:gae"]["head"]["weight"]["shape"] == [1, 64]
 
     crash_in_step(monkeypatch, small(model_dir, b, *extra), step=2)
     cfg = load_config(None, [], base=__import__("yaml").safe_load((b / "config.yaml").read_text()))
@@ -313,11 +334,11 @@ def test_rollout_options_train_end_to_end(model_dir, tmp_path):
     tr = Trainer(cfg, out)
     b = tr.batches.rollout(0)
     assert b.extra["temperature"].tolist()[:4] == pytest.approx([0.7, 1.3, 0.7, 1.3])
-    tr.scorer.score(b)
+    tr.step.score(b)
     n0 = b.num_groups
     f = tr.batches.filter(b)
     assert f.extra["branch"].any() and f.num_groups >= n0  # branched and retried groups were added
-    tr.advantages(f)
+    tr.step.advantages(tr.ctx, f)
     assert torch.isfinite(f.advantages).all()
     tr.train()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,9 @@ import torch
 from postrl.advantages.turns import turn_igpo
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
-from postrl.fields import PRODUCERS, produce, turn_info_gain
+from postrl import registry
+from postrl.errors import ConfigError
+from postrl.fields import produce, turn_info_gain
 from postrl.models.tiny import build_model, build_tokenizer
 from postrl.stages import build
 from test_train import model_dir  # noqa: F401 - the fixture
@@ -43,7 +45,7 @@ def ctx():
 def test_turn_info_gain_is_the_probability_increase_per_turn(ctx):
     b, p, comp = multiturn_batch(ctx.tokenizer)
     a = ctx.tokenizer("15", add_special_tokens=False)["input_ids"]
-    ig = turn_info_gain(ctx, b, {})
+    ig = turn_info_gain(ctx, b)
     # by hand: h_{-1} = (), h_0 = turn 0 + its observation (tokens 0..3), h_1 = up to turn 1's last token (0..5)
     c0 = comp[0].tolist()
     lp = ctx.sequence_logprob([p, p + c0[:4], p + c0[:6], p + comp[1, :3].tolist()], [a] * 4, mean=False)
@@ -57,22 +59,22 @@ def test_turn_info_gain_is_the_probability_increase_per_turn(ctx):
     assert ig[0, 0].item() != pytest.approx((lp[1] - lp[0]).item(), abs=1e-4)
     # per_token: the geometric mean per answer token
     lpm = ctx.sequence_logprob([p, p + c0[:4]], [a] * 2, mean=True)
-    ig_m = turn_info_gain(ctx, b, {"answer_prob": "per_token"})
+    ig_m = turn_info_gain(ctx, b, answer_prob="per_token")
     assert ig_m[0, 0].item() == pytest.approx((lpm[1].exp() - lpm[0].exp()).item(), abs=1e-7)
 
 
 def test_turn_info_gain_errors_and_missing_answers(ctx):
     b, _, _ = multiturn_batch(ctx.tokenizer)
     with pytest.raises(ValueError, match="answer_column"):
-        turn_info_gain(ctx, b, {"answer_column": "gold"})
-    with pytest.raises(ValueError, match="answer_prob"):
-        turn_info_gain(ctx, b, {"answer_prob": "log"})
+        turn_info_gain(ctx, b, answer_column="gold")
+    with pytest.raises(ConfigError, match="answer_prob: expected 'joint' or 'per_token'"):
+        build("advantage", "turn_igpo", {"answer_prob": "log"})
     b.columns["answer"] = [None, "15"]
-    ig = turn_info_gain(ctx, b, {})
+    ig = turn_info_gain(ctx, b)
     assert torch.isnan(ig[0]).all() and torch.isfinite(ig[1, 0])
     del b.extra["turn_ends"]
     with pytest.raises(ValueError, match="turn_ends"):
-        turn_info_gain(ctx, b, {})
+        turn_info_gain(ctx, b)
 
 
 def test_turn_igpo_hand_computed():
@@ -111,12 +113,12 @@ def test_turn_igpo_uneven_turns_groups_and_validity():
 
 def test_registered_reads_the_producer_field(ctx):
     st = build("advantage", "turn_igpo", {"gamma": 0.9, "answer_prob": "per_token"})
-    assert "turn_info_gain" in st.reads and "turn_info_gain" in PRODUCERS
+    assert "turn_info_gain" in st.reads and "turn_info_gain" in registry.names("field")
     b, _, _ = multiturn_batch(ctx.tokenizer)
     produce(ctx, b, st)
     assert b.extra["turn_info_gain"].shape == (2, 2)
     assert b.extra["turn_info_gain"][0, 0].item() == pytest.approx(
-        turn_info_gain(ctx, b, {"answer_prob": "per_token"})[0, 0].item(), abs=1e-7)
+        turn_info_gain(ctx, b, answer_prob="per_token")[0, 0].item(), abs=1e-7)
 
 
 class TwoTurns:
@@ -134,18 +136,19 @@ class TwoTurns:
 def test_turn_igpo_trains_through_the_trainer(model_dir, tmp_path, monkeypatch):
     """A two-turn run with advantage turn_igpo: the trainer produces turn_info_gain each step from the policy, and
     the dense turn rewards give a gradient although every outcome is 0 (GRPO's advantage would collapse)."""
-    import postrl.fields as fields
+    import dataclasses
+
     from test_train import metrics, run_inprocess
 
     seen = []
-    real = fields.PRODUCERS["turn_info_gain"]
+    entry = registry.entry("field", "turn_info_gain")
 
-    def recording(ctx, batch, params):
-        out = real(ctx, batch, params)
-        seen.append((out, batch.extra["turn_ends"].clone(), dict(params)))
+    def recording(ctx, batch, *, answer_column="answer", answer_prob="joint"):
+        out = entry.fn(ctx, batch, answer_column=answer_column, answer_prob=answer_prob)
+        seen.append((out, batch.extra["turn_ends"].clone(), {"answer_prob": answer_prob}))
         return out
 
-    monkeypatch.setitem(fields.PRODUCERS, "turn_info_gain", recording)
+    monkeypatch.setitem(registry._REGISTRY["field"], "turn_info_gain", dataclasses.replace(entry, fn=recording))
     run_inprocess([f"model.path={model_dir}", f"output_dir={tmp_path}", "task.name=calculator", "task.digits=2",
                    "environment={name: %s:TwoTurns, max_turns: 2, max_total_tokens: 30}" % __name__,
                    "rewards=[{name: environment}]", "advantage={name: turn_igpo, answer_prob: per_token}",

@@ -263,7 +263,7 @@ def test_readme_snippet_runs(model_dir, tmp_path, monkeypatch):
     for key in ("postrl/reward/correct/mean", "postrl/reward/format/mean", "postrl/advantages/mean",
                 "postrl/pg_loss", "postrl/entropy"):
         assert all(key in r for r in rows), key
-    assert trainer.advantage.name == "gdpo" and trainer.postrl_objective.agg.__name__ == "token_mean"
+    assert trainer.postrl.advantage.name == "gdpo" and trainer.postrl.objective.agg.__name__ == "token_mean"
 
 
 def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
@@ -276,10 +276,10 @@ def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
     first = _run_postrl(model_dir, tmp_path, section, save_strategy="steps", save_steps=1, max_steps=2)
     ckpt = tmp_path / "postrl" / "checkpoint-1"
     state = json.loads((ckpt / "postrl_state.json").read_text())
-    assert state["step"] == 1 and state["objective"]["kl"]
+    assert state["step"] == 1 and state["stages"]["kl"]
     resumed = GRPOTrainer(model=model_dir, postrl=section, args=_args(tmp_path / "resumed", max_steps=2),
                           train_dataset=_dataset())
     resumed.train(resume_from_checkpoint=str(ckpt))
-    assert first.postrl_step == resumed.postrl_step == 2
-    assert first.postrl_objective.kl_ctrl.value != 0.05  # the controller moved
-    assert resumed.postrl_objective.kl_ctrl.value == pytest.approx(first.postrl_objective.kl_ctrl.value, rel=1e-5)
+    assert first.postrl_steps == resumed.postrl_steps == 2
+    assert first.postrl.objective.kl_ctrl.value != 0.05  # the controller moved
+    assert resumed.postrl.objective.kl_ctrl.value == pytest.approx(first.postrl.objective.kl_ctrl.value, rel=1e-5)

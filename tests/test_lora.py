@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from postrl.config import AccelConfig
+
 from postrl import accel
 from postrl.config import load_config
 from postrl.errors import ConfigError
 from postrl.evaluate import evaluate
-from postrl.models import completion_logprobs, enable_gradient_checkpointing, encode_prompt, load_model_and_tokenizer
+from postrl.models import enable_gradient_checkpointing, load_model_and_tokenizer
+from postrl.logprobs import completion_logprobs
+from postrl.generation import encode_prompt
 from postrl.train.trainer import Trainer
 from test_train import crash_in_step, metrics, model_dir, resume, run_inprocess, small  # noqa: F401 - fixture
 
@@ -136,7 +140,7 @@ def test_vllm_backend_is_not_accepted_and_points_to_trl_and_verl():
 # ---------------------------------------------------------------------------------------------- checkpointing
 def _logp_and_grads(model, ids, mask, comp):
     model.zero_grad(set_to_none=True)
-    acc = accel.prepare(model, None, "cpu")
+    acc = accel.prepare(model, AccelConfig(), "cpu")
     logp, _ = acc.logprobs(model, ids, mask, comp)
     (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -230,13 +234,13 @@ def test_max_prompt_length_drop_masks_the_groups_out_of_the_update(model_dir, tm
     assert long.any() and (~long).any()
     assert torch.equal(batch.valid, ~long)
     assert tr.batches.metrics["prompts/dropped"] == int(long.sum()) // cfg.rollout.group_size
-    tr.advantages(batch)
+    tr.step.advantages(tr.ctx, batch)
     assert bool((batch.advantages[long] == 0).all())
 
 
 def test_evaluate_applies_the_same_prompt_rule(model_dir, tmp_path):
     model, tok = load_model_and_tokenizer(model_dir)
-    gen = accel.prepare(model, None, "cpu").generator(model, tok)
+    gen = accel.prepare(model, AccelConfig(), "cpu").generator(model, tok)
     rows = [json.loads(x) for x in _prompt_file(tmp_path).read_text().splitlines()]
     n_long = sum(len(encode_prompt(tok, r["prompt"])) > 6 for r in rows)
     kw = dict(max_new_tokens=3, k=1, max_prompt_length=6)

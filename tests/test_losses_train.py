@@ -143,14 +143,14 @@ def test_kl_in_reward_subtracts_per_sequence_kl_before_advantages(model_dir, tmp
     """The advantage stage sees r_i - coef * sum_t KL_t, KL from the batch's own policy/reference log-probs."""
     tr = make(model_dir, tmp_path / "klr", "kl.coef=0.5", "kl.placement=reward", "kl.estimator=k1")
     seen = []
-    real = tr.advantages
+    real = tr.step.advantages
 
-    def spy(batch):
+    def spy(ctx, batch, observe=True):
         kl = ((batch.old_logprobs - batch.ref_logprobs) * batch.completion_mask).sum(-1)
         seen.append((batch.reward.clone(), batch.rewards[:, 0].clone(), kl))
-        real(batch)
+        return real(ctx, batch, observe)
 
-    tr.advantages = spy
+    tr.step.advantages = spy
     m = run_steps(tr)
     for reward, raw, kl in seen:
         assert torch.allclose(reward, raw - 0.5 * kl, atol=1e-6)

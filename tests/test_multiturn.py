@@ -14,8 +14,8 @@ from postrl.environments.calculator import CalculatorEnv, calc
 from postrl.environments.reward import environment as env_reward
 from postrl.environments.tools import ToolEnvironment, parse_tool_calls, run_tool
 from postrl.models.tiny import build_model, build_tokenizer
-from postrl.rollout import multiturn
-from postrl.rollout.base import Generation, SamplingParams
+from postrl.environments import episodes
+from postrl.generation import Generation, SamplingParams
 from postrl.rollout.hf import HFGenerator
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
@@ -58,7 +58,7 @@ def test_chat_template_trained_ids_equal_sampled_ids_across_turns():
     ctx = ModelContext(model, tok, sampling=SamplingParams(max_new_tokens=6, temperature=1.0), generate=generate,
                        pad_id=tok.pad_token_id)
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "34*5=", "answer": "170"}]
-    b = multiturn.rollout(ctx, rows, 2, [11, 12], Echo, max_turns=3, max_total_tokens=200,
+    b = episodes.rollout(ctx, rows, 2, [11, 12], Echo, max_turns=3, max_total_tokens=200,
                           group_ids=torch.tensor([0, 0, 1, 1]))
     assert len(calls) == 3 and b.extra["num_turns"].tolist() == [3, 3, 3, 3]
     for r in range(4):
@@ -128,7 +128,7 @@ def ctx_for(tok, generate, max_new=40):
 def test_calculator_episode_masks_and_reward(template):
     tok = chat_tokenizer()
     turns = ['<tool_call>calc("12*34")</tool_call> and more', "408</s>"]
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "12*34=", "answer": "408"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "12*34=", "answer": "408"}], 1, [0],
                           CalculatorEnv, max_turns=3, max_total_tokens=200, group_ids=torch.tensor([0]),
                           chat_template=template)
     call_ids = tok('<tool_call>calc("12*34")</tool_call>', add_special_tokens=False)["input_ids"]
@@ -148,7 +148,7 @@ def test_calculator_episode_masks_and_reward(template):
 
 def test_eos_ended_turn_is_not_followed_by_a_second_end_of_turn():
     tok = chat_tokenizer()
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, ["hi</s>", "x</s>", "y</s>"])), [{"prompt": "q"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, scripted(tok, ["hi</s>", "x</s>", "y</s>"])), [{"prompt": "q"}], 1, [0],
                           Echo, max_turns=3, max_total_tokens=200, group_ids=torch.tensor([0]))
     assert tok.decode(b.completion_ids[0][b.completion_ids[0] != tok.pad_token_id].tolist()) == \
         "hi</s><user>ok1</s><assistant>x</s><user>ok2</s><assistant>y</s>"
@@ -186,7 +186,7 @@ def test_raising_and_hanging_tools_are_counted_and_isolated():
     turns = ["<tool_call>boom(1)</tool_call>", "<tool_call>hang(1)</tool_call>",
              "<tool_call>nope(</tool_call>", "<tool_call>calc(\"3+4\")</tool_call>", "7</s>"]
     t0 = time.perf_counter()
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "q"}], 1, [0], Env, max_turns=5,
+    b = episodes.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "q"}], 1, [0], Env, max_turns=5,
                           max_total_tokens=400, group_ids=torch.tensor([0]), chat_template="none")
     assert time.perf_counter() - t0 < 3.0  # the hung tool was abandoned after its timeout
     ex = b.extra
@@ -218,7 +218,7 @@ def test_environment_error_fails_the_episode_reward():
         def step(self, action):
             raise ValueError("env bug")
 
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 1, [0], Broken, max_turns=2,
+    b = episodes.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 1, [0], Broken, max_turns=2,
                           max_total_tokens=50, group_ids=torch.tensor([0]), chat_template="none")
     assert b.extra["env_errors"].tolist() == [1] and b.extra["num_turns"].tolist() == [1]
     assert env_reward(None, None, b.columns["env_turn_rewards"]) == [None]
@@ -226,7 +226,7 @@ def test_environment_error_fails_the_episode_reward():
 
 def test_max_total_tokens_cuts_turns_and_observations():
     tok = chat_tokenizer()
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, ["abcdefgh", "ijklmnop"]), max_new=6), [{"prompt": "q"}], 1,
+    b = episodes.rollout(ctx_for(tok, scripted(tok, ["abcdefgh", "ijklmnop"]), max_new=6), [{"prompt": "q"}], 1,
                           [0], Echo, max_turns=3, max_total_tokens=12, group_ids=torch.tensor([0]))
     # turn 0: 6 tokens (max_new_tokens, truncated); observation '</s><user>ok1</s><assistant>' cut at 12 tokens
     assert int(b.completion_ids.shape[1]) == 12 and b.completion_mask[0].tolist() == [1.0] * 6 + [0.0] * 6
@@ -244,7 +244,7 @@ def test_async_environment_and_registry():
         async def step(self, action):
             return "", 2.0, True, {}
 
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 1, [0], AsyncEcho,
+    b = episodes.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 1, [0], AsyncEcho,
                           max_turns=2, max_total_tokens=50, group_ids=torch.tensor([0]), chat_template="none")
     assert b.columns["env_turn_rewards"] == [[2.0]]
     assert isinstance(make("calculator", {"timeout": 1.0}), CalculatorEnv)
@@ -259,7 +259,7 @@ def test_turn_metrics_of_an_episode_batch():
     tok = build_tokenizer()
     turns = ['<tool_call>calc("2*3")</tool_call>', '<tool_call>calc("x")</tool_call>', "<tool_call>(</tool_call>",
              "6</s>"]
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "2*3=", "answer": "6"}], 1, [0],
+    b = episodes.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "2*3=", "answer": "6"}], 1, [0],
                           CalculatorEnv, max_turns=4, max_total_tokens=400, group_ids=torch.tensor([0]),
                           chat_template="none")
     m = turn_metrics(b.extra, b.completion_mask)
@@ -274,7 +274,7 @@ def test_tool_schemas_reach_the_chat_template():
     tok = build_tokenizer()
     tok.chat_template = ("{% if tools %}<system>{% for t in tools %}{{ t['function']['name'] }}:"
                          "{{ t['function']['parameters']['required'][0] }};{% endfor %}</s>{% endif %}" + TEMPLATE)
-    ids = multiturn.prompt_ids(tok, "2*3=", [{"type": "function", "function": {
+    ids = episodes.prompt_ids(tok, "2*3=", [{"type": "function", "function": {
         "name": "calc", "parameters": {"required": ["expression"]}}}], "auto")
     assert tok.decode(ids) == "<system>calc:expression;</s><user>2*3=</s><assistant>"
     from postrl.environments.tools import schemas
@@ -292,7 +292,7 @@ def test_code_repair_feedback_each_turn_and_progress_rewards():
     buggy, fixed = "def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n"
     tests = "assert add(1, 2) == 3\nassert add(0, 0) == 0\n"
     turns = [buggy + "</s>", buggy + "</s>", fixed + "</s>"]
-    b = multiturn.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "fix: " + buggy, "tests": tests}], 1,
+    b = episodes.rollout(ctx_for(tok, scripted(tok, turns)), [{"prompt": "fix: " + buggy, "tests": tests}], 1,
                           [0], lambda: CodeRepairEnv(timeout=10.0), max_turns=4, max_total_tokens=400,
                           group_ids=torch.tensor([0]), chat_template="none")
     w = dict(w_parse=0.05, w_compile=0.05, w_run=0.1, w_tests=0.75, w_lint=0.05)

@@ -10,7 +10,7 @@ from postrl.config import load_config
 from postrl.data import load_source
 from postrl.evaluate import episode_runner, evaluate
 from postrl.models.tiny import build_tokenizer
-from postrl.rollout.base import Generation
+from postrl.generation import Generation
 
 
 class ScriptedCalculator:

@@ -13,7 +13,7 @@ import yaml
 from postrl import recipes, registry
 from postrl.cli import main
 from postrl.config import load_config
-from postrl.data.base import stable_hash
+from postrl.seeding import stable_hash
 from postrl.models.tiny import build_local
 from postrl.train.trainer import Trainer
 

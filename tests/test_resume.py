@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from postrl.config import load_config
-from postrl.diagnostics.doctor import diagnose
+from postrl.report.doctor import diagnose
 from postrl.train.run_state import read_notices
 from postrl.train.trainer import Trainer
 from test_train import metrics, model_dir, run_inprocess, small  # noqa: F401 - model_dir: the fixture

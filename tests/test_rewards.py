@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from postrl import registry
+from postrl import registry, stages
 from postrl.errors import ConfigError, RewardError
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.builtin import exact, extract_answer, format_reward, math_reward, numeric, parse_number
@@ -119,8 +119,14 @@ def test_format_regex_default_and_bad_tags():
     assert format_reward(None, [" 12 ", "12a", "-3"]) == [1.0, 0.0, 1.0]
     assert format_reward(None, ["<think> </think><answer>4</answer>"], tags=["think", "answer"],
                          allow_empty=True) == [1.0]
-    with pytest.raises(ValueError, match="tags"):
-        format_reward(None, ["x"], tags="think")
+    for params, message in [({"tags": "think"}, "rewards.0.tags: expected a list, got 'think'"),
+                            ({"tags": []}, "rewards.0.tags: list should have at least 1 item"),
+                            ({"tags": ["think", "a b"]}, "rewards.0.tags.1: expected a tag name"),
+                            ({"pattern": "("}, "rewards.0.pattern: expected a valid regular expression"),
+                            ({"pattern": 5}, "rewards.0.pattern: expected a string, got 5")]:
+        with pytest.raises(ConfigError) as e:
+            stages.check_params("reward", "format", params, "rewards.0")
+        assert str(e.value).startswith(message), str(e.value)
 
 
 def test_reasoning_gym_reward_uses_score_answer():

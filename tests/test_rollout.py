@@ -7,10 +7,13 @@ import copy
 import pytest
 import torch
 
+from postrl.config import AccelConfig
+
 from postrl.accel.decoder import StaticDecoder
 from postrl.models.tiny import build_model, build_tokenizer
-from postrl.rollout.base import SamplingParams
-from postrl.rollout.hf import HFGenerator, left_pad
+from postrl.generation import SamplingParams
+from postrl.rollout.hf import HFGenerator
+from postrl.generation import left_pad
 
 PROMPTS = ["12+3=", "a", "hello world", "x*y"]
 
@@ -328,14 +331,14 @@ def test_static_decoder_supports_llama_family_only(tok, model):
     from postrl import accel
 
     assert StaticDecoder.supports(model) and StaticDecoder.supports(_tiny_qwen2(tok))
-    assert accel.prepare(copy.deepcopy(model)).generator(model, tok).decoder is not None
+    assert accel.prepare(copy.deepcopy(model), AccelConfig()).generator(model, tok).decoder is not None
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    assert not StaticDecoder.supports(gpt2) and accel.prepare(copy.deepcopy(gpt2)).generator(gpt2, tok).decoder is None
+    assert not StaticDecoder.supports(gpt2) and accel.prepare(copy.deepcopy(gpt2), AccelConfig()).generator(gpt2, tok).decoder is None
     scaled = copy.deepcopy(model)
     scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert not StaticDecoder.supports(scaled)  # a RoPE variant it does not implement: the model's own forward
     # An unsupported model still generates (through its forward with a DynamicCache).
-    out = accel.prepare(copy.deepcopy(gpt2)).generator(gpt2.eval(), tok).generate(
+    out = accel.prepare(copy.deepcopy(gpt2), AccelConfig()).generator(gpt2.eval(), tok).generate(
         _ids(tok, PROMPTS[:2]), 2, SamplingParams(max_new_tokens=5), seed=0)
     assert out.completion_ids.shape == (4, 5)
 

@@ -1,4 +1,5 @@
-"""The code sandbox: hostile programs are contained, score 0 with a reason, and leave nothing running.
+"""The code sandbox: hostile programs are contained, score 0 with a reason, and leave nothing running; the
+system calls kernel exploits go through fail inside it.
 
 Hostile programs go through the real reward path (``code_tests`` on a batch, so the pool runs them in parallel)
 with short limits; containment is then checked from the host. Where the machine's isolation cannot contain
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from postrl.errors import ConfigError, PostrlError
 from postrl.rewards.code import code_tests, last_results
-from postrl.sandbox import Limits, SandboxPool, capabilities, core, run
+from postrl.sandbox import (Limits, SandboxConfigError, SandboxError, SandboxPool, SandboxUnavailable, capabilities,
+                            confine, launch, probe, run)
 
 try:
     CAPS = capabilities()
-except PostrlError as e:  # pragma: no cover - a machine where no sandbox works at all
+except SandboxError as e:  # pragma: no cover - a machine where no sandbox works at all
     pytest.skip(f"no code sandbox on this machine: {e}", allow_module_level=True)
 NAMESPACES = CAPS["mode"] in ("bwrap", "namespaces")
 TESTS = "def test_a():\n    assert add(1, 2) == 3\n\n\ndef test_b():\n    assert add(2, 2) == 4\n"
@@ -49,10 +50,10 @@ def _stray(results) -> list[int]:
     """Processes left by these runs: any descendant of this test process, any process of a run's uid. Python's
     multiprocessing resource tracker, which the first spawned process of the session (test_helpers' generation
     helpers) starts and which lives until the session ends, is not one of them."""
-    left = [p for p in core._proc_descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
+    left = [p for p in launch.descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
     for r in results:
         if r is not None and r.uid is not None:
-            left += core._proc_uid_pids(r.uid)
+            left += launch.uid_pids(r.uid)
     return left
 
 
@@ -134,7 +135,7 @@ def test_capabilities_say_what_is_enforced():
 def _fallback():
     try:
         return capabilities("fallback")
-    except PostrlError as e:
+    except SandboxUnavailable as e:
         pytest.skip(f"fallback sandbox unavailable here: {e}")
 
 
@@ -143,7 +144,7 @@ def test_fallback_is_announced_once_at_startup(caplog):
     assert caps["mode"] == "fallback"
     for what in ("network", "filesystem reads outside the sandbox", "process visibility"):
         assert what in caps["warning"]
-    core._WARNED.discard(caps["warning"])
+    probe._WARNED.discard(caps["warning"])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="postrl.sandbox"):
         capabilities("fallback")
@@ -153,17 +154,17 @@ def test_fallback_is_announced_once_at_startup(caplog):
 
 
 def test_bwrap_required_but_missing_is_a_startup_error(monkeypatch):
-    monkeypatch.setattr(core, "_bwrap_binary", lambda: None)
-    with pytest.raises(PostrlError, match="bubblewrap does not work here"):
-        core._probe("bwrap")
+    monkeypatch.setattr(probe, "_bwrap_binary", lambda: None)
+    with pytest.raises(SandboxUnavailable, match="bubblewrap does not work here"):
+        probe._probe("bwrap")
 
 
 def test_bad_limits_and_mode_are_one_line_errors():
-    with pytest.raises(ConfigError, match="'timeout' must be a positive number"):
+    with pytest.raises(SandboxConfigError, match="'timeout' must be a positive number"):
         Limits(timeout=0)
-    with pytest.raises(ConfigError, match="memory_mb"):
+    with pytest.raises(SandboxConfigError, match="memory_mb"):
         Limits(memory_mb=4)
-    with pytest.raises(ConfigError, match="sandbox mode 'docker'"):
+    with pytest.raises(SandboxConfigError, match="sandbox mode 'docker'"):
         capabilities("docker")
 
 
@@ -342,11 +343,11 @@ def _kernel_has_namespaces() -> bool:
 
 def _isolating_modes() -> list[str]:
     modes = []
-    if core._bwrap_binary():
+    if probe._bwrap_binary():
         try:
             capabilities("bwrap")
             modes.append("bwrap")
-        except PostrlError:
+        except SandboxUnavailable:
             pass
     if _kernel_has_namespaces():
         modes.append("namespaces")  # must work here: a failure to start is a test failure, not a skip
@@ -561,7 +562,7 @@ print('HELD', len(alive), flush=True)
     held = max([int(ln.split()[1]) for ln in r.stdout.splitlines() if ln.startswith("HELD")] or [0])
     assert "HELD" in r.stdout or r.status == "memory", (r.status, r.reason, r.stderr)
     if caps["cgroup"]:
-        assert held * 90 <= lim.memory_mb + core._CGROUP_SLACK_MB, (held, r.stdout)
+        assert held * 90 <= lim.memory_mb + confine.CGROUP_SLACK_MB, (held, r.stdout)
         assert r.status == "memory" and "whole program" in r.reason, (r.status, r.reason)
         assert "cgroup" in caps["limits"]["memory"]
     else:
@@ -611,7 +612,8 @@ except OSError as e:
 @needs_namespaces
 def test_namespaces_mode_as_an_unprivileged_user():
     """The laptop case: no bubblewrap, not root. Run as `nobody` (from root, with the system Python): the program
-    reaches no host listener, sees only its own processes, and RLIMIT_NPROC bounds its forks."""
+    reaches no host listener, sees only its own processes, RLIMIT_NPROC bounds its forks and the seccomp filter
+    refuses keyctl."""
     import json
     import shutil
     import subprocess
@@ -620,7 +622,7 @@ def test_namespaces_mode_as_an_unprivileged_user():
     py = "/usr/bin/python3"
     if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(py):
         pytest.skip("needs root (to become nobody), setpriv and /usr/bin/python3")
-    src = str(Path(core.__file__).resolve().parents[2])
+    src = str(Path(probe.__file__).resolve().parents[2])
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
@@ -650,9 +652,13 @@ for _ in range(40):
     except OSError:
         break
 print("FORKED", n, "PIDS", len([p for p in os.listdir("/proc") if p.isdigit()]))
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+print("KEYCTL", libc.syscall({{"x86_64": 250, "aarch64": 219}}[platform.machine()], 0, -2, 0), ctypes.get_errno())
 '''
 r = run(prog, limits=Limits(timeout=8.0, processes=8), mode="namespaces")
-print(json.dumps({{"mode": capabilities("namespaces")["mode"], "status": r.status, "stdout": r.stdout,
+caps = capabilities("namespaces")
+print(json.dumps({{"mode": caps["mode"], "seccomp": caps["seccomp"], "status": r.status, "stdout": r.stdout,
                   "stderr": r.stderr[-500:]}}))
 """)
     for p in [Path(src), *Path(src).parents]:  # nobody must reach the code
@@ -677,3 +683,250 @@ print(json.dumps({{"mode": capabilities("namespaces")["mode"], "status": r.statu
     assert not reached and "tcp blocked" in d["stdout"], d
     forked, pids = int(d["stdout"].split("FORKED ")[1].split()[0]), int(d["stdout"].split("PIDS ")[1].split()[0])
     assert forked < 8 and pids <= 9, d
+    if d["seccomp"]["enabled"]:  # the harness loaded the filter as an unprivileged user too
+        assert "KEYCTL -1 1" in d["stdout"], d
+    else:
+        assert d["seccomp"]["why"], d
+
+
+# ------------------------------------------------------------------------------------------------ system-call filter
+# The probe program tries, through raw syscall numbers (its own table, not the filter's), the calls that container
+# sandboxes refuse because kernel exploits go through them, the namespace flags of clone, the x32 and i386 ABIs,
+# and what a program needs (threads, fork, subprocess). Run without a sandbox, the same program reaches the kernel:
+# the control below shows the probe can tell a filtered process from an unfiltered one.
+
+SYSCALL_PROBE = r'''
+import ctypes, errno, json, os, platform, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+L = ctypes.c_long
+NR = {"x86_64": {"io_uring_setup": 425, "keyctl": 250, "add_key": 248, "perf_event_open": 298, "bpf": 321,
+                 "open_by_handle_at": 304, "unshare": 272, "personality": 135, "clone": 56, "clone3": 435},
+      "aarch64": {"io_uring_setup": 425, "keyctl": 219, "add_key": 217, "perf_event_open": 241, "bpf": 280,
+                  "open_by_handle_at": 265, "unshare": 97, "personality": 92, "clone": 220, "clone3": 435},
+      }[platform.machine()]
+
+def call(nr, *args):
+    ctypes.set_errno(0)
+    rv = libc.syscall(L(nr), *args)
+    return "ok" if rv != -1 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+
+out = {}
+out["io_uring_setup"] = call(NR["io_uring_setup"], L(1), None)
+out["keyctl"] = call(NR["keyctl"], L(0), L(-2), L(0))  # KEYCTL_GET_KEYRING_ID, the process keyring
+out["add_key"] = call(NR["add_key"], b"user", b"postrl-probe", b"x", L(1), L(-2))
+out["perf_event_open"] = call(NR["perf_event_open"], None, L(0), L(-1), L(-1), L(0))
+out["bpf"] = call(NR["bpf"], L(0), None, L(0))  # BPF_MAP_CREATE
+out["open_by_handle_at"] = call(NR["open_by_handle_at"], L(-1), None, L(0))
+out["unshare"] = call(NR["unshare"], L(0x10000000))  # CLONE_NEWUSER
+out["personality"] = call(NR["personality"], L(0x0040000))  # ADDR_NO_RANDOMIZE
+out["personality_query"] = call(NR["personality"], L(0xFFFFFFFF))
+out["clone3"] = call(NR["clone3"], None, L(0))
+ctypes.set_errno(0)
+pid = libc.syscall(L(NR["clone"]), L(0x10000000 | 17), None, None, None, L(0))  # CLONE_NEWUSER | SIGCHLD
+if pid == 0:
+    os._exit(0)
+out["clone_newuser"] = "ok" if pid > 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+if pid > 0:
+    os.waitpid(pid, 0)
+if platform.machine() == "x86_64":
+    out["x32_getpid"] = call(0x40000000 | 39)
+    pid = os.fork()
+    if pid == 0:
+        import mmap
+        m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        m.write(b"\xb8\x14\x00\x00\x00\xcd\x80\xc3")  # mov eax, 20 (getpid, i386); int 0x80; ret
+        ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))()
+        os._exit(0)
+    _, st = os.waitpid(pid, 0)
+    out["i386_int80"] = "signal %d" % os.WTERMSIG(st) if os.WIFSIGNALED(st) else "exit %d" % os.WEXITSTATUS(st)
+t = threading.Thread(target=out.__setitem__, args=("thread", "ok"))
+t.start()
+t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+out["fork"] = os.WEXITSTATUS(os.waitpid(pid, 0)[1])
+out["subprocess"] = subprocess.run([sys.executable, "-I", "-S", "-c", "pass"]).returncode
+out["seccomp_mode"] = [ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("Seccomp:")][0]
+print("PROBE", json.dumps(out))
+'''
+LISTED = ("io_uring_setup", "keyctl", "add_key", "perf_event_open", "bpf", "open_by_handle_at", "unshare",
+          "personality")  # issue 26: reach the kernel from inside the sandbox without a filter
+
+
+def _probe_result(stdout: str) -> dict:
+    import json
+
+    return json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("PROBE "))[6:])
+
+
+def _filtered_modes() -> list[str]:
+    modes = list(ISOLATING)
+    try:
+        capabilities("fallback")
+        modes.append("fallback")
+    except SandboxUnavailable:
+        pass
+    return modes
+
+
+@pytest.mark.parametrize("mode", _filtered_modes())
+def test_listed_syscalls_fail_with_eperm_inside_the_sandbox(mode):
+    caps = capabilities(mode)
+    if not caps["seccomp"]["enabled"]:
+        pytest.skip(f"no seccomp filter here: {caps['seccomp']['why']}")
+    r = run(SYSCALL_PROBE, limits=Limits(timeout=15.0), mode=mode)
+    assert r.status == "ok", (r.status, r.reason, r.stderr[-800:])
+    got = _probe_result(r.stdout)
+    assert {name: got[name] for name in LISTED} == {name: "EPERM" for name in LISTED}, got
+    assert got["clone_newuser"] == "EPERM" and got["clone3"] == "ENOSYS", got  # namespaces through clone: refused
+    assert got["personality_query"] == "ok", got  # the allowed personality values still work
+    assert (got["thread"], got["fork"], got["subprocess"]) == ("ok", 7, 0), got  # threads fall back to clone
+    assert got["seccomp_mode"] == "2", got
+    if "x32_getpid" in got:  # x86_64: the x32 ABI and i386 `int 0x80` do not get around the filter
+        assert got["x32_getpid"] == "EPERM", got
+        assert got["i386_int80"] == "signal 31", got  # SIGSYS: a foreign-architecture call kills the process
+
+
+def test_the_syscall_probe_reaches_the_kernel_without_a_filter():
+    """Control: the same program outside the sandbox gets past the calls the filter refuses (so the test above
+    fails if the filter is not there)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-I", "-c", SYSCALL_PROBE], capture_output=True, text=True, timeout=60)
+    got = _probe_result(out.stdout)
+    if got["seccomp_mode"] != "0":
+        pytest.skip("this test process already runs under a seccomp filter")
+    assert got["personality"] == "ok" and got["keyctl"] != "EPERM" and got["add_key"] != "EPERM", got
+    if "x32_getpid" in got:
+        assert got["x32_getpid"] != "EPERM" and got["i386_int80"] != "signal 31", got
+
+
+def test_capabilities_report_the_seccomp_filter(capsys):
+    import json
+
+    from postrl.cli import main
+
+    f = CAPS["seccomp"]
+    if not f["enabled"]:
+        assert f["why"] and any("no seccomp filter" in x for x in CAPS["not_isolated"])
+        return
+    assert set(LISTED) - {"personality"} <= set(f["refused_eperm"]) and "personality" in f["argument_rules"]
+    assert f["installed_by"].startswith("bubblewrap" if CAPS["mode"] == "bwrap" else "the harness")
+    assert not any("seccomp" in x for x in CAPS["not_isolated"])
+    assert main(["sandbox", "--capabilities"]) == 0
+    assert json.loads(capsys.readouterr().out)["seccomp"] == f
+
+
+@pytest.mark.parametrize("mode", _filtered_modes())
+def test_a_filter_the_kernel_refuses_is_reported_off_and_listed(mode, monkeypatch):
+    """A filter the kernel does not accept: a run promised it fails (it never goes on unfiltered), and the probe
+    falls back to no filter, which the capability report and the warning then list."""
+    from postrl.sandbox import seccomp
+
+    caps = capabilities(mode)
+    if not caps["seccomp"]["enabled"]:
+        pytest.skip(f"no seccomp filter here: {caps['seccomp']['why']}")
+    monkeypatch.setattr(seccomp, "program", lambda arch=None: b"\xff\xff\x00\x00\x00\x00\x00\x00")  # bad opcode
+    assert run("print('unfiltered')", limits=Limits(timeout=10.0), mode=mode).status == "error"
+    got = probe._finish(probe._probe(mode), None)
+    assert got["mode"] == mode and got["seccomp"]["enabled"] is False
+    assert "could not be loaded" in got["seccomp"]["why"]
+    listed = [x for x in got["not_isolated"] if x.startswith("kernel attack surface: no seccomp filter")]
+    assert listed and "io_uring" in listed[0] and listed[0] in got["warning"]
+
+
+def test_a_kernel_without_seccomp_is_reported(monkeypatch):
+    from postrl.sandbox import seccomp
+
+    monkeypatch.setattr(seccomp, "unavailable", lambda: "the kernel is built without seccomp (test)")
+    got = probe._finish(probe._probe("fallback"), None)
+    assert got["seccomp"] == {"enabled": False, "why": "the kernel is built without seccomp (test)"}
+    assert "NOT isolated" in got["warning"] and "no seccomp filter (the kernel is built without seccomp (test))" \
+        in got["warning"]
+
+
+# ------------------------------------------------------------------------------------------------ the package
+
+
+def test_the_sandbox_imports_nothing_else_of_postrl():
+    """Issue 25: a self-contained subpackage (imports inside functions count)."""
+    import ast
+
+    root = Path(probe.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(root)}: {n}" for n in names
+                    if (n == "postrl" or n.startswith("postrl.")) and not n.startswith("postrl.sandbox")]
+    assert bad == []
+
+
+def test_callers_turn_sandbox_errors_into_one_line_postrl_errors(tmp_path, capsys):
+    from postrl.cli import main
+    from postrl.errors import ConfigError, DataError
+
+    with pytest.raises(ConfigError, match="sandbox limit 'timeout' must be a positive number"):
+        code_tests(None, [GOOD], [TESTS], timeout=0)
+    with pytest.raises(DataError, match="tests: expected a string, list or dict, got int"):
+        code_tests(None, [GOOD], [42], timeout=5.0)
+    prog = tmp_path / "p.py"
+    prog.write_text("print(1)\n")
+    assert main(["sandbox", str(prog), "--timeout", "0"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "postrl: error: sandbox limit 'timeout' must be a positive number, got 0.0"
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_the_filter_program_decides_as_documented(arch):
+    """The compiled classic-BPF program, run by a small interpreter here, for both architectures (only the one of
+    this machine can be run by the kernel): the numbers are the test's own (Linux uapi tables)."""
+    import struct
+
+    from postrl.sandbox import seccomp
+
+    prog = seccomp.program(arch)
+    ins = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+
+    def decide(nr, arg0=0, audit=None):
+        data = struct.pack("<iIQ6Q", nr, audit if audit is not None else AUDIT[arch], 0, arg0, 0, 0, 0, 0, 0)
+        pc, acc = 0, 0
+        while True:
+            code, jt, jf, k = ins[pc]
+            if code == 0x20:  # ld [k]
+                acc = struct.unpack_from("<I", data, k)[0]
+            elif code == 0x06:  # ret k
+                return {0x7FFF0000: "allow", 0x80000000: "kill", 0x0: "kill", 0x50001: "EPERM",
+                        0x50026: "ENOSYS"}[k]
+            elif code in (0x15, 0x35, 0x45):  # jeq / jge / jset
+                hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
+                pc += jt if hit else jf
+            else:
+                raise AssertionError(f"unexpected opcode {code:#x}")
+            pc += 1
+
+    AUDIT = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+    nr = {"x86_64": {"io_uring_setup": 425, "keyctl": 250, "add_key": 248, "perf_event_open": 298, "bpf": 321,
+                     "open_by_handle_at": 304, "unshare": 272, "personality": 135, "clone": 56, "clone3": 435,
+                     "read": 0, "write": 1, "getpid": 39, "mount": 165, "ptrace": 101},
+          "aarch64": {"io_uring_setup": 425, "keyctl": 219, "add_key": 217, "perf_event_open": 241, "bpf": 280,
+                      "open_by_handle_at": 265, "unshare": 97, "personality": 92, "clone": 220, "clone3": 435,
+                      "read": 63, "write": 64, "getpid": 172, "mount": 40, "ptrace": 117}}[arch]
+    for name in (*LISTED[:-1], "mount", "ptrace"):
+        assert decide(nr[name]) == "EPERM", name
+    for name in ("read", "write", "getpid"):
+        assert decide(nr[name]) == "allow", name
+    assert decide(nr["clone3"]) == "ENOSYS"
+    assert decide(nr["clone"], 0x01200011) == "allow"  # fork: CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD
+    assert decide(nr["clone"], 0x003D0F00) == "allow"  # a thread (glibc's flags)
+    assert decide(nr["clone"], 0x10000000 | 17) == "EPERM"  # CLONE_NEWUSER
+    assert decide(nr["clone"], 0x40000000 | 17) == "EPERM"  # CLONE_NEWNET
+    assert decide(nr["personality"], 0xFFFFFFFF) == "allow" and decide(nr["personality"], 0) == "allow"
+    assert decide(nr["personality"], 0x0040000) == "EPERM"  # ADDR_NO_RANDOMIZE
+    assert decide(nr["getpid"], audit=0x40000003) == "kill"  # AUDIT_ARCH_I386 (int 0x80) / any other arch
+    if arch == "x86_64":
+        assert decide(0x40000000 | 39) == "EPERM"  # x32 getpid

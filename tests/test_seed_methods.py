@@ -10,6 +10,7 @@ import torch
 from postrl import registry
 from postrl.advantages.entropy import canon_entropy, canon_length, grpo_s, gtpo
 from postrl.shaping.transforms import ensemble_brme
+from postrl.errors import ConfigError
 from postrl.stages import build
 
 nan = float("nan")
@@ -33,8 +34,8 @@ def test_ensemble_brme_mixes_mean_and_min():
     assert out["reward_names"] == ["ensemble", "correct"]
     close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.0)["rewards"][:, 0], [2.0, nan, 3.0])
     close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=0.0)["rewards"][:, 0], [1.0, nan, 2.0])
-    with pytest.raises(ValueError, match="ensemble_brme.lam"):
-        ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.5)
+    with pytest.raises(ConfigError, match=r"^shaping.lam: expected a value >= 0 and <= 1, got 1.5$"):
+        build("shaping", "ensemble_brme", {"lam": 1.5})
     assert registry.entry("shaping", "ensemble_brme").source.startswith("Reward-Robust RLHF")
 
 
@@ -345,13 +346,11 @@ def test_attention_credit_spreads_the_score_by_last_layer_attention(tiny_rm):
 
 
 def test_token_reward_estimators_name_a_missing_or_wrong_reward_model(tiny_rm, tmp_path):
-    from postrl.context import ModelContext
     from postrl.errors import PostrlError
-    from postrl.fields import produce
 
     path, rm, tok = tiny_rm
-    with pytest.raises(PostrlError, match="advantage.reward_model: expected the folder"):
-        produce(ModelContext(model=None, tokenizer=tok), _batch(tok, ["q"], ["a"], 2), build("advantage", "red", {}))
+    with pytest.raises(PostrlError, match="advantage.reward_model: required parameter missing"):
+        build("advantage", "red", {})
     from postrl.reward_models.backbones import load_backbone
     from postrl.reward_models.model import RewardModel
     from postrl.rewards.dense import attention_token_rewards

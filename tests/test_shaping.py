@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from postrl.config import load_config
+from postrl.errors import ConfigError
+
 from postrl import registry
-from postrl.pipeline import call_stage
-from postrl.rewards.steps import split_steps, step_lengths, step_token_ends
+from postrl.stages import Stage, call_stage
+from postrl.reasoning_steps import split_steps, step_lengths, step_token_ends
 from postrl.shaping import weighted_sum
 from postrl.stages import StepEnd, build, load_state, reads, state_of
 from postrl.shaping.length import (AdaptiveLengthCoef, LaserD, conciseness_gated, cosine_length, grpo_lambda,
@@ -40,7 +43,7 @@ def stepped(stage, *args):
     names = reads(stage)
     out = stage(*args)
     call_stage(stage.observe, dict(zip(names, args)), {})
-    stage.end_step(StepEnd())
+    Stage("shaping", "s", stage, {}, names).end_step(StepEnd())  # applies what it recorded, then forgets it
     return out
 
 
@@ -175,8 +178,8 @@ def test_min_form_temperature_is_pures_softmin_weighting():
     close(out["rewards"][:, 0], [0.8 * w[0] + 0.3 * w[1], 0.5], 1e-6)
     small = min_form(T([[0.8, 0.3, 0.6]]), T([[0.0]]), ["prm"], "prm", temperature=1e-3)["rewards"][0, 0]
     assert small.item() == pytest.approx(0.3, abs=1e-6)  # -> min as tau -> 0
-    with pytest.raises(ValueError, match="min_form.temperature"):
-        min_form(SR, R2, NAMES, "prm", temperature=-1.0)
+    with pytest.raises(ConfigError, match=r"^shaping.temperature: expected a value >= 0, got -1.0$"):
+        build("shaping", "min_form", {"temperature": -1.0})
 
 
 def test_gated_adds_steps_only_when_outcome_passes():
@@ -220,8 +223,10 @@ def test_overlong_soft_three_regions_and_verl_anchor():
     # verl DAPO reward manager: min(-(L - (Lmax - Lc)) / Lc * factor, 0) for L <= Lmax
     verl = [min(-(x - (10 - 4)) / 4 * 1.0, 0.0) for x in L[:4].tolist()]
     close(out["rewards"][:4, 1], verl)
-    with pytest.raises(ValueError, match="buffer"):
-        overlong_soft(T([[1.0]]), ["c"], T([1.0]), T([1.0]), max_length=4, buffer=8)
+    with pytest.raises(ConfigError, match=r"^shaping.buffer: expected an integer in \[1, max_length = 4\], got 8$"):
+        build("shaping", "overlong_soft", {"max_length": 4, "buffer": 8})
+    with pytest.raises(ConfigError, match=r"^shaping.buffer: .* = 20480\], got 30000$"):  # against the default
+        build("shaping", "overlong_soft", {"buffer": 30000})
 
 
 def test_truncation_penalty_zeroes_over_cap():
@@ -271,8 +276,11 @@ def test_grpo_lambda_threshold_and_top_fraction():
     close(out, [0.5, 0.0, -0.5, 0.0, 0.0, 0.0])  # group 0 (3/3) penalised; group 1 (1/3) plain 0/1
     out = grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None, top_fraction=1.0)["rewards"][:, 1]
     close(out, [0.5, 0.0, -0.5, 0.0, -0.0, -0.5])
-    with pytest.raises(ValueError, match="exactly one"):
-        grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None)
+    for params in ("threshold: null", "top_fraction: 0.5"):  # neither; both (threshold defaults to 0.8)
+        with pytest.raises(ConfigError, match=r"^shaping.0: set exactly one of shaping.0.threshold and "):
+            load_config(None, [f"shaping=[{{name: grpo_lambda, {params}}}, {{name: weighted_sum}}]"])
+    with pytest.raises(ConfigError, match=r"^shaping.top_fraction: expected a value > 0 and <= 1, got 1.5$"):
+        build("shaping", "grpo_lambda", {"threshold": None, "top_fraction": 1.5})
 
 
 def test_cosine_length_hand_values():
@@ -375,8 +383,8 @@ def test_step_length_regularizer_prefers_shorter_steps():
     assert (r[order].diff() <= 1e-9).all()
     same = reward([5, 5, 5])
     close(same, same[:1].expand(3))  # one length: no preference
-    with pytest.raises(ValueError, match="step_length_regularizer.min_sd"):
-        reward([5, 20], min_sd=0.0)
+    with pytest.raises(ConfigError, match=r"^shaping.min_sd: expected a value > 0, got 0.0$"):
+        build("shaping", "step_length_regularizer", {"min_sd": 0.0})
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -426,7 +434,7 @@ def test_stage_state_helpers_and_call_stage_with_class():
     fresh = [build("shaping", "running_norm", {}), build("shaping", "weighted_sum", {})]
     load_state(fresh, json.loads(json.dumps(st)))
     assert fresh[0].fn.stats == stages[0].fn.stats
-    with pytest.raises(ValueError, match="clip"):
+    with pytest.raises(ConfigError, match=r"^shaping.clip: expected a value > 0, got -1$"):
         build("shaping", "running_norm", {"clip": -1})
     close(weighted_sum(T([[1.0, nan]]), T([1.0, 0.0]))["reward"], [nan])  # failed component is excluded
 
@@ -469,8 +477,8 @@ def test_trainer_step_return_puts_step_returns_on_tokens(nano_dir, tmp_path):
                "rollout.max_new_tokens=24")
     tr = Trainer(cfg, out)
     batch = tr.batches.rollout(0)
-    tr.scorer.score(batch)
-    tr.advantages(batch)
+    tr.step.score(batch)
+    tr.step.advantages(tr.ctx, batch)
     A = batch.advantages
     assert A.shape == batch.completion_mask.shape and torch.isfinite(A).all()
     assert (A[batch.completion_mask == 0] == 0).all()
@@ -498,7 +506,7 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
                "{name: weighted_sum}]")
     tr = Trainer(cfg, out)
     batch = tr.batches.rollout(0)
-    info = tr.scorer.score(batch)
+    info = tr.step.score(batch)
     n = len(batch)
     assert batch.reward_names == ["correct", "steps_prm", "kimi_length"]
     assert batch.extra["raw_reward_names"] == ("correct", "steps_prm") and batch.raw_rewards.shape == (len(batch), 2)
@@ -517,10 +525,10 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     assert info["failure_rate"] == {"correct": 0.0, "steps_prm": pytest.approx(no_steps)}
     tr.train()
     state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
-    saved = state["shaping"]["1:running_norm"]["stats"]["correct"]
+    saved = state["stages"]["shaping"]["1:running_norm"]["stats"]["correct"]
     assert saved[0] == 3 * n  # the score() above + two training steps, merged into the running statistics
     tr2 = Trainer(cfg, out, resume=True)
-    assert tr2.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
+    assert tr2.step.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
 
 
 @registry.register("reward", "half_nan", source="test: fails on every other completion")
@@ -535,10 +543,10 @@ def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
     tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_nan}]", "reward.alarm_rate=0.25"), out)
     batch = tr.batches.rollout(0)
     with caplog.at_level("WARNING", logger="postrl.rewards"):
-        info = tr.scorer.score(batch)
+        info = tr.step.score(batch)
     assert info["failure_rate"] == {"correct": 0.0, "half_nan": 0.5}
     assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
     alarms = [r.getMessage() for r in caplog.records if "half_nan" in r.getMessage()]
     assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned nan" in alarms[0]
-    m = tr.batch_metrics(batch, info)
+    m = tr.step.metrics(batch, info)
     assert m["reward/half_nan/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0

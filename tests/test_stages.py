@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from postrl import registry
-from postrl.advantages import grpo, group_stats
+from postrl.groups import group_stats
+from postrl.advantages import grpo
 from postrl.losses import dr_grpo, kl_k1, kl_k2, kl_k3, ppo_clip, seq_mean_token_mean, seq_mean_token_sum, token_mean
-from postrl.pipeline import call_stage
+from postrl.stages import call_stage
 from postrl.shaping import weighted_sum
 
 

@@ -112,7 +112,7 @@ async def async_reward_func(prompts, completions, **kwargs):
 
 
 def doc(name: str) -> dict:
-    ns: dict = {}
+    ns: dict = {"__name__": f"trl_docs_{name}"}  # a module name, as an imported file would have
     exec(textwrap.dedent(TRL_DOCS[name]), ns)  # noqa: S102 - the documentation's own code, as a user pastes it
     return ns
 
@@ -290,7 +290,7 @@ def test_a_reward_that_raises_on_every_row_of_the_first_step_stops_the_scorer(tm
     from postrl.config import load_config
     from postrl.models.tiny import build_tokenizer
     from postrl.rewards import RewardContext
-    from postrl.train.scoring import Scorer
+    from postrl.step.scoring import Scorer
     from postrl import registry
 
     registry.register("reward", "t_trl_format", source="test: TRL docs example 2")(
@@ -298,14 +298,16 @@ def test_a_reward_that_raises_on_every_row_of_the_first_step_stops_the_scorer(tm
     said = []
     batch = _batch(["<think>a</think><answer>1</answer>", "2"])
     cfg = load_config(None, ["rewards=[{name: correct}, {name: t_trl_format}]"])
-    scorer = Scorer(cfg, RewardContext(), build_tokenizer(), notice=lambda m, **kw: said.append(m))
+    scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, RewardContext(), build_tokenizer(),
+                    notice=lambda m, **kw: said.append(m))
     with pytest.raises(RewardError) as e:
         scorer.score(batch)
     msg = str(e.value)
     assert msg.startswith("reward 't_trl_format' raised TypeError: string indices must be integers") and \
         "every completion of the first step" in msg and "\n" not in msg and not said
     cfg = load_config(None, ["rewards=[{name: correct}, {name: t_trl_format}]", "reward.on_all_failed=continue"])
-    scorer = Scorer(cfg, RewardContext(), build_tokenizer(), notice=lambda m, **kw: said.append(m))
+    scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, RewardContext(), build_tokenizer(),
+                    notice=lambda m, **kw: said.append(m))
     info = scorer.score(_batch(["1", "2"]))
     assert info["failures"] == {"t_trl_format": 2} and any("t_trl_format" in m and "TypeError" in m for m in said)
     said.clear()
@@ -321,7 +323,7 @@ def _batch(completions: list[str]):
                         completion_ids=torch.ones(n, 2, dtype=torch.long), completion_mask=torch.ones(n, 2),
                         group_ids=torch.zeros(n, dtype=torch.long), sampler_logprobs=torch.zeros(n, 2),
                         truncated=torch.zeros(n, dtype=torch.bool), prompts=["1+1="] * n, completions=completions,
-                        columns={"answer": ["2"] * n, "task": ["arithmetic"] * n}, extra={"step": 0})
+                        columns={"answer": ["2"] * n, "task": ["arithmetic"] * n}, extra={"step": 0, "max_steps": 3})
 
 
 # ------------------------------------------------------------------------------------------------ postrl train

@@ -25,7 +25,7 @@ reward_weights      [K] float      weight of each source
 reward              [N] float      scalar reward after shaping (NaN where excluded)
 valid               [N] bool       False for completions excluded from the advantage (failed reward)
 step_ends           [N, S] long    token index of the last token of each reasoning step (-1 padded); steps
-                                   split at ``reward.step_delimiter`` (``postrl.rewards.steps``)
+                                   split at ``reward.step_delimiter`` (``postrl.reasoning_steps``)
 step_rewards        [N, S] float   per-step scores of the process reward source (NaN padded); process
                                    shaping stages rewrite them (clip_prm, delta_prm, min_form, gated, potential)
 advantages          [N] or [N, T]  set by the advantage stage

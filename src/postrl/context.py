@@ -16,9 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from postrl.models import completion_logprobs, encode_prompt
-from postrl.rollout.base import SamplingParams
-from postrl.rollout.hf import left_pad
+from postrl.generation import SamplingParams, encode_prompt, left_pad
+from postrl.logprobs import completion_logprobs
 
 
 def chunks(n: int, size: int):
@@ -35,8 +34,9 @@ class ModelContext:
     temperature (log-probs and entropies are of the temperature-scaled policy, 0 read as 1);
     ``generate(prompt_token_lists, n, SamplingParams, seeds) -> Generation``; ``score(batch)`` fills the batch's
     rewards with the run's rewards and shaping (a score made for a baseline: stateful stages do not learn from
-    it); ``logprob_fn``: the function computing per-token log-probs (``postrl.models.completion_logprobs``'s
-    signature)."""
+    it); ``logprob_fn``: the function computing per-token log-probs (:func:`postrl.logprobs.completion_logprobs`,
+    or a faster path with its signature, e.g. ``postrl.accel``'s or an engine's own forward); ``autocast``: run
+    the forward under bf16 autocast (``model.dtype=bfloat16``)."""
 
     model: Any
     tokenizer: Any
@@ -49,19 +49,29 @@ class ModelContext:
     score: Callable | None = None
     pad_id: int = 0
     logprob_fn: Callable = completion_logprobs
+    autocast: bool = False
+
+    def token_logprobs(self, batch, rows: torch.Tensor, *, model: Any = None, with_entropy: bool = False,
+                       entropy_grad: bool = False, with_logits: bool = False):
+        """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) of the completion
+        tokens of rows ``rows`` under ``model`` (default the policy), on the device, differentiable (the update's
+        forward); of the filtered distribution when ``sampling.logprobs='filtered'`` (as the sampler's)."""
+        dev = self.device
+        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.logprob_fn(self.model if model is None else model, batch.prompt_ids[rows].to(dev),
+                                  batch.prompt_mask[rows].to(dev), batch.completion_ids[rows].to(dev),
+                                  self.temperature or 1.0, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                  return_logits=with_logits,
+                                  **(self.sampling.logprob_filter() if self.sampling is not None else {}))
+        return out if with_logits else (*out[:2], None)
 
     @torch.no_grad()
     def logprobs(self, batch, with_entropy: bool = False, model: Any = None) -> tuple[torch.Tensor, Any]:
         """(log pi(o_t | q, o_<t) [N, T], entropy [N, T] or None) of every completion token of ``batch``, under
-        ``model`` (default the policy), in micro-batches, on the CPU; of the filtered distribution when
-        ``sampling.logprobs='filtered'`` (as the sampler's)."""
-        model = self.model if model is None else model
+        ``model`` (default the policy), in micro-batches, on the CPU (:meth:`token_logprobs` without gradient)."""
         lps, ents = [], []
         for idx in chunks(len(batch), self.micro_batch_size):
-            lp, ent = self.logprob_fn(model, batch.prompt_ids[idx].to(self.device),
-                                      batch.prompt_mask[idx].to(self.device), batch.completion_ids[idx].to(self.device),
-                                      self.temperature or 1.0, with_entropy=with_entropy,
-                                      **(self.sampling.logprob_filter() if self.sampling is not None else {}))[:2]
+            lp, ent, _ = self.token_logprobs(batch, idx, model=model, with_entropy=with_entropy)
             lps.append(lp.float().cpu())
             if ent is not None:
                 ents.append(ent.float().cpu())

@@ -5,6 +5,7 @@ no traceback is shown for a user mistake.
 """
 
 
+
 class PostrlError(Exception):
     """A mistake in the user's input (config, data, paths). The message is one line."""
 

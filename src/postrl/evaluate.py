@@ -12,12 +12,13 @@ import torch
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.data import verify_row
-from postrl.data.base import PromptSource, stable_hash
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.environments import make as make_environment
 from postrl.environments.reward import environment as environment_reward
-from postrl.models import encode_prompt, fit_prompts
-from postrl.rollout import multiturn
-from postrl.rollout.base import SamplingParams
+from postrl.generation import encode_prompt, fit_prompts
+from postrl.environments import episodes
+from postrl.generation import SamplingParams
 
 Episodes = Callable[[list[dict], int, SamplingParams, int], RolloutBatch]
 
@@ -33,7 +34,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def episode_runner(backend, tokenizer, environment: Any, chat_template: str = "auto") -> Episodes | None:
     """``run(rows, k, params, seed)``: k episodes per row of the config's ``environment`` (``{name, max_turns,
-    max_total_tokens, params}``) through :func:`postrl.rollout.multiturn.rollout` with ``backend.generate`` at
+    max_total_tokens, params}``) through :func:`postrl.environments.episodes.rollout` with ``backend.generate`` at
     ``params``, row i seeded with stable_hash(seed, i); None when ``environment`` is None (single-turn runs)."""
     if environment is None:
         return None
@@ -41,7 +42,7 @@ def episode_runner(backend, tokenizer, environment: Any, chat_template: str = "a
 
     def run(rows: list[dict], k: int, params: SamplingParams, seed: int) -> RolloutBatch:
         ctx = ModelContext(None, tokenizer, sampling=params, generate=backend.generate, pad_id=backend.pad_id)
-        return multiturn.rollout(ctx, rows, k, [stable_hash(seed, i) % 2**62 for i in range(len(rows))],
+        return episodes.rollout(ctx, rows, k, [stable_hash(seed, i) % 2**62 for i in range(len(rows))],
                                  lambda: make_environment(env.name, env.params), max_turns=env.max_turns,
                                  max_total_tokens=env.max_total_tokens,
                                  group_ids=torch.arange(len(rows)).repeat_interleave(k), chat_template=chat_template)

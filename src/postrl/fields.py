@@ -1,8 +1,12 @@
 """Fields a stage may read that the rollout batch does not hold: the one mechanism that produces them.
 
 A stage names the fields it reads (its positional parameters, :func:`postrl.stages.reads`). Before a stage runs,
-:func:`produce` computes each of those that the batch lacks and a producer below makes, from the model through a
-:class:`~postrl.context.ModelContext` (never the trainer), and stores it in ``batch.extra``:
+:func:`produce` computes each of those that the batch lacks and a producer makes, from the model through a
+:class:`~postrl.context.ModelContext` (never the trainer), and stores it in ``batch.extra``. A producer is a
+function ``fn(ctx, batch, *, <params>) -> tensor`` registered as kind ``field`` under the field's name
+(``@register("field", "token_entropy")``); its keyword-only parameters are set in the config entry of the stage
+that reads the field (e.g. ``advantage: {name: information_gain, answer_column: solution}``) and validated with
+the stage's own (:func:`postrl.stages.check_params`). Built in:
 
     token_entropy      [N, T]    the policy's token entropy at the rollout temperature (rl_zvp, cure_branching)
     prompt_logprob     [N]       mean log-prob of the prompt tokens, -log perplexity (confidence_scaled)
@@ -14,41 +18,42 @@ A stage names the fields it reads (its positional parameters, :func:`postrl.stag
     attention_token_reward [N, T] the stage's ``reward_model`` score spread by its last-layer attention
                                   (attention_credit)
 
-The last two use a reward model that is the stage's own (its ``reward_model`` folder, :mod:`postrl.rewards.dense`),
-not the policy: of the context they use only the policy's tokenizer (to decode the completion tokens).
+The last two (registered in :mod:`postrl.rewards.dense`) use a reward model that is the stage's own (its
+``reward_model`` folder), not the policy: of the context they use only the policy's tokenizer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable
+from typing import Literal
+
 
 import torch
 
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
-from postrl.rollout.base import SamplingParams
-
-
-def group_first_rows(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each group [ng], group number of each row [N])."""
-    _, inv = torch.unique(batch.group_ids, return_inverse=True)
-    ng = int(inv.max()) + 1 if len(batch) else 0
-    first = torch.full((ng,), len(batch), dtype=torch.long).scatter_reduce(0, inv, torch.arange(len(batch)), "amin")
-    return first, inv
+from postrl.groups import group_first_rows
+from postrl.generation import SamplingParams
+from postrl import registry
+from postrl.registry import register
+from postrl.stages import Stage, parameters
 
 
 def prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
     return batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
 
 
-def token_entropy(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+@register("field", "token_entropy", source="the policy's token entropy at the rollout temperature")
+def token_entropy(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
+    """Token entropy [N, T] of the policy at the rollout temperature (0 on padding)."""
     return ctx.logprobs(batch, with_entropy=True)[1] * batch.completion_mask
 
 
-def prompt_logprob(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
-    first, inv = group_first_rows(batch)
+@register("field", "prompt_logprob", source="-log perplexity of the prompt under the policy")
+def prompt_logprob(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
+    """Mean log-prob of the prompt tokens [N] (-log perplexity), at temperature 1."""
+    first, inv = group_first_rows(batch.group_ids)
     prompts = [prompt_tokens(batch, int(i)) for i in first]
     # log pi(q_t | q_<t) for t >= 1: context = the first token, target = the rest
     tgt = [p[1:] for p in prompts]
@@ -57,8 +62,11 @@ def prompt_logprob(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torc
     return lp[inv]
 
 
-def info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
-    column = params.get("answer_column", "answer")
+@register("field", "info_gain", source="information gain of the completion about the answer")
+def info_gain(ctx: ModelContext, batch: RolloutBatch, *, answer_column: str = "answer") -> torch.Tensor:
+    """log pi(a* | q, o) - log pi(a* | q) [N], a* = the tokens of the row's ``answer_column`` (summed), at
+    temperature 1; NaN for a row without an answer."""
+    column = answer_column
     if column not in batch.columns:
         raise ValueError(f"advantage.answer_column: the batch has no column '{column}'; columns: "
                          f"{', '.join(sorted(batch.columns)) or '(none)'}")
@@ -66,7 +74,7 @@ def info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Ten
            for a in batch.columns[column]]
     lens = batch.completion_mask.sum(-1).long().tolist()
     with_o = [prompt_tokens(batch, i) + batch.completion_ids[i, :lens[i]].tolist() for i in range(len(batch))]
-    first, inv = group_first_rows(batch)
+    first, inv = group_first_rows(batch.group_ids)
     lp1 = ctx.sequence_logprob(with_o, ans, mean=False)
     lp0 = ctx.sequence_logprob([prompt_tokens(batch, int(i)) for i in first], [ans[int(i)] for i in first],
                                mean=False)
@@ -74,7 +82,9 @@ def info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Ten
     return torch.where(torch.tensor([len(a) > 0 for a in ans]), ig, torch.full_like(ig, math.nan))
 
 
-def turn_info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+@register("field", "turn_info_gain", source="Information Gain-based Policy Optimization (IGPO)")
+def turn_info_gain(ctx: ModelContext, batch: RolloutBatch, *, answer_column: str = "answer",
+                   answer_prob: Literal["joint", "per_token"] = "joint") -> torch.Tensor:
     """IGPO's per-turn information gain [N, K] of a multi-turn batch (``turn_ends`` [N, K] in ``batch.extra``).
 
     h_k = the episode's completion up to the end of turn k: the model turn's tokens and the environment's
@@ -86,13 +96,10 @@ def turn_info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torc
     at temperature 1 (``ctx.sequence_logprob``). A probability, not a log-probability: the abstract's "marginal
     increase in the policy's probability of producing the correct answer". NaN beyond the episode's turns and for
     a row without an answer. Source: Information Gain-based Policy Optimization (IGPO)."""
-    column = params.get("answer_column", "answer")
+    column, mode = answer_column, answer_prob
     if column not in batch.columns:
         raise ValueError(f"advantage.answer_column: the batch has no column '{column}'; columns: "
                          f"{', '.join(sorted(batch.columns)) or '(none)'}")
-    mode = params.get("answer_prob", "joint")
-    if mode not in ("joint", "per_token"):
-        raise ValueError(f"advantage.answer_prob: expected joint or per_token, got '{mode}'")
     if "turn_ends" not in batch.extra:
         raise ValueError("advantage turn_info_gain: the batch has no turn_ends (a multi-turn rollout: set "
                          "environment in the config)")
@@ -125,9 +132,10 @@ def turn_info_gain(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torc
     return out[:, 1:] - out[:, :-1]
 
 
-def greedy_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+@register("field", "greedy_reward", source="ReMax (the greedy completion's reward as the baseline)")
+def greedy_reward(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
     """Greedy completion of each group's context, scored with the run's rewards and shaping (one row per group)."""
-    first, inv = group_first_rows(batch)
+    first, inv = group_first_rows(batch.group_ids)
     rows = first.tolist()
     sp = replace(ctx.sampling or SamplingParams(), temperature=0.0, top_p=1.0, top_k=0)
     gen = ctx.generate([prompt_tokens(batch, i) for i in rows], 1, sp, [0] * len(rows))
@@ -141,50 +149,18 @@ def greedy_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch
     return g.reward.float()[inv]
 
 
-def completion_hidden(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
+@register("field", "completion_hidden", source="the policy's last hidden state (a value head's input)")
+def completion_hidden(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
+    """Last hidden state [N, T, H] at the position that predicts each completion token."""
     return ctx.completion_hidden(batch)
 
 
-def _rm_params(params: dict) -> tuple[str, dict]:
-    from postrl.errors import ConfigError
-
-    path = params.get("reward_model")
-    if not path:
-        raise ConfigError("advantage.reward_model: expected the folder of a trained reward model (postrl rm train)")
-    return str(path), {"device": params.get("device", "cpu"), "batch_size": int(params.get("rm_batch_size", 8))}
-
-
-def red_token_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
-    from postrl.rewards.dense import red_token_rewards
-
-    path, kw = _rm_params(params)
-    return red_token_rewards(path, list(batch.prompts), batch.completion_ids, batch.completion_mask, ctx.tokenizer,
-                             **kw)
-
-
-def attention_token_reward(ctx: ModelContext, batch: RolloutBatch, params: dict) -> torch.Tensor:
-    from postrl.rewards.dense import attention_token_rewards
-
-    path, kw = _rm_params(params)
-    return attention_token_rewards(path, list(batch.prompts), batch.completion_ids, batch.completion_mask,
-                                   ctx.tokenizer, beta=float(params.get("beta", 1.0)), **kw)
-
-
-PRODUCERS: dict[str, Callable[[ModelContext, RolloutBatch, dict], torch.Tensor]] = {
-    "token_entropy": token_entropy,
-    "prompt_logprob": prompt_logprob,
-    "info_gain": info_gain,
-    "turn_info_gain": turn_info_gain,
-    "greedy_reward": greedy_reward,
-    "completion_hidden": completion_hidden,
-    "red_token_reward": red_token_reward,
-    "attention_token_reward": attention_token_reward,
-}
-
-
-def produce(ctx: ModelContext, batch: RolloutBatch, stage) -> None:
-    """Fill ``batch.extra`` with every field the stage (a :class:`postrl.stages.Stage`) reads that the batch lacks
-    and a producer makes."""
+def produce(ctx: ModelContext, batch: RolloutBatch, stage: Stage) -> None:
+    """Fill ``batch.extra`` with every field the stage reads that the batch lacks and a registered producer makes,
+    with the producer's parameters from the stage's config entry (``stage.field_params``)."""
+    made = registry.names("field")
     for name in stage.reads:
-        if name in PRODUCERS and name not in batch.extra:
-            batch.extra[name] = PRODUCERS[name](ctx, batch, stage.params)
+        if name in made and name not in batch.extra and getattr(batch, name, None) is None:
+            fn = registry.get("field", name)
+            keys = parameters(fn)
+            batch.extra[name] = fn(ctx, batch, **{k: v for k, v in stage.field_params.items() if k in keys})

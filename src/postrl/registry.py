@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from postrl.errors import ConfigError
+from postrl.io import load_object
 
 KINDS = ("reward", "shaping", "filter", "selector", "sampling", "expansion", "advantage", "loss", "regularizer",
-         "aggregation", "task", "environment")
+         "aggregation", "kl", "task", "environment", "field")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Entry:
     description: str
     source: str
     needs: tuple[str, ...] = ()
+    check: Any = None
 
 
 _REGISTRY: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
@@ -51,13 +53,16 @@ def _check_kind(kind: str) -> None:
 
 
 def register(kind: str, name: str | None = None, *, source: str = "", description: str | None = None,
-             needs: tuple[str, ...] = ()) -> Callable:
+             needs: tuple[str, ...] = (), check: Callable | None = None) -> Callable:
     """Decorator registering ``fn`` under ``kind``/``name`` (default: the function's name).
 
     ``source`` names the paper or anchor the method comes from; ``description`` defaults to the docstring's
     first line; ``needs`` declares what the stage requires of the run, checked at start-up
-    (:func:`postrl.stages.check`): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
-    sandbox). Registering a name twice replaces the earlier entry only if it is the same object (re-import).
+    (``postrl.step``): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
+    sandbox). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
+    (``run``: the config being read, or None; ``where``: the config key), called when the config is read; it raises ``ConfigError`` naming the keys and returns
+    the parameters with what it derived from the run filled in. Registering a name twice replaces the earlier entry
+    only if it is the same object (re-import).
     """
     _check_kind(kind)
 
@@ -66,7 +71,7 @@ def register(kind: str, name: str | None = None, *, source: str = "", descriptio
         old = _REGISTRY[kind].get(key)
         if old is not None and getattr(old.fn, "__qualname__", None) != getattr(fn, "__qualname__", None):
             raise ValueError(f"{kind} '{key}' is already registered by {old.fn!r}")
-        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source, tuple(needs))
+        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source, tuple(needs), check)
         return fn
 
     return deco
@@ -78,21 +83,14 @@ def _load_builtins() -> None:
     if _LOADED:
         return
     _LOADED = True
-    for mod in ("postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.data",
+    for mod in ("postrl.fields", "postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.data", "postrl.selection",
                 "postrl.environments"):
         importlib.import_module(mod)
 
 
 def _import_path(kind: str, path: str) -> Entry:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{kind} '{path}': cannot import module '{module_name}' ({e})") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
-    fn = getattr(module, attr)
-    return Entry(kind, path, fn, _first_line(fn), module_name)
+    fn = load_object(path, kind)
+    return Entry(kind, path, fn, _first_line(fn), path.partition(":")[0])
 
 
 def names(kind: str) -> list[str]:
@@ -131,22 +129,3 @@ def get(kind: str, name: str) -> Any:
 def all_entries() -> list[Entry]:
     _load_builtins()
     return [e for k in KINDS for e in sorted(_REGISTRY[k].values(), key=lambda e: e.name)]
-
-
-def check_params(kind: str | tuple[str, ...], name: str, params: dict[str, Any], where: str) -> None:
-    """Raise ConfigError if ``params`` holds a keyword the stage does not accept.
-
-    Stages declare their parameters as keyword-only arguments (after ``*``); that is the whole schema.
-    """
-    entry = find(kind, name)
-    kind, fn = entry.kind, entry.fn
-    target = fn.__init__ if inspect.isclass(fn) else fn
-    sig = inspect.signature(target)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
-    for key in params:
-        if key not in valid:
-            raise ConfigError(
-                f"{where}: unknown parameter '{key}' for {kind} '{name}'; valid: {', '.join(valid) or '(none)'}"
-            )

@@ -29,7 +29,7 @@ import torch
 
 from postrl.accel.cpu import ThreadPolicy, keep_freed_memory
 from postrl.errors import ConfigError
-from postrl.models import completion_logprobs
+from postrl.logprobs import completion_logprobs
 
 __all__ = ["Accel", "plain", "prepare"]
 
@@ -92,8 +92,8 @@ def plain(threads: int | None = None) -> Accel:
     return Accel("off", ThreadPolicy(threads or torch.get_num_threads()))
 
 
-def prepare(model: torch.nn.Module, cfg=None, device: torch.device | str | None = None) -> Accel:
-    """Apply the speed layer configured by ``cfg`` (:class:`postrl.config.AccelConfig`; None: its defaults) to
+def prepare(model: torch.nn.Module, cfg, device: torch.device | str | None = None) -> Accel:
+    """Apply the speed layer configured by ``cfg`` (:class:`postrl.config.AccelConfig`) to
     ``model``, which will run on ``device`` (default: where its parameters are), and return the :class:`Accel`.
 
     On a CPU this switches the model's linear layers to oneDNN where ``accel.matmul`` picks it (in place; the
@@ -102,10 +102,6 @@ def prepare(model: torch.nn.Module, cfg=None, device: torch.device | str | None 
     batch encode and take cores from the torch operators that follow (20M model: a decode step after a rollout's
     tokenisation on 2 threads was as slow as on 1; without the pool, 1.7x faster). On an accelerator only the
     static decoder (in torch) applies. A choice that cannot run here is a :class:`ConfigError`."""
-    if cfg is None:
-        from postrl.config import AccelConfig
-
-        cfg = AccelConfig()
     if cfg.mode == "off":
         return plain(cfg.threads)
     from postrl.accel import matmul

@@ -24,26 +24,13 @@ process step rewards, PURE).
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import torch
+from annotated_types import Ge
 
+from postrl.groups import group_stats
 from postrl.registry import register
-
-
-def valid_mask(reward: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows that take part: ``valid`` (when given) and a finite reward."""
-    v = torch.isfinite(reward)
-    return v if valid is None else (v & valid.bool())
-
-
-def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(inverse index [N] in 0..ng-1, ng): dense group numbers for scatter/index_add."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
-
-
-def group_sum(x: torch.Tensor, inv: torch.Tensor, ng: int) -> torch.Tensor:
-    """Per-group sums [ng] of ``x`` [N] (float64)."""
-    return torch.zeros(ng, dtype=torch.float64, device=x.device).index_add_(0, inv, x.to(torch.float64))
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -81,46 +68,23 @@ def token_whiten(x: torch.Tensor, lengths: torch.Tensor, v: torch.Tensor) -> tor
     return torch.where(v, d * torch.rsqrt(var + 1e-8), torch.zeros_like(d))
 
 
-SINGLETON = ("zero", "raw")
+Singleton = Literal["zero", "raw"]  # a group of one valid completion: advantage 0, or verl's raw reward
+Eps = Annotated[float, Ge(0)]  # an ``eps`` added to a std (0 allowed: exact arithmetic in tests)
 
 
-def check_singleton(singleton: str) -> None:
-    if singleton not in SINGLETON:
-        raise ValueError(f"advantage.singleton: expected zero or raw, got '{singleton}'")
-
-
-def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, singleton: str):
+def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, singleton: Singleton):
     """(mean, std) with verl's group-of-one convention applied when ``singleton='raw'``: mean 0, std 1 where the
     group has one valid row (verl ``compute_grpo_outcome_advantage``: ``id2mean = 0, id2std = 1``)."""
-    check_singleton(singleton)
     if singleton == "zero":
         return mean, std
     one = n == 1
     return torch.where(one, torch.zeros_like(mean), mean), torch.where(one, torch.ones_like(std), std)
 
 
-def group_stats(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None):
-    """Per-row group mean, unbiased group std and group size, counting only valid rows.
-
-    Returns (mean [N], std [N], count [N]); std is 0 for groups with fewer than 2 valid rows.
-    """
-    x = x.to(torch.float64)
-    v = torch.ones_like(x, dtype=torch.bool) if valid is None else valid.bool()
-    x0 = torch.where(v, x, torch.zeros_like(x))
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    ng = int(inv.max()) + 1 if inv.numel() else 0
-    cnt = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, v.to(torch.float64))
-    s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, x0)
-    mean = s / cnt.clamp(min=1)
-    dev = torch.where(v, x - mean[inv], torch.zeros_like(x))
-    ss = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, dev * dev)
-    var = torch.where(cnt > 1, ss / (cnt - 1).clamp(min=1), torch.zeros_like(ss))
-    return mean[inv], var.sqrt()[inv], cnt[inv]
-
-
 @register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards", needs=("groups",))
 def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-         scale: str = "group", eps: float = 1e-6, singleton: str = "zero") -> torch.Tensor:
+         scale: Literal["group", "batch", "none"] = "group", eps: Eps = 1e-6,
+         singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), with the unbiased std of the completion's group g.
 
     scale='group' (default; verl ``norm_adv_by_std_in_grpo=True``, TRL ``scale_rewards='group'``);
@@ -131,8 +95,6 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
     scale='group', r with 'none', r / (std_B + eps) with 'batch').
     Shapes: reward [N], group_ids [N], valid [N] bool -> [N].
     """
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"advantage.scale: expected group, batch or none, got '{scale}'")
     v = torch.isfinite(reward) if valid is None else (valid.bool() & torch.isfinite(reward))
     mean, std, n = group_stats(reward, group_ids, v)
     mean, std = singleton_stats(mean, std, n, singleton)

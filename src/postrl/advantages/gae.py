@@ -12,12 +12,14 @@ Head weights and optimizer state are saved in the checkpoint through ``state_dic
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
+from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
-from postrl.advantages import masked_whiten, valid_mask
+from postrl.groups import valid_mask
+from postrl.advantages import masked_whiten
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 
@@ -75,32 +77,25 @@ class GAE(Stateful):
     values [N, T] in place of the hidden states). The head is fitted once per step, in ``end_step``.
     """
 
-    def __init__(self, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, value_lr: float = 1e-3,
-                 value_epochs: int = 4, value_clip: float | None = 0.5):
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"advantage.lam: expected a value in [0, 1], got {lam}")
-        if value_lr <= 0:
-            raise ValueError(f"advantage.value_lr: expected a value > 0, got {value_lr}")
-        if value_epochs < 1:
-            raise ValueError(f"advantage.value_epochs: expected an integer >= 1, got {value_epochs}")
-        if value_clip is not None and value_clip <= 0:
-            raise ValueError(f"advantage.value_clip: expected a value > 0 or null, got {value_clip}")
+    def __init__(self, *, gamma: Annotated[float, Ge(0), Le(1)] = 1.0, lam: Annotated[float, Ge(0), Le(1)] = 0.95,
+                 whiten: bool = True, value_lr: Annotated[float, Gt(0)] = 1e-3, value_epochs: Annotated[int, Ge(1)] = 4,
+                 value_clip: Annotated[float, Gt(0)] | None = 0.5):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
         self.head: torch.nn.Linear | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._fit_on: tuple | None = None
 
     # ---------------------------------------------------------------------------------------- the estimator
     def __call__(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
         """Advantages [N, T] from the value head's V on ``completion_hidden`` [N, T, H] (the policy's last hidden
-        state at each completion position); the batch is kept for the head's fit at the end of the step."""
-        values = self.values(completion_hidden)
-        self._fit_on = (completion_hidden, reward, completion_mask, valid, values)
-        return self.estimate(reward, values, completion_mask, valid)
+        state at each completion position)."""
+        return self.estimate(reward, self.values(completion_hidden), completion_mask, valid)
+
+    def observe(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+        """Keep the batch (and the values the advantages used) for the head's fit at the end of the step."""
+        self.record((completion_hidden, reward, completion_mask, valid, self.values(completion_hidden)))
 
     def estimate(self, reward: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,12 +108,13 @@ class GAE(Stateful):
             adv = masked_whiten(adv, mask)
         return (adv * mask).to(torch.float32)
 
+    gather_observed = False  # each process fits on its own rows; the gradients are averaged over processes
+
     def end_step(self, step: StepEnd) -> dict:
         """Fit the value head on the step's batch (once per step; gradients averaged over processes)."""
-        if self._fit_on is None:
+        if not self.observed:
             return {}
-        hidden, reward, mask, valid, values = self._fit_on
-        self._fit_on = None
+        hidden, reward, mask, valid, values = self.observed[-1]
         return self.fit(hidden, reward, mask, valid, values, all_reduce=step.all_reduce_mean)
 
     # ---------------------------------------------------------------------------------------- the value head

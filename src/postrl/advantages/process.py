@@ -8,9 +8,12 @@ of each step. Without a shaping stage the raw step scores give the canonical sum
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from postrl.advantages import group_index, group_sum, masked_whiten
+from postrl.groups import group_index, group_sum
+from postrl.advantages import masked_whiten
 from postrl.registry import register
 
 _PURE = ("Stop Summation: Min-Form Credit Assignment Is All Process Reward Model Needs for Reasoning (PURE); "
@@ -28,7 +31,8 @@ def _loo_mean(x: torch.Tensor, inv: torch.Tensor, ng: int, v: torch.Tensor) -> t
 def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: torch.Tensor, reward_names: list,
                 reward_weights: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
                 step_reward_source: str | None = None, valid: torch.Tensor | None = None, *,
-                source: str | None = None, baseline: str = "token", whiten: bool = False) -> torch.Tensor:
+                source: str | None = None, baseline: Literal["token", "step"] = "token",
+                whiten: bool = False) -> torch.Tensor:
     """Token advantages [N, T]: the return of the token's step minus a leave-one-out baseline, plus the outcome's.
 
     Usable with every policy loss.
@@ -55,8 +59,6 @@ def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: to
     Shapes: step_rewards [N, S] (NaN padded), step_ends [N, S] (-1 padded), rewards [N, K], reward_weights [K],
     group_ids [N], completion_mask [N, T], valid [N] -> [N, T].
     """
-    if baseline not in ("token", "step"):
-        raise ValueError(f"advantage.baseline: expected token or step, got '{baseline}'")
     name = source or step_reward_source
     if name is None or name not in reward_names:
         raise ValueError(f"advantage.source: expected the process reward column (one of {', '.join(reward_names)}),"

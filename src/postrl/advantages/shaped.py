@@ -6,11 +6,13 @@ Where an abstract leaves the formula open, the docstring says "after <paper>" an
 from __future__ import annotations
 
 import math
+from typing import Annotated, Any, Literal
 
 import torch
+from annotated_types import Ge, Gt, Le
 
-from postrl.advantages import (group_index, group_stats, group_sum, grpo, singleton_stats, token_whiten,
-                               valid_mask)
+from postrl.advantages import Eps, Singleton, grpo, singleton_stats, token_whiten
+from postrl.groups import group_index, group_stats, group_sum, valid_mask
 from postrl.registry import register
 
 
@@ -25,8 +27,8 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
           "TRL multi_objective_aggregation='normalize_then_sum'; verl adv_estimator=gdpo (token_weighted, "
           "singleton=raw, eps=1e-6)", needs=("groups",))
 def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.Tensor,
-         valid: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None, *, eps: float = 1e-4,
-         batch_norm: bool = True, token_weighted: bool = False, singleton: str = "zero") -> torch.Tensor:
+         valid: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None, *, eps: Eps = 1e-4,
+         batch_norm: bool = True, token_weighted: bool = False, singleton: Singleton = "zero") -> torch.Tensor:
     """z-score every reward component within its group, sum with the weights, then normalise over the batch.
 
     "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization": GRPO on the
@@ -74,7 +76,7 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
 @register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning", needs=("groups",))
 def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
                columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
-               role_weights: dict | None = None, eps: float = 1e-6) -> torch.Tensor:
+               role_weights: dict[Any, dict[str, float]] | None = None, eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO with statistics and reward weights taken per (group, role label).
 
     After "Structured Role-Aware Policy Optimization for Multimodal Reasoning" (the abstract: the policy is
@@ -92,8 +94,6 @@ def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.
     names = list(reward_names)
     W = reward_weights.to(torch.float64).unsqueeze(0).repeat(len(labels), 1)
     for role, weights in (role_weights or {}).items():
-        if not isinstance(weights, dict):
-            raise ValueError(f"advantage.role_weights.{role}: expected a mapping reward name -> weight")
         rows = torch.tensor([lab == str(role) for lab in labels], dtype=torch.bool)
         for name, w in weights.items():
             if name not in names:
@@ -109,8 +109,8 @@ def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.
 
 # ------------------------------------------------------------------------------------------------------ MAPO
 @register("advantage", "mapo", source="MAPO: Mixed Advantage Policy Optimization for Long-Horizon Multi-Turn Dialogue")
-def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, mix: float = 0.5,
-         eps: float = 1e-6) -> torch.Tensor:
+def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+         mix: Annotated[float, Ge(0), Le(1)] = 0.5, eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = mix * (r_i - mean_g r)/(std_g r + eps) + (1 - mix) * (r_i - mean_B r)/(std_B r + eps).
 
     After "MAPO: Mixed Advantage Policy Optimization": a mixed estimator combining turn-level normalisation (over
@@ -121,8 +121,6 @@ def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
     row keeps it (its group term is 0).
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if not 0.0 <= mix <= 1.0:
-        raise ValueError(f"advantage.mix: expected a value in [0, 1], got {mix}")
     v = valid_mask(reward, valid)
     turn = grpo(reward, group_ids, v, scale="group", eps=eps).to(torch.float64)
     rv = reward[v].to(torch.float64)
@@ -137,8 +135,8 @@ def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 @register("advantage", "rl_zvp", source="No Prompt Left Behind: Exploiting Zero-Variance Prompts in LLM RL via "
           "Entropy-Guided Advantage Shaping (RL-ZVP)", needs=("groups",))
 def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor, token_entropy: torch.Tensor,
-           valid: torch.Tensor | None = None, *, alpha: float = 0.1, threshold: float = 0.5,
-           eps: float = 1e-6) -> torch.Tensor:
+           valid: torch.Tensor | None = None, *, alpha: Annotated[float, Ge(0)] = 0.1,
+           threshold: float = 0.5, eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO on groups with reward variance; token advantages +- alpha * normalised entropy on zero-variance groups.
 
     "No Prompt Left Behind" (RL-ZVP): a group whose valid rewards are all equal (n >= 2) gets
@@ -150,8 +148,6 @@ def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch
     group's mean token entropy, alpha 0.1, threshold 0.5 (rewards in [0, 1]).
     Shapes: reward [N], group_ids [N], completion_mask [N, T], token_entropy [N, T], valid [N] -> [N, T].
     """
-    if alpha < 0:
-        raise ValueError(f"advantage.alpha: expected a value >= 0, got {alpha}")
     v = valid_mask(reward, valid)
     mean, std, n = group_stats(reward, group_ids, v)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
@@ -171,7 +167,8 @@ def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch
           "via Generative Probabilities (ProGRPO / ARM)", needs=("groups",))
 def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor,
                       completion_mask: torch.Tensor, prompt_logprob: torch.Tensor, valid: torch.Tensor | None = None,
-                      *, gamma: float = 1.0, min_scale: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+                      *, gamma: Annotated[float, Ge(0)] = 1.0, min_scale: Annotated[float, Gt(0), Le(1)] = 0.1,
+                      eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO advantages; positive ones are scaled down for answers more confident than their prompt is familiar.
 
     After "Back to Basics: Revisiting Exploration in RL for LLM Reasoning via Generative Probabilities" (ARM:
@@ -183,8 +180,6 @@ def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_log
     GRPO advantage. Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T],
     prompt_logprob [N], valid [N] -> [N].
     """
-    if gamma < 0 or not 0 < min_scale <= 1:
-        raise ValueError(f"advantage: expected gamma >= 0 and 0 < min_scale <= 1, got {gamma}, {min_scale}")
     v = valid_mask(reward, valid) & torch.isfinite(prompt_logprob)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
     conf_log = _seq_mean(sampler_logprobs, completion_mask)
@@ -210,8 +205,9 @@ def group_lower_quantile(x: torch.Tensor, group_ids: torch.Tensor, v: torch.Tens
 
 @register("advantage", "riskpo", source="RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM "
           "Post-Training", needs=("groups",))
-def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, alpha: float = 0.25,
-           omega: float = 0.5, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+           alpha: Annotated[float, Gt(0), Le(1)] = 0.25, omega: Annotated[float, Ge(0), Le(1)] = 0.5,
+           scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO on the Mixed-VaR utility u_i = omega * psi_alpha(r_i) / alpha + (1 - omega) * r_i.
 
     After "RiskPO: Risk-based Policy Optimization" (a Mixed Value-at-Risk objective weighting several regions of
@@ -223,10 +219,6 @@ def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
     questions is not implemented. omega = 0 gives GRPO.
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if not 0 < alpha <= 1 or not 0 <= omega <= 1:
-        raise ValueError(f"advantage: expected 0 < alpha <= 1 and 0 <= omega <= 1, got {alpha}, {omega}")
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
     v = valid_mask(reward, valid)
     r = torch.where(v, reward.to(torch.float64), torch.zeros_like(reward, dtype=torch.float64))
     q = group_lower_quantile(reward, group_ids, v, alpha)
@@ -238,7 +230,8 @@ def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
 # ------------------------------------------------------------------------------------------------------ AEM
 @register("advantage", "aem", source="AEM: Adaptive Entropy Modulation for Multi-Turn Agentic Reinforcement Learning", needs=("groups",))
 def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
-        valid: torch.Tensor | None = None, *, beta: float = 0.2, eps: float = 1e-6) -> torch.Tensor:
+        valid: torch.Tensor | None = None, *, beta: Annotated[float, Ge(0)] = 0.2,
+        eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = A_i^GRPO * max(0, 1 + beta * sign(A_i^GRPO) * z_i), z_i = relative response surprisal in the group.
 
     After "AEM: Adaptive Entropy Modulation" (entropy drift is governed by the product of a response's advantage
@@ -250,8 +243,6 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
     clipped at 0 so a sign never flips. Assumed: this linear form and beta 0.2.
     Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T], valid [N] -> [N].
     """
-    if beta < 0:
-        raise ValueError(f"advantage.beta: expected a value >= 0, got {beta}")
     v = valid_mask(reward, valid)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
     s = -_seq_mean(sampler_logprobs, completion_mask)
@@ -264,13 +255,13 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
 # ------------------------------------------------------------------------------------------------------ IGPO
 @register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)", needs=("groups",))
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
-                     valid: torch.Tensor | None = None, *, ig_weight: float = 1.0, answer_column: str = "answer",
-                     eps: float = 1e-6) -> torch.Tensor:
+                     valid: torch.Tensor | None = None, *, ig_weight: float = 1.0,
+                     eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = GRPO(r_i + ig_weight * IG_i), IG_i = log pi(a* | q, o_i) - log pi(a* | q); single turn, see below.
 
     What is computed: ``info_gain`` (a no-grad forward of the current policy, ``postrl.fields.info_gain``) is
     IG_i = log pi(a* | q, o_i) - log pi(a* | q), the log-probability of the ground-truth answer a* (data column
-    ``answer_column``, default 'answer'; teacher-forced, summed over a*'s tokens) after the prompt and the whole
+    ``answer_column``, a parameter of the producer, default 'answer'; teacher-forced, summed over a*'s tokens) after the prompt and the whole
     completion, minus the same before the completion. The outcome reward and ig_weight * IG_i (default 1.0) are
     added and group-normalised as GRPO (unbiased std, eps 1e-6); rows with a NaN IG (no answer) are excluded.
     With postrl's single-turn rollouts every completion of a group shares q, so log pi(a* | q) is one constant

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Callable
 
 import torch
 
-from postrl.advantages import group_index, grpo, valid_mask
+from postrl.groups import group_index, valid_mask
+from postrl.advantages import Eps, grpo
+from postrl.io import load_object
 from postrl.registry import register
 
 
@@ -23,20 +24,14 @@ def bracket_order(size: int) -> list[int]:
 
 
 def _load_judge(judge: str) -> Callable:
-    module, _, attr = judge.partition(":")
-    if not attr:
-        raise ValueError(f"advantage.judge: expected 'module:function', got '{judge}'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"advantage.judge: cannot load '{judge}' ({e})") from None
+    return load_object(judge, "advantage.judge")
 
 
 @register("advantage", "rank_tournament", source="ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based "
           "Relative Ranking", needs=("groups",))
 def rank_tournament(reward: torch.Tensor, group_ids: torch.Tensor, prompts: list, completions: list,
                     valid: torch.Tensor | None = None, *, judge: str | None = None, seed: int = 0,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: Eps = 1e-6) -> torch.Tensor:
     """Seeded single-elimination tournament inside each group; the round reached is ranked, then GRPO-normalised.
 
     "ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based Relative Ranking": pairwise comparisons in a

@@ -3,7 +3,7 @@
 Each command module (``postrl.cli.train``, ``.eval``, ``.methods`` ...) has ``add_parser(sub)``, which adds its
 sub-command (help texts, options, ``fn``: the function that runs it), and imports what is heavy (torch,
 transformers) only inside that function, so ``postrl --help`` stays fast. What several commands share is in
-:mod:`postrl.cli.common`. ``postrl bench`` and ``postrl sandbox`` are added by their own packages.
+:mod:`postrl.cli.common`. ``postrl bench`` is added by its own package.
 
 A user mistake (bad config, missing file, unknown name) prints ``postrl: error: <one line>`` and exits with
 status 2, without a traceback. A Python warning prints as one ``warning: <message>`` line (no source line).
@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-from postrl.cli import calibrate, compare, config, doctor, export, methods, prm, probe_reward, report, rm, samples, sft, train
+from postrl.cli import (calibrate, compare, config, doctor, export, merge, methods, prm, probe_reward, report, rm, samples,
+                        sandbox, sft, train)
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -29,13 +30,14 @@ EPILOG = """examples:
   postrl train --resume runs/arithmetic-...     continue a run from its latest checkpoint
   postrl config show run.yaml train.steps=10    print the resolved config
   postrl methods --kind advantage               list registered stages
-  postrl methods overlong_soft                  one stage: description, source, parameters and defaults
+  postrl methods overlong_soft                  one stage: description, source, parameters (type, range, default)
   postrl eval runs/arithmetic-... --task arithmetic
+  postrl merge models/a models/b --out models/ab  the weighted average of two models (docs/merge.md)
 """
 
-# in the order `postrl --help` lists them (bench between config and samples, sandbox last: added below)
+# in the order `postrl --help` lists them (bench between config and samples: added below)
 _BEFORE_BENCH = (train, sft, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export)
+_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export, merge, sandbox)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     for command in _AFTER_BENCH:
         command.add_parser(sub)
-    from postrl.sandbox.cli import add_parser as add_sandbox_parser  # postrl sandbox FILE.py [--tests TESTS]
-
-    add_sandbox_parser(sub)
     return p
 
 

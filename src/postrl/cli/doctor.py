@@ -6,7 +6,7 @@ import json
 
 
 def run(args) -> int:
-    from postrl.diagnostics.doctor import diagnose, render
+    from postrl.report.doctor import diagnose, render
 
     d = diagnose(args.run)
     if args.json:

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from postrl.cli.common import add_import_paths, check_option, format_metrics, resolve_model_folder
-from postrl.errors import ConfigError
 
 
 def run(args) -> int:

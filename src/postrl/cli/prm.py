@@ -43,8 +43,9 @@ def run_train(args) -> int:
         if not args.policy:
             raise ConfigError("prm train: give --policy (a model to roll out) or --records (labelled steps)")
         from postrl.data import load_source, verify_row
-        from postrl.models import encode_prompt, load_model_and_tokenizer
-        from postrl.rollout.base import SamplingParams
+        from postrl.models import load_model_and_tokenizer
+        from postrl.generation import encode_prompt
+        from postrl.generation import SamplingParams
         from postrl.rollout.hf import HFGenerator
 
         spec = {"name": args.task}

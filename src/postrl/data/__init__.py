@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from postrl import registry
-from postrl.data.base import PromptSource, stable_hash
+from postrl import registry, stages
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
 from postrl.data.files import DatasetSource, FileSource, RowsSource, read_rows
 from postrl.data.reasoning_gym import ReasoningGymSource
 from postrl.data.tasks import ArithmeticTask, CountdownTask, ProceduralTask, is_held_out
@@ -45,27 +46,7 @@ def load_source(spec: dict[str, Any]) -> PromptSource:
     name = params.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"task: missing 'name' (one of: {', '.join(registry.names('task'))})")
-    cls = registry.get("task", name)
-    registry.check_params("task", name, params, where="task")
-    _check_required(cls, name, params)
-    return cls(**params)
-
-
-def _check_required(cls: Any, name: str, params: dict[str, Any]) -> None:
-    """A required keyword-only parameter the spec lacks (``task.name=file`` without ``task.path``) is one
-    ConfigError line naming it, not a TypeError from the constructor."""
-    import inspect
-
-    target = cls.__init__ if inspect.isclass(cls) else cls
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return
-    missing = [p.name for p in sig.parameters.values()
-               if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in params]
-    if missing:
-        keys = " and ".join(f"task.{m}" for m in missing)
-        raise ConfigError(f"task '{name}' needs {keys} (e.g. task={{name: {name}, {missing[0]}: ...}})")
+    return stages.build("task", name, params, where="task").fn
 
 
 def verify_row(completion: str, row: dict) -> float | None:
@@ -82,6 +63,3 @@ def verify_row(completion: str, row: dict) -> float | None:
         return None
     return cls.verify(completion, row)
 
-
-# Filters, prompt selectors and rollout options register themselves (kind "filter") on import.
-from postrl.data import filters, rollout_options  # noqa: E402,F401

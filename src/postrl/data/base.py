@@ -9,15 +9,8 @@ position of a run is its step and nothing else has to be saved. ``eval_rows`` ne
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
-from typing import Any
 
-
-def stable_hash(*parts: Any) -> int:
-    """A hash that is the same in every process and Python version (unlike ``hash``)."""
-    h = hashlib.blake2b(repr(parts).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
 
 
 class PromptSource(ABC):

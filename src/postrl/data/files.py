@@ -18,9 +18,14 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from postrl.data.base import PromptSource, stable_hash
+from annotated_types import Ge, Lt
+from pydantic import AfterValidator
+
+from postrl.data.base import PromptSource
+from postrl.seeding import stable_hash
+from postrl.io import read_jsonl
 from postrl.errors import ConfigError, DataError
 from postrl.registry import register
 
@@ -29,23 +34,6 @@ _SPLIT_SEED = "postrl-eval-split"
 
 
 # --------------------------------------------------------------------------------------------- reading
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:  # JSONDecodeError; an integer over Python's limit of digits
-                why = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0].split(":")[0]
-                raise DataError(f"{path}: line {lineno} is not valid JSON ({why})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}: line {lineno} is a {type(obj).__name__}, expected a JSON object")
-            rows.append(obj)
-    return rows
 
 
 def _read_json(path: Path) -> list[dict]:
@@ -92,8 +80,8 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if p.is_dir():
         raise DataError(f"{p}: is a directory, expected a {', '.join(SUFFIXES)} file")
     suffix = p.suffix.lower()
-    readers = {".jsonl": _read_jsonl, ".ndjson": _read_jsonl, ".json": _read_json, ".csv": _read_csv,
-               ".parquet": _read_parquet}
+    jsonl = lambda path: read_jsonl(path, strict=True)  # noqa: E731
+    readers = {".jsonl": jsonl, ".ndjson": jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
     if suffix not in readers:
         raise DataError(f"{p}: unsupported file type '{p.suffix}'; expected one of {', '.join(SUFFIXES)}")
     try:
@@ -154,14 +142,21 @@ def check_prompt(prompt: Any, where: str) -> str | list[dict]:
 # --------------------------------------------------------------------------------------------- sources
 
 
-def _check_verifier(verifier: str | None) -> None:
-    if verifier is None:
-        return
+def _verifier(verifier: str) -> str:
+    """a registered task with a verifier (not a data source)"""
     from postrl import registry
 
-    cls = registry.get("task", verifier)  # unknown name -> ConfigError listing the valid ones
+    try:
+        cls = registry.get("task", verifier)
+    except ConfigError as e:  # unknown name: the registry's message lists the valid ones
+        raise ValueError(str(e)) from None
     if isinstance(cls, type) and issubclass(cls, RowsSource):
-        raise ConfigError(f"task: verifier '{verifier}' is a data source, not a task with a verifier")
+        raise ValueError(f"'{verifier}' is a data source, not a task with a verifier")
+    return verifier
+
+
+Verifier = Annotated[str, AfterValidator(_verifier)]
+EvalFraction = Annotated[float, Ge(0), Lt(1)]  # the share of rows held out for evaluation
 
 
 class RowsSource(PromptSource):
@@ -180,13 +175,6 @@ class RowsSource(PromptSource):
         eval_fraction: float,
         verifier: str | None,
     ) -> None:
-        if not isinstance(eval_fraction, (int, float)) or not 0.0 <= eval_fraction < 1.0:
-            raise ConfigError(f"task: eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
-        if columns is not None and (
-            not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns)
-        ):
-            raise ConfigError(f"task: columns must be a list of column names, got {columns!r}")
-        _check_verifier(verifier)
         self.label = label
         self.prompt_column = prompt_column
         self.columns = list(columns) if columns is not None else None
@@ -274,12 +262,10 @@ class FileSource(RowsSource):
         path: str,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_path: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"task 'file': path must be a file path, got {path!r}")
         self.path = str(path)
         rows = read_rows(path)
         eval_rows = read_rows(eval_path) if eval_path is not None else None
@@ -335,9 +321,9 @@ class DatasetSource(RowsSource):
         config_name: str | None = None,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_split: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
         self.name_or_path = str(name_or_path)
         rows = _load_split(self.name_or_path, split, config_name)

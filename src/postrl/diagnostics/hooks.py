@@ -13,45 +13,36 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from postrl.io import read_jsonl
 from postrl.diagnostics.metrics import memory_metrics, mismatch_metrics
 from postrl.diagnostics.monitors import Alarm, Watchdog
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 class Diagnostics:
     """The run's diagnostics. ``cfg``: the run's config; ``objective``: the training objective
-    (``postrl.losses.objective``), which the sharpness probe differentiates; ``main`` / ``rank`` / ``device``: this
-    process. The model and optimizer reach the probe at each call (``after_reduce``); nothing holds the trainer."""
+    (``postrl.losses.objective``), which the sharpness probe differentiates; ``watchdog``: the monitors (the step's,
+    ``postrl.step.Step.watchdog``; a new one when None); ``main`` / ``rank`` / ``device``: this process. The model
+    and optimizer reach the probe at each call (``after_reduce``); nothing holds the trainer."""
 
-    def __init__(self, cfg, run_dir, objective=None, *, main: bool = True, rank: int = 0, device="cpu"):
+    def __init__(self, cfg, run_dir, objective=None, watchdog: Watchdog | None = None, *, main: bool = True,
+                 rank: int = 0, device="cpu"):
         self.run_cfg, self.objective = cfg, objective
         self.main, self.rank, self.device = main, rank, device
         self.cfg = cfg.diagnostics
         self.run_dir = Path(run_dir)
         run_config = cfg.model_dump(mode="json")
-        self.watch = Watchdog(run_config, cfg.diagnostics)
+        self.watch = watchdog if watchdog is not None else Watchdog(run_config, cfg.diagnostics)
         self.alarm_log: dict[str, dict] = {}
         # a resumed run replays its (already truncated) logs through the monitors, so that their windows and
         # patience counts continue exactly as in the uninterrupted run
-        logged = _read_jsonl(self.run_dir / "metrics.jsonl") if main else []
-        evals = sorted(_read_jsonl(self.run_dir / "eval.jsonl") if main else [],
+        logged = read_jsonl(self.run_dir / "metrics.jsonl") if main else []
+        evals = sorted(read_jsonl(self.run_dir / "eval.jsonl") if main else [],
                        key=lambda e: int(e.get("step", 0)))
         for m in logged:
             while evals and int(evals[0].get("step", 0)) < int(m.get("step", 0)):
@@ -62,7 +53,7 @@ class Diagnostics:
         self.skipped_total = int(sum(float(m.get("nan_guard/skipped", 0) or 0) for m in logged))
         self.sinks = []
         if main and cfg.logging.sinks:
-            from postrl.report.sinks import make_sinks
+            from postrl.diagnostics.sinks import make_sinks
 
             self.sinks = make_sinks(list(cfg.logging.sinks), self.run_dir, run_config,
                                     run_name=cfg.logging.run_name, project=cfg.logging.project,
@@ -222,8 +213,8 @@ class Diagnostics:
         is zero (the objective is then flat).
         """
         from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
-        from postrl.models import completion_logprobs
-        from postrl.rollout.base import SamplingParams
+        from postrl.logprobs import completion_logprobs
+        from postrl.generation import SamplingParams
 
         p = self.cfg.edge_of_stability
         obj = self.objective

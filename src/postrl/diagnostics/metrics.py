@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import torch
 
+from postrl.groups import group_index
+
 from postrl.evaluate import pass_at_k
 
 _NAN = float("nan")
@@ -33,9 +35,9 @@ def _np(x: torch.Tensor | np.ndarray, dtype=np.float64) -> np.ndarray:
 
 
 def _group_index(group_ids) -> tuple[np.ndarray, int]:
-    _, inv = np.unique(_np(group_ids, None), return_inverse=True)
-    inv = inv.reshape(-1)
-    return inv, (int(inv.max()) + 1 if inv.size else 0)
+    """``postrl.groups.group_index`` as numpy (the metrics are computed in numpy)."""
+    inv, ng = group_index(torch.as_tensor(_np(group_ids, None)))
+    return inv.numpy(), ng
 
 
 def _mean(x: np.ndarray) -> float:
@@ -261,7 +263,7 @@ def memory_metrics(device: torch.device | None = None) -> dict[str, float]:
 
 
 def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]:
-    """Multi-turn episodes (``postrl.rollout.multiturn``): ``turns/per_episode`` (mean model turns),
+    """Multi-turn episodes (``postrl.environments.episodes``): ``turns/per_episode`` (mean model turns),
     ``turns/tool_calls`` (mean per episode), ``turns/tool_success`` (executed calls that returned / executed calls;
     NaN without calls), ``turns/malformed_calls`` and ``turns/env_errors`` (mean per episode),
     ``turns/truncated_turns`` (fraction of model turns that hit the token limit), ``turns/truncated_turn_<k>``

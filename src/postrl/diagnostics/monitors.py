@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from postrl.diagnostics.config import DiagnosticsConfig
+from postrl.config.diagnostics import DiagnosticsConfig
 
 SEVERITIES = ("error", "warn", "info")
 

@@ -3,7 +3,12 @@ test runner's report is the next observation."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from annotated_types import Ge, Gt
+
 from postrl.environments import Environment
+from postrl.rewards.code import sandbox_errors
 from postrl.registry import register
 
 
@@ -25,10 +30,8 @@ class CodeRepairEnv(Environment):
 
     observation_role = "user"
 
-    def __init__(self, *, timeout: float = 10.0, memory_mb: int = 512, reshaped: bool = True,
-                 feedback_format: str = "tests: {passed}/{total} passed; {reason}"):
-        if timeout <= 0 or memory_mb <= 0:
-            raise ValueError(f"timeout and memory_mb must be > 0, got {timeout}, {memory_mb}")
+    def __init__(self, *, timeout: Annotated[float, Gt(0)] = 10.0, memory_mb: Annotated[int, Ge(1)] = 512,
+                 reshaped: bool = True, feedback_format: str = "tests: {passed}/{total} passed; {reason}"):
         self.timeout, self.memory_mb = timeout, memory_mb
         self.reshaped, self.feedback_format = reshaped, feedback_format
         self.row: dict = {}
@@ -45,7 +48,8 @@ class CodeRepairEnv(Environment):
         from postrl.sandbox import Limits, run
 
         code = extract_code(action)
-        res = run(code, self.row["tests"], limits=Limits(timeout=self.timeout, memory_mb=self.memory_mb))
+        with sandbox_errors():
+            res = run(code, self.row["tests"], limits=Limits(timeout=self.timeout, memory_mb=self.memory_mb))
         if res.status == "error":
             raise RuntimeError(f"code_repair: the sandbox failed: {res.reason}")
         solved = res.status == "ok" and res.total > 0 and res.passed == res.total

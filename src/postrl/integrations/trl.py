@@ -1,10 +1,11 @@
 """postrl's stages inside TRL: :class:`GRPOTrainer`, a subclass of TRL's ``GRPOTrainer`` (extra ``postrl[trl]``).
 
 TRL keeps what it does well: generation (transformers or vLLM colocate / server), Accelerate with DeepSpeed / FSDP,
-PEFT, gradient checkpointing, checkpoints, ``report_to``. postrl brings, by name from a postrl config section (a
-:class:`postrl.config.Config` or a dict of its keys, merged on the defaults and checked like a YAML file):
+PEFT, gradient checkpointing, checkpoints, ``report_to``. postrl brings the one step every driver runs
+(:class:`postrl.step.Step`), built by name from a postrl config section (a :class:`postrl.config.Config` or a dict
+of its keys, merged on the defaults and checked like a YAML file):
 
-* ``rewards`` / ``reward``: the reward sources, scored with postrl's fault isolation (``postrl.train.scoring.Scorer``:
+* ``rewards`` / ``reward``: the reward sources, scored with postrl's fault isolation (``postrl.step.scoring.Scorer``:
   a source that raises or returns None / NaN fails only its entries, which are excluded from the advantage and
   counted), then the ``shaping`` stages;
 * ``filters``: keep-mask filters (kind ``filter``); a dropped group stays in TRL's batch with ``valid`` False (no
@@ -58,18 +59,13 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise PostrlError(f"postrl.integrations.trl needs TRL: pip install 'postrl[trl]' ({e})") from None
 
-from postrl import stages
 from postrl.batch import RolloutBatch
 from postrl.config import Config, load_config
 from postrl.context import ModelContext
-from postrl.diagnostics.metrics import batch_metrics, mismatch_metrics
-from postrl.diagnostics.monitors import Watchdog
-from postrl.fields import produce
-from postrl.losses.objective import Objective
+from postrl.diagnostics.metrics import mismatch_metrics
 from postrl.rewards import RewardContext
-from postrl.stages import StepEnd
+from postrl.step import Step
 from postrl.train.processes import Processes
-from postrl.train.scoring import Scorer
 
 _log = logging.getLogger("postrl.trl")
 
@@ -121,8 +117,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if reward_funcs is not None:
             raise ConfigError("postrl.integrations.trl.GRPOTrainer: name the reward sources in the postrl section's "
                               "rewards (a registered name or module:function), not in reward_funcs")
-        cfg = _section(postrl)
         args = args if args is not None else trl.GRPOConfig(output_dir="trl-postrl")
+        cfg = _section(postrl)
         for name, key in _REPLACED.items():
             if getattr(args, name) != _trl_default(name):
                 raise ConfigError(f"GRPOConfig.{name}={getattr(args, name)!r}: under postrl's TRL adapter the postrl "
@@ -140,37 +136,35 @@ class GRPOTrainer(trl.GRPOTrainer):
                               f"within one generation: the aggregation weighs the optimizer step's whole batch)")
         if cfg.kl.coef > 0 and cfg.kl.placement != "loss":
             raise ConfigError("kl.placement=reward is not available in the TRL adapter; use kl.placement=loss")
-        # what TRL's args decide for the postrl stages
-        cfg.rollout.group_size = args.num_generations
-        cfg.rollout.max_new_tokens = args.max_completion_length
-        cfg.rollout.temperature = float(args.temperature)
-        if args.max_steps > 0:
-            cfg.train.steps = args.max_steps
+        # what TRL's args decide for the postrl stages (a new config: the caller's stays as it was)
+        cfg = cfg.model_copy(update={
+            "rollout": cfg.rollout.model_copy(update={"group_size": args.num_generations,
+                                                      "max_new_tokens": args.max_completion_length,
+                                                      "temperature": float(args.temperature)}),
+            "train": cfg.train.model_copy(update={"steps": args.max_steps if args.max_steps > 0 else cfg.train.steps})})
         self.postrl_config = cfg
-        self.postrl_objective = Objective(cfg)
-        if self.postrl_objective.warning:
-            warnings.warn(self.postrl_objective.warning, stacklevel=2)
-        if "ref_logp" in self.postrl_objective.reads and cfg.kl.coef == 0:
+        self.postrl = Step(cfg)  # the reward context and tokenizer reach it once TRL has loaded the model
+        for msg in self.postrl.warnings:
+            warnings.warn(msg, stacklevel=2)
+        objective = self.postrl.objective
+        if "ref_logp" in objective.reads and cfg.kl.coef == 0:
             raise ConfigError("a loss or regularizer reads ref_logp: set kl.coef > 0 so that TRL keeps a reference")
-        if self.postrl_objective.entropy_grad:
+        if objective.entropy_grad:
             raise ConfigError("a loss or regularizer differentiates the entropy; the TRL adapter reads TRL's entropy, "
                               "which carries no gradient")
-        self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
-        self.filters = stages.build_all(stages.FILTER_KINDS, cfg.filters)
-        for i, s in enumerate(self.filters):
+        for i, (spec, s) in enumerate(zip(cfg.filters, self.postrl.selection)):
             if s.kind != "filter":
                 raise ConfigError(f"filters.{i}: '{s.name}' is a {s.kind} stage; the TRL adapter runs keep-mask "
                                   f"filters (kind filter) only: TRL owns prompt sampling and generation")
-            if int(s.param("max_attempts", 1)) > 1:
+            if spec.max_attempts is not None and spec.max_attempts > 1:
                 warnings.warn(f"filters.{i}: max_attempts is not available under TRL (no refill): dropped groups are "
                               f"masked out of the update", stacklevel=2)
-        for s in [self.advantage, *self.postrl_objective.regularizers, self.postrl_objective.loss]:
+        for s in [self.postrl.advantage, *objective.regularizers, objective.loss]:
             for field in set(s.reads) & set(_UNAVAILABLE):
                 raise ConfigError(f"{s.kind} '{s.name}' reads {field}: the TRL adapter cannot give "
                                   f"{_UNAVAILABLE[field]}")
-        self.watchdog = Watchdog(cfg.model_dump(mode="json"), cfg.diagnostics)
         self.alarms: list[dict] = []  # every alarm raised, as dicts (name, message, cause, fix, severity, step)
-        self.postrl_step = 0
+        self.postrl_steps = 0  # postrl steps ended (one per generation)
         # per mode (train / eval): the scored batch of the current generation, its reward outcome, local rows
         self._scored: dict[str, tuple[RolloutBatch, dict, int]] = {}
         self._step_metrics: dict[str, float] = {}
@@ -178,21 +172,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         args = copy.copy(args)  # (dataclasses.replace would run GRPOConfig's checks again on resolved values)
         args.beta = cfg.kl.coef
         self._filter_metrics: dict[str, float] = {}
-        # the reward sources and shaping; the model and tokenizer reach them once TRL has loaded them
-        self.scorer = Scorer(cfg, RewardContext(), None)
+        scorer = self.postrl.scorer
         # TRL's reward functions are postrl's sources (TRL never calls them here; they give TRL its names and count)
-        super().__init__(model=model, reward_funcs=[s.fn for s in self.scorer.rewards], args=args, **kwargs)
-        self.reward_func_names = [s.label for s in self.scorer.rewards]
-        self.reward_weights = self.scorer.weights.clone()
+        super().__init__(model=model, reward_funcs=[s.fn for s in scorer.rewards], args=args, **kwargs)
+        self.reward_func_names = [s.label for s in scorer.rewards]
+        self.reward_weights = scorer.weights.clone()
         self.procs = Processes(self.accelerator)
         tok = self._tokenizer
-        self.scorer.context = RewardContext(model=self.accelerator.unwrap_model(self.model), tokenizer=tok,
-                                            device=self.accelerator.device)
-        self.scorer.tokenizer = tok
+        scorer.context = RewardContext(model=self.accelerator.unwrap_model(self.model), tokenizer=tok,
+                                       device=self.accelerator.device)
+        scorer.tokenizer = tok
         self.ctx = ModelContext(self.accelerator.unwrap_model(self.model), tok, self.accelerator.device,
                                 temperature=float(args.temperature), micro_batch_size=args.per_device_train_batch_size,
                                 pad_id=tok.pad_token_id, logprob_fn=self._logprob_fn,
-                                score=lambda b: self.scorer.score(b, observe=False))
+                                score=lambda b: self.postrl.score(b, observe=False))
 
     # ------------------------------------------------------------------------------------------------ model
     def _logprob_fn(self, model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -233,16 +226,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             columns={k: [x.get(k) for x in inputs] for k in keys})
         batch = RolloutBatch.concat(self.procs.gather(local), pad)
         G = self.num_generations if mode == "train" else self.num_generations_eval
-        batch.group_ids = torch.arange(len(batch)) // G + self.postrl_step * len(batch)
-        batch.extra["step"] = self.state.global_step
-        info = self.scorer.score(batch, observe=mode == "train")
-        keep = torch.ones(len(batch), dtype=torch.bool)
-        for f in self.filters:
-            keep &= f(batch).bool()
+        batch.group_ids = torch.arange(len(batch)) // G + self.postrl_steps * len(batch)
+        batch.extra.update(step=self.state.global_step, max_steps=self.state.max_steps)
+        info = self.postrl.score(batch, observe=mode == "train")
+        keep = self.postrl.keep(batch)
         if not keep.all():
             batch.valid = batch.valid & keep
         self._filter_metrics = {"filter/dropped_groups": float(len(torch.unique(batch.group_ids[~keep])))} \
-            if self.filters else {}
+            if self.postrl.selection else {}
         self._scored[mode] = (batch, info, n)
         return batch.raw_rewards.to(self.accelerator.device)
 
@@ -270,12 +261,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         sampler = out.get("sampling_per_token_logps", out.get("old_per_token_logps"))
         if sampler is not None:
             batch.sampler_logprobs = self._gather_padded(sampler.float())
-        elif "sampler_logprobs" in self.advantage.reads:  # the policy that sampled is the current one
+        elif "sampler_logprobs" in self.postrl.advantage.reads:  # the policy that sampled is the current one
             batch.sampler_logprobs = self.ctx.logprobs(batch)[0]
         else:
             batch.sampler_logprobs = torch.full((len(batch), T), float("nan"))
-        produce(self.ctx, batch, self.advantage)
-        adv = self.advantage(batch).float()
+        adv = self.postrl.advantages(self.ctx, batch, observe=mode == "train").float()
         adv = torch.where(batch.valid.view(-1, *[1] * (adv.dim() - 1)), adv, torch.zeros_like(adv))
         batch.advantages = adv
         rank = self.accelerator.process_index
@@ -292,15 +282,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             logged.pop()
         logged.extend(seq_adv.tolist())
         # postrl's metrics of the batch (docs/metrics.md)
-        m = batch_metrics(batch, info,
-                          low_prob=self.postrl_config.diagnostics.entropy_collapse.low_prob)
+        m = self.postrl.metrics(batch, info)
         if sampler is None:
             for k in ("tokens/low_prob_frac", "tokens/logprob_mean"):
                 m.pop(k, None)
         if "sampling_per_token_logps" in out and "old_per_token_logps" in out:
             m.update(mismatch_metrics(out["old_per_token_logps"], out["sampling_per_token_logps"], mask))
-        for name, rate in info.get("failure_rate", {}).items():
-            m[f"reward/{name}/failure_rate"] = rate
         m.update(self._filter_metrics)
         if mode == "train":
             self._step_metrics = m
@@ -335,7 +322,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             group = pieces[s:s + per_step]
             local = torch.cat([self._loss_mask(p) for p in group])
             everyone = self._gather_padded(local)
-            w = self.postrl_objective.weights(everyone)
+            w = self.postrl.objective.weights(everyone)
             rank, n = self.accelerator.process_index, local.shape[0]
             w = w[rank * n:(rank + 1) * n, :local.shape[1]] * world
             for p, wp in zip(group, w.split([p["completion_mask"].shape[0] for p in group])):
@@ -357,7 +344,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             mm_token_type_ids=inputs.get("mm_token_type_ids"), image_position_ids=inputs.get("image_position_ids"))
         rows = inputs["postrl_row"].cpu()
         fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
-                  for k, v in self.postrl_objective.batch_fields(
+                  for k, v in self.postrl.objective.batch_fields(
                       self._scored["train" if self.model.training else "eval"][0], rows, logp.device).items()}
         fields["mask"] = self._loss_mask(inputs)
         fields["lengths"] = fields["mask"].sum(-1)
@@ -366,7 +353,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         fields.update(logp=logp, old_logp=old, entropy=entropy, logits=None, advantages=inputs["advantages"],
                       ref_logp=inputs.get("ref_per_token_logps"),
                       sampler_logp=inputs.get("sampling_per_token_logps", old))
-        loss, stats, _ = self.postrl_objective(fields, inputs["postrl_weights"])
+        loss, stats, _ = self.postrl.objective(fields, inputs["postrl_weights"])
         if self.aux_loss_enabled:
             ga = self.current_gradient_accumulation_steps if self.model.training else 1
             loss = loss + self.router_aux_loss_coef * aux_loss / ga
@@ -394,22 +381,19 @@ class GRPOTrainer(trl.GRPOTrainer):
         m = dict(self._step_metrics)
         m.update({k: (v if k == "ratio_max" else v / opt_steps) for k, v in self._loss_sums.items()})
         m = self.procs.reduce_metrics(m)
-        end = StepEnd(m, self.procs.all_reduce_mean)
         batch, info, _ = self._scored["train"]
-        m.update(self.postrl_objective.end_step(end, len(batch)))
-        for group in (self.scorer.stages, self.filters, [self.advantage]):
-            m.update(stages.end_step(group, end))
-        self.postrl_step += 1
-        m["step"] = self.postrl_step
+        m.update(self.postrl.end(m, len(batch), all_reduce_mean=self.procs.all_reduce_mean, gather=self.procs.gather))
+        self.postrl_steps += 1
+        m["step"] = self.postrl_steps
         for name, rate in info.get("failure_rate", {}).items():
             if rate > 0:
                 m[f"reward/{name}/first_failure"] = info["first_failure"][name]
-        alarms = self.watchdog.step(m)
+        alarms = self.postrl.watchdog.step(m)
         for a in alarms:
             self.alarms.append(a.to_dict())
             self._metrics["train"][f"postrl/alarm/{a.name}"].append(1.0)
             if self.accelerator.is_main_process:
-                _log.warning("postrl alarm at step %d: %s", self.postrl_step, a.text())
+                _log.warning("postrl alarm at step %d: %s", self.postrl_steps, a.text())
         for k, v in m.items():
             if isinstance(v, (int, float)) and k != "step":
                 self._metrics["train"][f"postrl/{k}"].append(float(v))
@@ -425,9 +409,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            state = {"step": self.postrl_step, "objective": self.postrl_objective.state_dict(),
-                     "rewards": stages.state_of(self.scorer.rewards), "shaping": stages.state_of(self.scorer.shaping),
-                     "filters": stages.state_of(self.filters), "advantage": stages.state_of([self.advantage])}
+            state = {"step": self.postrl_steps, "stages": self.postrl.state_dict()}
             with open(os.path.join(folder, "postrl_state.json"), "w") as f:
                 json.dump(state, f)
 
@@ -441,9 +423,5 @@ class GRPOTrainer(trl.GRPOTrainer):
             if os.path.exists(path):
                 with open(path) as f:
                     state = json.load(f)
-                self.postrl_step = int(state["step"])
-                self.postrl_objective.load_state_dict(state["objective"])
-                stages.load_state(self.scorer.rewards, state["rewards"])
-                stages.load_state(self.scorer.shaping, state["shaping"])
-                stages.load_state(self.filters, state["filters"])
-                stages.load_state([self.advantage], state["advantage"])
+                self.postrl_steps = int(state["step"])
+                self.postrl.load_state_dict(state["stages"])

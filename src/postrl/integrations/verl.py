@@ -37,32 +37,36 @@ Rewards: :func:`compute_score` is a verl reward function (``reward.custom_reward
 pkg://postrl.integrations.verl``, ``name=compute_score``). verl 0.9's reward loop scores one response per call
 (``RewardManagerBase.run_single``); there is no batch-level reward manager registry in it, so the shaping stages
 that need a group (they read ``group_ids``) are refused at start-up; row-wise shaping runs. It runs postrl's
-reward sources with fault isolation (:func:`postrl.rewards.core.score_batch` through the trainer's
-:class:`~postrl.train.scoring.Scorer`) and returns ``score`` plus each source's value (``reward_extra_info``: verl
+reward sources with fault isolation (the step's scoring, :meth:`postrl.step.Step.score`) and returns ``score`` plus each source's value (``reward_extra_info``: verl
 logs them and puts them in ``non_tensor_batch``). A failed source gives NaN (never 0): ``postrl_*`` estimators
 exclude that row from every group statistic (advantage 0), as postrl's trainer does.
 
 Diagnostics: the plug-in wraps verl's ``compute_data_metrics`` (``verl.trainer.ppo.metric_utils``, called by the
-trainer with the step's batch on the driver) to add postrl's metrics computed from that batch (``postrl/...``:
-zero-variance groups, lengths and truncation, low-probability tokens, sampler/trainer log-prob mismatch, KL to the
-reference, token entropy estimated as the mean surprisal of the sampled tokens) and runs postrl's
-:class:`~postrl.diagnostics.monitors.Watchdog` over them: an alarm is logged as a warning and reported as
-``postrl/alarm/<name> = 1``.
+trainer with the step's batch on the driver) to add postrl's metrics computed from that batch (``postrl/...``: the
+step's own batch metrics, :meth:`postrl.step.Step.metrics`, on the batch read as a :class:`RolloutBatch`, plus
+the sampler/trainer log-prob mismatch, KL to the reference, and the token entropy estimated as the mean surprisal
+of the sampled tokens) and runs the step's monitors (``Step.watchdog``) over them: an alarm is logged as a warning
+and reported as ``postrl/alarm/<name> = 1``.
+
+State: verl calls the registered functions with no context, so the plug-in keeps one :class:`Run` per process
+(:func:`run`): the postrl config named by ``$POSTRL_CONFIG``, its :class:`~postrl.step.Step` and the diagnostics'
+step count, made on first use and made anew when ``$POSTRL_CONFIG`` changes. verl's plug-in contract is an import
+(it never calls a function of the plug-in), so importing this module registers (:func:`load`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from postrl import registry, stages
+from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError, PostrlError
+from postrl.groups import dense_ids
 
 ENV_CONFIG = "POSTRL_CONFIG"
 PREFIX = "postrl_"
@@ -79,31 +83,55 @@ LOSS_FIELDS = ("logp", "old_logp", "advantages", "mask", "lengths")
 """The per-token fields a policy loss gets inside verl."""
 
 _log = logging.getLogger("postrl.integrations.verl")
-_CACHE: dict[tuple, Any] = {}  # (what, config path, ...) -> run config / built stage / scorer / watchdog
 
 
-# ------------------------------------------------------------------------------------------------ configuration
+# ------------------------------------------------------------------------------------------------ the run
+
+
+class Run:
+    """The postrl side of a verl run in this process: the config named by ``$POSTRL_CONFIG`` (postrl's defaults
+    without it), its :class:`~postrl.step.Step` (rewards, shaping, advantage, loss, monitors) and the stages verl may
+    call by their ``postrl_<name>``: the configured one with its parameters, any other with its defaults."""
+
+    def __init__(self, path: str):
+        from postrl.config import Config, load_config
+        from postrl.step import Step
+
+        self.path = path
+        self.config = load_config(path) if path else Config()
+        self.step = Step(self.config)
+        self._stages: dict[tuple[str, str], stages.Stage] = {}
+        self.diagnostics_steps = 0
+
+    def stage(self, kind: str, name: str) -> stages.Stage:
+        """postrl's ``kind`` stage ``name``: the step's own when the config selects it, else with its defaults."""
+        own = self.step.advantage if kind == "advantage" else self.step.objective.loss
+        if own.name == name:
+            return own
+        if (kind, name) not in self._stages:
+            self._stages[(kind, name)] = stages.build(kind, name)
+        return self._stages[(kind, name)]
+
+
+_RUN: Run | None = None
+
+
+def run() -> Run:
+    """This process's :class:`Run` (made on first use, and anew when ``$POSTRL_CONFIG`` names another file)."""
+    global _RUN
+    path = os.environ.get(ENV_CONFIG) or ""
+    if _RUN is None or _RUN.path != path:
+        _RUN = Run(path)
+    return _RUN
 
 
 def run_config():
-    """The postrl config named by ``$POSTRL_CONFIG`` (validated, cached per path); postrl's defaults without it."""
-    from postrl.config import Config, load_config
-
-    path = os.environ.get(ENV_CONFIG) or ""
-    key = ("config", path)
-    if key not in _CACHE:
-        _CACHE[key] = load_config(path) if path else Config()
-    return _CACHE[key]
+    """The postrl config named by ``$POSTRL_CONFIG`` (validated); postrl's defaults without it."""
+    return run().config
 
 
 def _stage(kind: str, name: str) -> stages.Stage:
-    """postrl's ``kind`` stage ``name``, with the run config's parameters when the config selects it."""
-    cfg = run_config()
-    key = ("stage", os.environ.get(ENV_CONFIG) or "", kind, name)
-    if key not in _CACHE:
-        spec = cfg.advantage if kind == "advantage" else cfg.loss
-        _CACHE[key] = stages.build(kind, name, spec.params if spec.name == name else {})
-    return _CACHE[key]
+    return run().stage(kind, name)
 
 
 def _check_reads(stage: stages.Stage) -> None:
@@ -121,17 +149,14 @@ def _call(stage: stages.Stage, fields: dict) -> Any:
 
 
 def _required(stage: stages.Stage, field: str) -> bool:
-    from postrl.pipeline import signature
-
     fn = stage.fn.__call__ if stage.stateful else stage.fn
-    p = signature(fn).parameters.get(field)
+    p = stages.signature(fn).parameters.get(field)
     return p is not None and p.default is p.empty
 
 
 def group_ids_of(index: Any) -> torch.Tensor:
     """verl's ``index`` (the ``uid`` of each row's prompt, any hashable values) -> dense postrl group ids [B]."""
-    _, inv = np.unique(np.asarray([str(x) for x in index], dtype=object), return_inverse=True)
-    return torch.as_tensor(inv.reshape(-1), dtype=torch.long)
+    return dense_ids(index)
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -270,13 +295,12 @@ def _loud(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------ rewards
 
 
-def build_scorer(cfg: Any):
-    """postrl's Scorer (reward sources + shaping) of ``cfg``; refuses what verl's per-response reward call cannot
-    feed: shaping that needs a group, process (step) rewards, rewards reading token ids or groups."""
-    from postrl.rewards.core import RewardContext, wants
-    from postrl.train.scoring import Scorer
+def check_scoring(step: Any) -> None:
+    """Refuse what verl's per-response reward call cannot feed: shaping that needs a group, process (step)
+    rewards, rewards reading token ids or groups."""
+    from postrl.rewards.core import wants
 
-    scorer = Scorer(cfg, RewardContext(), tokenizer=None)
+    scorer = step.scorer
     for s in scorer.shaping:
         if "group_ids" in s.reads:
             raise ConfigError(f"shaping '{s.name}' needs a group of completions; verl's reward loop scores one "
@@ -288,31 +312,25 @@ def build_scorer(cfg: Any):
     if scorer.wants_steps or scorer.wants_step_ends:
         raise ConfigError("process (step) rewards and step shaping need the tokenizer's step boundaries, which "
                           "verl's reward call does not pass; use them with postrl train")
-    return scorer
-
-
-def _scorer():
-    """The run's Scorer, built once per process."""
-    key = ("scorer", os.environ.get(ENV_CONFIG) or "")
-    if key not in _CACHE:
-        _CACHE[key] = build_scorer(run_config())
-    return _CACHE[key]
 
 
 def check_config(cfg: Any) -> None:
     """Everything of a postrl config that must hold to run it on verl, checked before launch (``postrl export
     verl``) and at the plug-in's start-up: the advantage estimator and policy loss read only what verl passes, the
     aggregation has a verl mode, the rewards and shaping run per response. One-line :class:`ConfigError`."""
-    adv = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
+    from postrl.step import Step
+
+    step = Step(cfg)
+    adv = step.advantage
     _check_reads(adv)
     if "rewards" in adv.reads and len(cfg.rewards) > 1:
         raise ConfigError(f"advantage '{cfg.advantage.name}' reads the per-source reward matrix; verl passes an "
                           "estimator only the summed reward (per-source values reach only verl's own 'gdpo', "
                           "algorithm.gdpo_reward_keys): use that, or postrl train")
-    _check_reads(stages.build("loss", cfg.loss.name, cfg.loss.params))
+    _check_reads(step.objective.loss)
     if cfg.loss.agg not in AGG_MODES:
         raise ConfigError(f"loss.agg '{cfg.loss.agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
-    build_scorer(cfg)
+    check_scoring(step)
 
 
 def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
@@ -323,8 +341,6 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
     every key of ``extra_info``; the prompt text is ``extra_info['prompt']`` (or ``'question'``, else empty).
     Returns ``{'score': shaped reward, <source name>: raw value, ..., 'postrl_failed': failed sources}``; a
     failed source is NaN and so is the score (postrl_* estimators exclude the row)."""
-    from postrl.batch import RolloutBatch
-
     extra = dict(extra_info or {})
     prompt = str(extra.get("prompt", extra.get("question", "")))
     columns = {k: [v] for k, v in extra.items()}
@@ -334,7 +350,11 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
                          group_ids=torch.zeros(1, dtype=torch.long), sampler_logprobs=z,
                          truncated=torch.zeros(1, dtype=torch.bool), prompts=[prompt], completions=[solution_str],
                          columns=columns)
-    info = _scorer().score(batch)
+    r = run()
+    if not getattr(r, "scoring_checked", False):
+        check_scoring(r.step)
+        r.scoring_checked = True
+    info = r.step.score(batch)
     out: dict[str, Any] = {"score": float(batch.reward[0])}
     for k, name in enumerate(batch.reward_names):
         out[name] = float(batch.raw_rewards[0, k])
@@ -345,75 +365,78 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
 # ------------------------------------------------------------------------------------------------ diagnostics
 
 
-def batch_metrics(data: Any) -> dict[str, float]:
-    """postrl's per-step metrics from verl's batch (a DataProto after advantages), keyed as postrl's trainer
-    keys them (so postrl's monitors read them): reward, group, length, token, mismatch, ``kl`` (k3 of the
-    trainer's log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an
-    unbiased estimate of the token entropy of the sampling policy). Without the rows' ``uid`` (in
-    ``non_tensor_batch`` or, in verl's v1 trainer, a tensor column) no group statistic is reported."""
-    from postrl.diagnostics.metrics import group_metrics, length_metrics, mismatch_metrics, token_metrics
-
+def rollout_batch(data: Any) -> tuple[RolloutBatch, bool]:
+    """verl's batch (a DataProto after advantages) as a :class:`RolloutBatch` (reward = the row sum of
+    ``token_level_scores``, one reward column ``score``; group ids from the rows' ``uid``, in ``non_tensor_batch``
+    or, in verl's v1 trainer, a tensor column; the sampler's log-probs: ``rollout_log_probs``, else
+    ``old_log_probs``) and whether it had group ids."""
     b = data.batch
     mask = b["response_mask"].float()
     reward = b["token_level_scores"].float().sum(-1)
+    n, T = mask.shape
     uid = data.non_tensor_batch.get("uid")
     if uid is None and "uid" in b.keys():  # verl's v1 trainer keeps it as a tensor column
         uid = b["uid"].tolist()
-    gids = group_ids_of(uid) if uid is not None else torch.zeros(reward.shape[0], dtype=torch.long)
-    valid = torch.isfinite(reward)
-    lengths = mask.sum(-1)
-    truncated = lengths >= mask.shape[-1]
-    r = reward[valid]
-    m: dict[str, float] = {"reward/mean": float(r.mean()) if r.numel() else math.nan,
-                           "reward/std": float(r.std()) if r.numel() > 1 else math.nan,
-                           "valid": float(valid.float().mean())}
+    lp = b["rollout_log_probs"] if "rollout_log_probs" in b.keys() else \
+        b["old_log_probs"] if "old_log_probs" in b.keys() else torch.full((n, T), float("nan"))
     adv = b["advantages"] if "advantages" in b.keys() else None
-    if adv is not None and adv.dim() == 2:
-        adv = (adv * mask).sum(-1) / lengths.clamp(min=1.0)
-    m.update(length_metrics(lengths, truncated, reward, valid, gids))
-    if uid is not None:  # without the prompt ids there are no groups: no group statistic rather than a wrong one
-        m.update(group_metrics(reward, reward.unsqueeze(-1), gids, valid, adv, None, mask))
-    else:
-        m.pop("length/reward_corr", None)
+    prompts = b["prompts"] if "prompts" in b.keys() else torch.zeros((n, 0), dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=prompts, prompt_mask=torch.ones_like(prompts),
+                         completion_ids=b["responses"] if "responses" in b.keys() else torch.zeros((n, T), dtype=torch.long),
+                         completion_mask=mask,
+                         group_ids=group_ids_of(uid) if uid is not None else torch.arange(n),
+                         sampler_logprobs=lp.float(), truncated=mask.sum(-1) >= T, prompts=[""] * n,
+                         completions=[""] * n, reward_names=["score"], rewards=reward.unsqueeze(-1),
+                         raw_rewards=reward.unsqueeze(-1), reward_weights=torch.ones(1), reward=reward,
+                         valid=torch.isfinite(reward), advantages=adv)
+    return batch, uid is not None
+
+
+def batch_metrics(data: Any) -> dict[str, float]:
+    """postrl's per-step metrics from verl's batch (a DataProto after advantages), keyed as postrl's trainer keys
+    them (so postrl's monitors read them): the step's batch metrics (:meth:`postrl.step.Step.metrics`) of the batch
+    read as a RolloutBatch (:func:`rollout_batch`), the sampler/trainer mismatch, ``kl`` (k3 of the trainer's
+    log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an unbiased
+    estimate of the token entropy of the sampling policy). Without the rows' ``uid`` no group statistic is
+    reported (rather than a wrong one)."""
+    from postrl.diagnostics.metrics import mismatch_metrics
+    from postrl.losses.kl import kl_k3
+
+    batch, grouped = rollout_batch(data)
+    m = run().step.metrics(batch, {})
+    if not grouped:
+        for k in [k for k in m if k.startswith(("zero_variance_groups/", "advantages/", "rewards/distinct")) or
+                  k in ("reward/group_std", "length/reward_corr")]:
+            m.pop(k)
+    b, mask = data.batch, batch.completion_mask
     sampler = b["rollout_log_probs"] if "rollout_log_probs" in b.keys() else None
     trainer = b["old_log_probs"] if "old_log_probs" in b.keys() else None
     lp = sampler if sampler is not None else trainer
     if lp is not None:
-        m.update(token_metrics(lp, mask, 0.1))
         m["entropy"] = float(-(lp.float() * mask).sum() / mask.sum().clamp(min=1.0))
     if sampler is not None and trainer is not None:
         m.update(mismatch_metrics(trainer, sampler, mask))
     if trainer is not None and "ref_log_prob" in b.keys():
-        from postrl.losses.kl import kl_k3
-
         m["kl"] = float((kl_k3(trainer.float(), b["ref_log_prob"].float()) * mask).sum() / mask.sum().clamp(min=1))
     return m
 
 
-class Diagnostics:
-    """postrl's monitors over verl's steps: ``__call__(data)`` -> ``postrl/<metric>`` and ``postrl/alarm/<name>``
-    (1 for each active alarm, logged as a warning with its cause and fix)."""
-
-    def __init__(self, run_config_dict: dict | None = None):
-        from postrl.diagnostics.monitors import Watchdog
-
-        cfg = run_config_dict if run_config_dict is not None else run_config().model_dump(mode="json")
-        self.watchdog = Watchdog(cfg)
-        self.step = 0
-
-    def __call__(self, data: Any) -> dict[str, float]:
-        self.step += 1
-        m = {"step": self.step, **batch_metrics(data)}
-        out = {f"postrl/{k}": v for k, v in m.items() if k != "step"}
-        for alarm in self.watchdog.step(m):
-            _log.warning("postrl alarm (step %d) %s", self.step, alarm.text())
-            out[f"postrl/alarm/{alarm.name}"] = 1.0
-        return out
+def diagnose(data: Any) -> dict[str, float]:
+    """postrl's monitors over one verl step: ``postrl/<metric>`` and ``postrl/alarm/<name>`` (1 for each active
+    alarm, logged as a warning with its cause and fix); the step's own monitors (``Step.watchdog``)."""
+    r = run()
+    r.diagnostics_steps += 1
+    m = {"step": r.diagnostics_steps, **batch_metrics(data)}
+    out = {f"postrl/{k}": v for k, v in m.items() if k != "step"}
+    for alarm in r.step.watchdog.step(m):
+        _log.warning("postrl alarm (step %d) %s", r.diagnostics_steps, alarm.text())
+        out[f"postrl/alarm/{alarm.name}"] = 1.0
+    return out
 
 
 def install_metrics_hook() -> None:
     """Wrap verl's ``metric_utils.compute_data_metrics`` (before the trainer modules import it) so each step's data
-    metrics also carry :class:`Diagnostics`' metrics and alarms; idempotent."""
+    metrics also carry postrl's metrics and alarms (:func:`diagnose`); idempotent."""
     from verl.trainer.ppo import metric_utils
 
     original = metric_utils.compute_data_metrics
@@ -422,11 +445,8 @@ def install_metrics_hook() -> None:
 
     def compute_data_metrics(batch: Any, use_critic: bool = True) -> dict[str, Any]:
         metrics = original(batch=batch, use_critic=use_critic)
-        key = ("diagnostics", os.environ.get(ENV_CONFIG) or "")
         try:
-            if key not in _CACHE:
-                _CACHE[key] = Diagnostics()
-            metrics.update(_CACHE[key](batch))
+            metrics.update(diagnose(batch))
         except Exception as e:  # noqa: BLE001 - diagnostics must not stop training; the failure is reported
             _loud(f"postrl diagnostics failed on verl's batch: {type(e).__name__}: {e}")
             metrics["postrl/alarm/diagnostics_failed"] = 1.0

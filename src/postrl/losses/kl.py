@@ -2,7 +2,7 @@
 coefficient controller.
 
 Estimators of the per-token KL from samples of pi_theta (Schulman, "Approximating KL Divergence", 2020),
-d = logp - ref_logp. Each is registered as regularizer ``kl_<name>`` and chosen by ``kl.estimator``:
+d = logp - ref_logp. Each is registered as kind ``kl`` under its name and chosen by ``kl.estimator``:
 
 | kl.estimator | value                         | gradient     | verl ``kl_loss_type`` / ``kl_penalty`` |
 |--------------|-------------------------------|--------------|----------------------------------------|
@@ -38,23 +38,23 @@ import torch
 from postrl.registry import register
 
 
-@register("regularizer", "kl_k1", source="Schulman 2020 k1; verl kl_loss_type=k1")
+@register("kl", "k1", source="Schulman 2020 k1; verl kl_loss_type=k1")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k1 = logp - ref_logp (unbiased, high variance, can be negative)."""
     return logp - ref_logp
 
 
-@register("regularizer", "kl_k2", source="Schulman 2020 k2; verl kl_loss_type=mse")
+@register("kl", "k2", source="Schulman 2020 k2; verl kl_loss_type=mse")
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 (logp - ref_logp)^2."""
     return 0.5 * (logp - ref_logp) ** 2
 
 
-@register("regularizer", "kl_k3", source="Schulman 2020 k3; GRPO paper; TRL beta")
+@register("kl", "k3", source="Schulman 2020 k3; GRPO paper; TRL beta")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased, always >= 0). The log-ratio is clamped to
     [-20, 20] before the exp (as verl and TRL); k3 itself is not clamped (TRL; verl's clamped k3 is
-    ``kl_low_var_kl``)."""
+    ``low_var_kl``)."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(d) - d - 1.0
 
@@ -62,14 +62,14 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 LOW_VAR_KL_CLAMP = 10.0
 
 
-@register("regularizer", "kl_low_var_kl", source="verl kl_loss_type=low_var_kl / k3 (clamped k3)")
+@register("kl", "low_var_kl", source="verl kl_loss_type=low_var_kl / k3 (clamped k3)")
 def kl_low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """verl's k3: clamp(k3, -10, 10) (``kl_penalty_forward`` for ``low_var_kl`` / ``k3``); where k3 > 10 the value
     is 10 and the gradient 0."""
     return kl_k3(logp, ref_logp).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
-@register("regularizer", "kl_abs", source="verl kl_loss_type=abs")
+@register("kl", "abs", source="verl kl_loss_type=abs")
 def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """|logp - ref_logp|."""
     return (logp - ref_logp).abs()
@@ -88,11 +88,11 @@ def straight_through(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     return st
 
 
-kl_k1_st = register("regularizer", "kl_k1+", source="verl kl_loss_type=k1+ (straight-through)")(straight_through(kl_k1))
-kl_k3_st = register("regularizer", "kl_k3+", source="straight-through k3 (unclamped value)")(straight_through(kl_k3))
-kl_low_var_kl_st = register("regularizer", "kl_low_var_kl+", source="verl kl_loss_type=k3+ / low_var_kl+ "
+kl_k1_st = register("kl", "k1+", source="verl kl_loss_type=k1+ (straight-through)")(straight_through(kl_k1))
+kl_k3_st = register("kl", "k3+", source="straight-through k3 (unclamped value)")(straight_through(kl_k3))
+kl_low_var_kl_st = register("kl", "low_var_kl+", source="verl kl_loss_type=k3+ / low_var_kl+ "
                             "(straight-through, value of the clamped k3)")(straight_through(kl_low_var_kl))
-kl_abs_st = register("regularizer", "kl_abs+", source="verl kl_loss_type=abs+ (straight-through)")(
+kl_abs_st = register("kl", "abs+", source="verl kl_loss_type=abs+ (straight-through)")(
     straight_through(kl_abs))
 
 

@@ -32,31 +32,42 @@ _BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs",
 
 
 class Objective:
-    """Built from the config's ``loss``, ``kl``, ``regularizers`` and ``rollout.max_new_tokens``."""
+    """Built from the config's ``loss``, ``kl`` and ``regularizers`` sections and ``rollout.max_new_tokens`` (the
+    horizon of the ``dr_grpo`` aggregation)."""
 
-    def __init__(self, cfg: Any):
-        self.loss = stages.build("loss", cfg.loss.name, cfg.loss.params)
-        self.agg = stages.build("aggregation", cfg.loss.agg).fn  # (mask, max_len, rows) -> token weights
-        self.max_len = cfg.rollout.max_new_tokens
-        self.agg_rows = cfg.loss.agg_rows
-        self.tis = cfg.loss.tis
-        self.kl = stages.build("regularizer", f"kl_{cfg.kl.estimator}").fn if cfg.kl.coef > 0 else None
-        self.kl_placement = cfg.kl.placement
-        self.kl_ctrl = KLController(cfg.kl.coef, adaptive=cfg.kl.controller == "adaptive", target=cfg.kl.target,
-                                    horizon=cfg.kl.horizon)
-        self.regularizers = stages.build_all("regularizer", cfg.regularizers)
-        self.coefs = [s.coef for s in cfg.regularizers]
+    def __init__(self, loss: Any, kl: Any, regularizers: list, *, max_new_tokens: int):
+        self.loss = stages.build("loss", loss.name, loss.params, where="loss")
+        self.agg = stages.build("aggregation", loss.agg).fn  # (mask, max_len, rows) -> token weights
+        self.max_len = max_new_tokens
+        self.agg_rows = loss.agg_rows
+        self.tis = loss.tis
+        # one KL: its estimator (kind kl) either in the loss (kl.placement=loss) or in the reward (Step.kl_penalty)
+        self.kl = stages.build("kl", kl.estimator, where="kl.estimator").fn if kl.coef > 0 else None
+        self.kl_placement = kl.placement
+        self.kl_ctrl = KLController(kl.coef, adaptive=kl.controller == "adaptive", target=kl.target,
+                                    horizon=kl.horizon)
+        self.regularizers = stages.build_all("regularizer", regularizers, section="regularizers")
+        self.coefs = [s.coef for s in regularizers]
         parts = [self.loss, *self.regularizers]
         self.reads = set().union(*(s.reads for s in parts))
         if self.kl is not None:
             self.reads.add("ref_logp")
         self.entropy_grad = any("entropy" in s.reads and "entropy" not in getattr(s.fn, "no_grad_fields", ())
                                 for s in parts)
-        self.warning = check_aggregation(cfg.loss.name, self.loss.fn, cfg.loss.agg)
+        self.warning = check_aggregation(loss.name, self.loss.fn, loss.agg)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Objective":
+        """The objective of a whole config (its ``loss``, ``kl``, ``regularizers`` and ``rollout`` sections)."""
+        return cls(cfg.loss, cfg.kl, cfg.regularizers, max_new_tokens=cfg.rollout.max_new_tokens)
 
     @property
     def kl_in_loss(self) -> bool:
         return self.kl is not None and self.kl_placement == "loss"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl is not None and self.kl_placement == "reward"
 
     def rows(self, batch: Any) -> torch.Tensor:
         """bool [N]: the rows the aggregation's sequence average counts (``loss.agg_rows``, see
@@ -132,21 +143,12 @@ class Objective:
 
     def end_step(self, step: StepEnd, n_seq: int) -> dict:
         """Once per step, with the metrics reduced over processes: the KL coefficient this step used and its
-        adaptation (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences), and the
-        stateful regularisers' updates."""
+        adaptation (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences). (The
+        stateful regularisers end their step with every other stage: ``postrl.step.Step.end``.)"""
         out = {}
         if self.kl is not None:
             out["kl_coef"] = self.kl_ctrl.value
             current = step.metrics.get("kl_reward" if self.kl_placement == "reward" else "kl")
             if current is not None:
                 self.kl_ctrl.update(current, n_seq)
-        out.update(stages.end_step(self.regularizers, step))
         return out
-
-    def state_dict(self) -> dict:
-        return {"kl": self.kl_ctrl.state_dict(), "regularizers": stages.state_of(self.regularizers)}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if state:
-            self.kl_ctrl.load_state_dict(state["kl"])
-            stages.load_state(self.regularizers, state.get("regularizers"))

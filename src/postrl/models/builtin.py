@@ -4,25 +4,21 @@
 (``model.builtin_size``) trained by ``postrl sft`` on the configured task's demonstrations (``sft.*``), saved with
 ``save_pretrained`` in a folder named by a hash of everything that determines it. The one for the default config
 ships with the package (``postrl/models/shipped/``), so ``postrl train`` starts RL at once; ``make builtin``
-(``python -m postrl.models.builtin``) rebuilds it with the same code, bit for bit on this project's development
+(``python -m postrl.train.builtin``) rebuilds it with the same code, bit for bit on this project's development
 machine (``tests/test_builtin.py`` rebuilds it and compares). The ``calculator`` recipe's model (nano, SFT on
 demonstrations of tool use) ships too (:data:`SHIPPED_RECIPES`; ``make builtin-calculator``, i.e.
-``python -m postrl.models.builtin calculator``), so ``postrl train --recipe calculator`` starts RL at once. Any other config builds its model on first use and
-caches it under ``$POSTRL_CACHE`` (default ``~/.cache/postrl``); later runs load it from there, like any local
-model.
+``python -m postrl.train.builtin calculator``), so ``postrl train --recipe calculator`` starts RL at once. Any other config's model is built by
+``postrl train`` before the run (:mod:`postrl.train.builtin`; this module only finds it) and cached under
+``$POSTRL_CACHE`` (default ``~/.cache/postrl``); later runs load it from there, like any local model.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import time
 from pathlib import Path
-from typing import Callable
 
-from postrl.data import load_source
-from postrl.data.base import stable_hash
+from postrl.seeding import stable_hash
 
 
 def cache_root() -> Path:
@@ -42,79 +38,12 @@ def builtin_name(cfg) -> str:
     return f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-{builtin_key(cfg)}"
 
 
-def ensure_builtin(cfg, log: Callable[[str], None] = print, use_shipped: bool = True) -> Path:
-    """Path of the built-in warm-started model for ``cfg``: the shipped one when ``cfg`` is the config it was built
-    from, else the cached one, built and cached when missing."""
+def find_builtin(cfg, use_shipped: bool = True) -> Path | None:
+    """The folder of the built-in model for ``cfg`` when it exists: the shipped one when ``cfg`` is the config it
+    was built from, else the cached one; None when it has not been built (:func:`postrl.train.builtin.ensure_builtin`
+    builds it)."""
     shipped = SHIPPED / builtin_name(cfg)
     if use_shipped and (shipped / "config.json").is_file():
         return shipped
     target = cache_root() / builtin_name(cfg)
-    if (target / "config.json").is_file():
-        return target
-    from postrl.models.tiny import build_model, build_tokenizer
-    from postrl.train.sft import run_sft
-
-    log(f"building the built-in model: {cfg.model.builtin_size} Llama + SFT warm start on '{cfg.task.name}' "
-        f"({cfg.sft.steps} steps); cached in {target}")
-    t0 = time.time()
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, size=cfg.model.builtin_size, seed=cfg.seed)
-    source = load_source(cfg.task.model_dump())
-    losses = run_sft(model, tokenizer, source, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                     warmup_steps=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay, seed=cfg.seed,
-                     chat_template=cfg.model.chat_template)
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "postrl_sft.json").write_text(json.dumps({"first_loss": losses[0], "final_loss": losses[-1],
-                                                           "steps": len(losses)}))
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(f"built-in model ready in {time.time() - t0:.0f}s (SFT loss {losses[0]:.3f} -> {losses[-1]:.3f})")
-    return target
-
-
-def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print, recipe: str | None = None) -> Path:
-    """Build the built-in model of the default config (or of the bundled ``recipe``) from scratch (in a temporary
-    cache) and put it in ``dest``, replacing the model of the same task and size shipped there before. ``make
-    builtin`` (``make builtin-calculator``) runs this."""
-    import tempfile
-
-    from postrl import recipes
-    from postrl.config import Config, load_config
-
-    cfg = Config() if recipe is None else load_config(None, [], base=recipes.load(recipe))
-    old_cache = os.environ.get("POSTRL_CACHE")
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["POSTRL_CACHE"] = tmp
-        try:
-            built = ensure_builtin(cfg, log=log, use_shipped=False)
-        finally:
-            if old_cache is None:
-                os.environ.pop("POSTRL_CACHE", None)
-            else:
-                os.environ["POSTRL_CACHE"] = old_cache
-        dest.mkdir(parents=True, exist_ok=True)
-        for stale in dest.glob(f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-*"):
-            shutil.rmtree(stale)
-        final = dest / built.name
-        shutil.copytree(built, final)
-    log(f"shipped {final}")
-    return final
-
-
-if __name__ == "__main__":
-    import sys
-
-    ship(recipe=sys.argv[1] if len(sys.argv) > 1 else None)
-
-
-def model_folder(cfg, log=print) -> Path:
-    """The folder of ``cfg.model.path``; 'builtin': the built-in model, built (or taken from the shipped copy) on
-    first use (:func:`ensure_builtin`)."""
-    if cfg.model.path == "builtin":
-        return ensure_builtin(cfg, log=log)
-    return Path(cfg.model.path)
+    return target if (target / "config.json").is_file() else None

@@ -15,24 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from postrl.io import read_jsonl
 from postrl.errors import PostrlError
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows: list[dict] = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash or still being written
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 @dataclass

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
 
 from postrl.errors import PostrlError
 from postrl.report.rundir import Run
@@ -87,28 +84,3 @@ def render_samples(rows: list[dict], console=None, max_chars: int = 400) -> None
                   Text(fmt(reward), style=style), fmt(r.get("advantage")), " ".join(flags))
     con.print(t)
     con.print(f"{len(rows)} sample(s)")
-
-
-def append_samples(path: Path, step: int, batch, n: int) -> None:
-    """Append the first ``n`` rows of a training batch to samples.jsonl: prompt, completion, each reward, the
-    scalar reward, the mean advantage, truncated / valid (non-finite values as null), and under ``extra`` the
-    columns reward functions logged with TRL's ``log_extra``."""
-    def f(x) -> float | None:
-        v = float(x)
-        return v if math.isfinite(v) else None
-
-    logged = {k.split(":", 1)[1]: v for k, v in batch.extra.items()  # a reward's TRL log_extra columns
-              if k.startswith("log_extra:") and isinstance(v, list) and len(v) == len(batch)}
-
-    def row(i: int) -> dict:
-        r = {"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-             "rewards": {name: f(batch.rewards[i, j]) for j, name in enumerate(batch.reward_names)},
-             "reward": f(batch.reward[i]), "advantage": f(batch.advantages[i].mean()),
-             "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i])}
-        if logged:
-            r["extra"] = {k: v[i] for k, v in logged.items()}
-        return r
-
-    lines = [json.dumps(row(i), default=str) for i in range(min(len(batch), n))]
-    with open(path, "a") as fh:
-        fh.write("".join(line + "\n" for line in lines))

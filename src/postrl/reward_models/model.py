@@ -57,12 +57,12 @@ def step_pieces(text: str, delimiter: str = "\n\n", steps: Sequence[str] | None 
     """The completion cut at its step ends: piece i runs from the end of step i-1 to the end of step i, trailing
     delimiter included, so ``"".join(pieces) == text`` whenever there is a step.
 
-    Steps are those of :func:`postrl.rewards.steps.step_spans` (a step ends at each ``delimiter``; blank steps are
+    Steps are those of :func:`postrl.reasoning_steps.step_spans` (a step ends at each ``delimiter``; blank steps are
     merged into the one before; default ``"\n\n"``, the run's ``reward.step_delimiter``). When ``steps`` (the
     run's step texts, e.g. the trainer's ``steps`` column) is given, they are located in order in ``text``
     instead; a step that cannot be found raises ValueError.
     """
-    from postrl.rewards.steps import step_spans
+    from postrl.reasoning_steps import step_spans
 
     if steps is None:
         bounds = [end for _, _, end in step_spans(text, delimiter)]
@@ -160,7 +160,7 @@ class RewardModel(nn.Module):
     def _prompt_ids(self, prompt: str) -> list[int]:
         ids = self._prompt_cache.get(prompt)
         if ids is None:
-            from postrl.models import encode_prompt
+            from postrl.generation import encode_prompt
 
             ids = encode_prompt(self.tokenizer, prompt, self.chat_template) if prompt else []
             if len(self._prompt_cache) < 100_000:

@@ -2,7 +2,7 @@
 
 Labels (Math-Shepherd style "soft" MC estimation; "Math-Shepherd: Verify and Reinforce LLMs Step-by-step without
 Human Annotations"). A completion o of prompt q is cut into steps s_1..s_S at the delimiter
-(:func:`~postrl.reward_models.model.step_pieces`: the steps of :mod:`postrl.rewards.steps`, each piece keeping
+(:func:`~postrl.reward_models.model.step_pieces`: the steps of :mod:`postrl.reasoning_steps`, each piece keeping
 its trailing delimiter). For every step i < S the policy samples M continuations
 c_1..c_M from (q, s_1..s_i); the label is the fraction that reach a correct answer,
 
@@ -100,8 +100,8 @@ def hf_sampler(model, tokenizer, *, max_new_tokens: int = 32, temperature: float
 
     The prompt is encoded like the policy's (``encode_prompt``), the prefix tokenised without special tokens.
     """
-    from postrl.models import encode_prompt
-    from postrl.rollout.base import SamplingParams
+    from postrl.generation import encode_prompt
+    from postrl.generation import SamplingParams
     from postrl.rollout.hf import HFGenerator
 
     gen = HFGenerator(model, tokenizer, batch_size=batch_size)

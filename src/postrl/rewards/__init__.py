@@ -11,7 +11,8 @@ Built-in sources: ``correct`` (task verifier), ``format`` (regex / strict tags),
 ``likelihood`` (likelihood.py); ``judge`` (judge.py).
 """
 
-from postrl.rewards.core import RewardContext, RewardOutcome, score_batch  # noqa: F401
+from postrl.rewards.core import RewardContext, RewardOutcome, columns_in_kwargs, score_batch  # noqa: F401
 from postrl.rewards import builtin, judge, label_free, likelihood  # noqa: F401  (register the built-in sources)
 from postrl.rewards import model  # noqa: F401  (registers model, model/0..7: trained reward models)
 from postrl.rewards import code  # noqa: F401  (registers code_tests, code_reshaped, verrpo_weighted_tests)
+from postrl.rewards import dense  # noqa: F401  (registers the field producers red_token_reward, attention_token_reward)

@@ -20,12 +20,15 @@ anything cannot turn a failing test into a pass.
 from __future__ import annotations
 
 import ast
-import math
+import contextlib
 import re
 import threading
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from postrl.errors import ConfigError
+from annotated_types import Ge, Gt, Le, Lt
+
+from postrl.errors import ConfigError, DataError, PostrlError
+from postrl.sandbox.errors import SandboxConfigError, SandboxDataError, SandboxError
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 from postrl.sandbox import Limits, SandboxResult, default_pool
@@ -37,6 +40,23 @@ _LAST: threading.local = threading.local()
 # does a program that ends its own process, or hits the time or memory limit, before it has even loaded.
 _ZERO_STATUSES = ("killed", "output_limit", "error")
 _ZERO_LOAD = ("exit", "timeout", "memory", "killed")
+
+
+@contextlib.contextmanager
+def sandbox_errors():
+    """Re-raise the code sandbox's own errors (:mod:`postrl.sandbox.errors`: the sandbox imports nothing of postrl)
+    as these: ``SandboxConfigError`` as :class:`ConfigError`, ``SandboxDataError`` (a row's malformed ``tests``) as
+    :class:`DataError`, any other ``SandboxError`` (the requested isolation does not work here) as
+    :class:`PostrlError`; the message is kept."""
+    try:
+        yield
+    except SandboxConfigError as e:
+        raise ConfigError(str(e)) from None
+    except SandboxDataError as e:
+        raise DataError(str(e)) from None
+    except SandboxError as e:
+        raise PostrlError(str(e)) from None
+
 
 
 def _hostile(r: SandboxResult) -> bool:
@@ -58,8 +78,16 @@ def last_results() -> list[SandboxResult | None]:
     return list(getattr(_LAST, "results", []))
 
 
+Timeout = Annotated[float, Gt(0)]  # seconds
+MemoryMB = Annotated[int, Ge(1)]
+Isolation = Literal["auto", "bwrap", "namespaces", "fallback"] | None  # None: the sandbox's default (auto)
+Weight = Annotated[float, Ge(0)]
+Unit = Annotated[float, Ge(0), Le(1)]
+
+
 def _limits(timeout: float, memory_mb: int, test_timeout: float | None) -> Limits:
-    return Limits(timeout=timeout, memory_mb=memory_mb, test_timeout=test_timeout)
+    with sandbox_errors():
+        return Limits(timeout=timeout, memory_mb=memory_mb, test_timeout=test_timeout)
 
 
 def _check_isolation(isolation: str | None) -> None:
@@ -76,18 +104,19 @@ def run_completions(completions: list[str], tests: list | None, limits: Limits,
         tests = [None] * n
     if len(tests) != n:
         raise ConfigError(f"tests column has {len(tests)} rows for {n} completions")
-    pool = default_pool()
-    futs = [None if t is None else pool.submit(extract_code(c), t, limits=limits, mode=isolation)
-            for c, t in zip(completions, tests)]
-    results = [None if f is None else f.result() for f in futs]
+    with sandbox_errors():
+        pool = default_pool()
+        futs = [None if t is None else pool.submit(extract_code(c), t, limits=limits, mode=isolation)
+                for c, t in zip(completions, tests)]
+        results = [None if f is None else f.result() for f in futs]
     _LAST.results = results
     return results
 
 
 @register("reward", "code_tests", source="unit-test pass rate in a sandbox (TRL/open-r1 code reward)",
           needs=("sandbox",))
-def code_tests(prompts, completions, tests=None, *, timeout: float = 10.0, memory_mb: int = 512,
-               test_timeout: float | None = None, isolation: str | None = None):
+def code_tests(prompts, completions, tests=None, *, timeout: Timeout = 10.0, memory_mb: MemoryMB = 512,
+               test_timeout: Timeout | None = None, isolation: Isolation = None):
     """Fraction of the row's unit tests the completion's program passes in the sandbox.
 
     r_i = passed_i / total_i, total_i counted from the tests before the program runs (never by the program);
@@ -168,9 +197,9 @@ def reshaped_score(r: SandboxResult, code: str, *, w_parse: float, w_compile: fl
 
 @register("reward", "code_reshaped", source="Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair",
           needs=("sandbox",))
-def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_compile: float = 0.05,
-                  w_run: float = 0.1, w_tests: float = 0.75, w_lint: float = 0.05, timeout: float = 10.0,
-                  memory_mb: int = 512, test_timeout: float | None = None, isolation: str | None = None):
+def code_reshaped(prompts, completions, tests=None, *, w_parse: Weight = 0.05, w_compile: Weight = 0.05,
+                  w_run: Weight = 0.1, w_tests: Weight = 0.75, w_lint: Weight = 0.05, timeout: Timeout = 10.0,
+                  memory_mb: MemoryMB = 512, test_timeout: Timeout | None = None, isolation: Isolation = None):
     """Staged partial credit for code: parses, loads, runs without error, passes tests, lints clean.
 
     After "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair" (the abstract names the idea, turning
@@ -188,19 +217,12 @@ def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_
     abuse earns no partial credit). None for a row without tests.
     """
     ws = {"w_parse": w_parse, "w_compile": w_compile, "w_run": w_run, "w_tests": w_tests, "w_lint": w_lint}
-    for k, v in ws.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"code_reshaped: '{k}' must be a non-negative number, got {v!r}")
     limits = _limits(timeout, memory_mb, test_timeout)
     results = run_completions(completions, tests, limits, isolation)
     return [None if r is None else reshaped_score(r, extract_code(c), **ws) for r, c in zip(results, completions)]
 
 
 # ------------------------------------------------------------------------------------------------ VeRPO
-
-_VERRPO_PARAMS = ("pass_bonus", "momentum", "prior_pass", "prior_weight", "min_weight", "timeout", "memory_mb",
-                  "test_timeout", "isolation")
-
 
 @register("reward", "verrpo_weighted_tests",
           source="VeRPO: Verifiable Dense Reward Policy Optimization for Code Generation", needs=("sandbox",))
@@ -224,60 +246,43 @@ class VeRPOWeightedTests(Stateful):
     normalisation by sum_j w_j (keeps r in [0, 1]; a fully correct program scores 1.0), the bonus mix, the prior
     and the floor. A row whose run failed in the sandbox itself (status error) scores None and is not counted.
 
-    An instance is the reward (``r(prompts, completions, tests=...)``); ``state_dict()`` / ``load_state_dict()``
-    save and restore the statistics (plain JSON data). Called through the class, as a function-style reward
-    source is (``VeRPOWeightedTests(prompts, completions, tests=..., **params)``), it uses one shared instance per
-    parameter set, so the statistics persist across steps; :meth:`shared` returns that instance, which keeps each
-    call's merge at once (nothing calls its ``end_step``).
+    An instance is the reward (``r(prompts, completions, tests=...)``, built once per run by
+    ``postrl.stages.build``); a call reads the statistics and never changes them (it remembers each completion's
+    test outcomes); ``observe(completions, columns)`` records the outcomes of a batch that trains and ``end_step``
+    merges every process's, once per step. ``state_dict()`` / ``load_state_dict()`` save and restore the
+    statistics (plain JSON data).
     """
 
-    _shared_instances: dict = {}
-    _shared_lock = threading.Lock()
-
-    def __new__(cls, *args, **kwargs):
-        if args:  # called as a reward function: dispatch to the shared instance of these parameters
-            params = {k: kwargs.pop(k) for k in list(kwargs) if k in _VERRPO_PARAMS}
-            return cls.shared(**params)(*args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, *, pass_bonus: float = 0.5, momentum: float | None = None, prior_pass: float = 0.5,
-                 prior_weight: float = 1.0, min_weight: float = 0.05, timeout: float = 10.0, memory_mb: int = 512,
-                 test_timeout: float | None = None, isolation: str | None = None):
-        for k, v, lo, hi in (("pass_bonus", pass_bonus, 0, 1), ("prior_pass", prior_pass, 0, 1),
-                             ("min_weight", min_weight, 0, 1)):
-            if not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise ConfigError(f"verrpo_weighted_tests: '{k}' must be in [{lo}, {hi}], got {v!r}")
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ConfigError(f"verrpo_weighted_tests: 'momentum' must be in [0, 1) or None, got {momentum!r}")
-        if not isinstance(prior_weight, (int, float)) or prior_weight < 0:
-            raise ConfigError(f"verrpo_weighted_tests: 'prior_weight' must be >= 0, got {prior_weight!r}")
-        _check_isolation(isolation)
+    def __init__(self, *, pass_bonus: Unit = 0.5, momentum: Annotated[float, Ge(0), Lt(1)] | None = None,
+                 prior_pass: Unit = 0.5, prior_weight: Weight = 1.0, min_weight: Unit = 0.05, timeout: Timeout = 10.0,
+                 memory_mb: MemoryMB = 512, test_timeout: Timeout | None = None, isolation: Isolation = None):
         self.pass_bonus, self.momentum = float(pass_bonus), momentum
         self.prior_pass, self.prior_weight, self.min_weight = float(prior_pass), float(prior_weight), float(min_weight)
         self.limits = _limits(timeout, memory_mb, test_timeout)
         self.isolation = isolation
         self.stats: dict[str, list[float]] = {}  # key -> [passes, attempts] (counts) or [rate, attempts] (EMA)
-        self._pending: list[dict[str, list[int]]] = []  # this step's outcomes, merged by end_step
-        self._keep_each_call = False  # the shared instance of function-style calls merges at each call
+        self._outcomes: dict[tuple, tuple[list[str], list[int]]] = {}  # (completion, tests) -> (keys, passes)
         self._lock = threading.Lock()
 
-    def end_step(self, step: StepEnd) -> dict:
-        """Merge the outcomes of every batch this step scored into the running statistics (once per step)."""
+    def observe(self, completions, columns) -> None:
+        """Record the test outcomes of a batch that trains (as its call computed them)."""
+        tests = columns.get("tests") or [None] * len(completions)
+        outcomes: dict[str, list[int]] = {}
         with self._lock:
-            for outcomes in self._pending:
-                self._update(outcomes)
-            self._pending = []
-        return {}
+            for c, t in zip(completions, tests):
+                row = self._outcomes.get((c, repr(t)))
+                for k, p in zip(*row) if row is not None else ():
+                    outcomes.setdefault(k, []).append(p)
+        self.record(outcomes)
 
-    @classmethod
-    def shared(cls, **params) -> "VeRPOWeightedTests":
-        """The process-wide instance for ``params`` (created on first use)."""
-        key = tuple(sorted((k, repr(v)) for k, v in params.items()))
-        with cls._shared_lock:
-            if key not in cls._shared_instances:
-                cls._shared_instances[key] = cls(**params)
-                cls._shared_instances[key]._keep_each_call = True
-            return cls._shared_instances[key]
+    def end_step(self, step: StepEnd) -> dict:
+        """Merge the outcomes of every batch this step trained on, of every process, into the running statistics
+        (once per step)."""
+        with self._lock:
+            for outcomes in self.observed:
+                self._update(outcomes)
+            self._outcomes = {}
+        return {}
 
     def pass_rate(self, key: str) -> float:
         return self._rate(self.stats.get(key))
@@ -321,14 +326,13 @@ class VeRPOWeightedTests(Stateful):
             rows.append((keys, passes))
             for k, p in zip(keys, passes):
                 outcomes.setdefault(k, []).append(p)
-        with self._lock:  # the statistics with this batch merged in; end_step keeps the merge
+        with self._lock:  # the statistics with this batch merged in (read only); end_step keeps the merge
             merged = {k: list(self.stats[k]) for k in outcomes if k in self.stats}
             self._update(outcomes, merged)
             rates = {k: self._rate(merged.get(k)) for k in outcomes}
-            if self._keep_each_call:
-                self.stats.update(merged)
-            else:
-                self._pending.append(outcomes)
+            for c, t, row in zip(completions, tests if tests is not None else [None] * len(completions), rows):
+                if row is not None:
+                    self._outcomes[(c, repr(t))] = row
         out = []
         for row in rows:
             if row is None:
@@ -368,7 +372,8 @@ class VeRPOWeightedTests(Stateful):
 def _unit_keys(tests: Any) -> list[str]:
     from postrl.sandbox.testspec import unit_keys
 
-    return unit_keys(tests)
+    with sandbox_errors():
+        return unit_keys(tests)
 
 
 __all__ = ["extract_code", "code_tests", "code_reshaped", "VeRPOWeightedTests", "lint_issues", "last_results",

@@ -67,9 +67,9 @@ from typing import Any, Callable
 
 import torch
 
-from postrl import registry
+from postrl import stages
 from postrl.errors import RewardError
-from postrl.pipeline import signature
+from postrl.stages import signature
 
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
 ISOLATE_CALLS = 256  # default bound on the extra calls that isolate the failing rows, per source and step
@@ -108,7 +108,7 @@ def _is_verl(fn: Callable) -> bool:
 def _accepts(fn: Callable) -> tuple[frozenset[str], bool]:
     """(names of the parameters ``fn`` takes by keyword, whether it takes ``**kwargs``)."""
     try:
-        sig = signature(fn)  # (cached per function: postrl.pipeline)
+        sig = signature(fn)  # (cached per function: postrl.stages)
     except (TypeError, ValueError):
         return frozenset(), True
     names = frozenset(p.name for p in sig.parameters.values()
@@ -494,8 +494,8 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
     vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
     skipped = [[False] * len(specs) for _ in range(n)]
     out = RewardOutcome(torch.empty((n, len(specs))), names=[s.name for s in specs])
-    if built is None:
-        built = [(registry.get("reward", spec.name), spec.params) for spec in specs]
+    if built is None:  # (a reward class becomes one instance: its state lives as long as the caller keeps it)
+        built = [(st.fn, st.params) for st in (stages.build("reward", spec.name, spec.params) for spec in specs)]
     fns = [fn for fn, _ in built]
     call_params = [params for _, params in built]
     verl = [_is_verl(fn) for fn in fns]
@@ -604,3 +604,15 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
             sr[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
         out.step_rewards = sr
     return out
+
+
+def columns_in_kwargs(fn: Callable) -> bool:
+    """True when a reward function's ``**kwargs`` receive the prompt rows' columns (a TRL-style function), so its
+    config parameters are its keyword-only arguments alone; False for a verl-style ``compute_score`` (whose
+    ``**kwargs`` take its parameters, verl's ``reward_kwargs``) and for a reward class."""
+    if inspect.isclass(fn) or _is_verl(fn):
+        return False
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False

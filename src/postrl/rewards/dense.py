@@ -15,9 +15,15 @@ scores); a prefix that lost its prompt is scored as it is.
 
 from __future__ import annotations
 
-import torch
+from typing import Annotated
 
+import torch
+from annotated_types import Ge, Le
+
+from postrl.batch import RolloutBatch
+from postrl.context import ModelContext
 from postrl.errors import ConfigError
+from postrl.registry import register
 
 
 def _model(path: str, device: str, what: str):
@@ -167,3 +173,25 @@ def attention_token_rewards(path: str, prompts: list[str], completion_ids: torch
     finally:
         rm.train(was)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ field producers
+@register("field", "red_token_reward", source="RED: Unleashing Token-Level Rewards from Holistic Feedback via Reward "
+          "Redistribution")
+def red_token_reward(ctx: ModelContext, batch: RolloutBatch, *, reward_model: str, device: str = "cpu",
+                     rm_batch_size: Annotated[int, Ge(1)] = 8) -> torch.Tensor:
+    """RM(q, o_<=t) - RM(q, o_<t) [N, T] of the ``reward_model`` folder (``postrl rm train``); the policy's
+    tokenizer decodes the completion tokens (:func:`red_token_rewards`)."""
+    return red_token_rewards(reward_model, list(batch.prompts), batch.completion_ids, batch.completion_mask,
+                             ctx.tokenizer, device=device, batch_size=rm_batch_size)
+
+
+@register("field", "attention_token_reward", source="Dense Reward for Free in Reinforcement Learning from Human "
+          "Feedback")
+def attention_token_reward(ctx: ModelContext, batch: RolloutBatch, *, reward_model: str,
+                           beta: Annotated[float, Ge(0), Le(1)] = 1.0, device: str = "cpu",
+                           rm_batch_size: Annotated[int, Ge(1)] = 8) -> torch.Tensor:
+    """The ``reward_model`` folder's score spread over the tokens by its last-layer attention [N, T]
+    (:func:`attention_token_rewards`)."""
+    return attention_token_rewards(reward_model, list(batch.prompts), batch.completion_ids, batch.completion_mask,
+                                   ctx.tokenizer, beta=beta, device=device, batch_size=rm_batch_size)

@@ -8,6 +8,9 @@ import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
+
+from annotated_types import Ge, Gt
 
 from postrl.registry import register
 
@@ -49,9 +52,10 @@ def _endpoint(base_url: str) -> str:
 
 @register("reward", "judge", source="rubric / LLM-as-a-judge over an OpenAI-compatible chat completions endpoint")
 def judge(prompts, completions, answer=None, *, base_url: str = "http://127.0.0.1:8000/v1", model: str = "judge",
-          rubric: str = DEFAULT_RUBRIC, template: str = DEFAULT_TEMPLATE, max_score: float = 10.0,
-          api_key_env: str = "OPENAI_API_KEY", timeout: float = 30.0, concurrency: int = 8,
-          temperature: float = 0.0, max_tokens: int = 256):
+          rubric: str = DEFAULT_RUBRIC, template: str = DEFAULT_TEMPLATE, max_score: Annotated[float, Gt(0)] = 10.0,
+          api_key_env: str = "OPENAI_API_KEY", timeout: Annotated[float, Gt(0)] = 30.0,
+          concurrency: Annotated[int, Ge(1)] = 8, temperature: Annotated[float, Ge(0)] = 0.0,
+          max_tokens: Annotated[int, Ge(1)] = 256):
     """r_i = score_i / max_score in [0, 1], where score_i is the ``score`` of the judge's JSON reply.
 
     One POST per completion to ``<base_url>/chat/completions`` (OpenAI chat format): a system message

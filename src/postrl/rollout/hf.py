@@ -26,25 +26,11 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from postrl.models import cache_keyword, filter_logits, output_cache
-from postrl.rollout.base import Generation, GenerationBackend, SamplingParams
+from postrl.models import cache_keyword, output_cache
+from postrl.logprobs import filter_logits
+from postrl.generation import Generation, GenerationBackend, SamplingParams, left_pad
 
 __all__ = ["HFGenerator", "left_pad"]
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token-id lists into ``(ids, mask)``, both ``[len(seqs), max_len]`` long tensors.
-
-    ``mask`` is 1 on real tokens and 0 on padding (which sits on the left).
-    """
-    width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        if len(seq):
-            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, width - len(seq) :] = 1
-    return ids, mask
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams,

@@ -7,8 +7,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from postrl.errors import ConfigError
-from postrl.sandbox.core import Limits, SandboxResult, capabilities, run
+from postrl.sandbox.errors import SandboxConfigError
+from postrl.sandbox.execute import run
+from postrl.sandbox.limits import Limits
+from postrl.sandbox.probe import capabilities
+from postrl.sandbox.results import SandboxResult
 
 
 class SandboxPool:
@@ -22,7 +25,7 @@ class SandboxPool:
     def __init__(self, workers: int | None = None, *, limits: Limits | None = None, mode: str | None = None):
         workers = os.cpu_count() or 1 if workers is None else workers
         if not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"sandbox workers must be a positive integer, got {workers!r}")
+            raise SandboxConfigError(f"sandbox workers must be a positive integer, got {workers!r}")
         self.workers = workers
         self.limits = limits or Limits()
         self.mode = mode
@@ -41,7 +44,7 @@ class SandboxPool:
         codes = list(codes)
         tests = [None] * len(codes) if tests is None else list(tests)
         if len(tests) != len(codes):
-            raise ConfigError(f"sandbox: {len(codes)} programs but {len(tests)} test entries")
+            raise SandboxConfigError(f"sandbox: {len(codes)} programs but {len(tests)} test entries")
         futs = [self.submit(c, t, limits=limits, site=site) for c, t in zip(codes, tests)]
         return [f.result() for f in futs]
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 from typing import Any
 
-from postrl.errors import DataError
+from postrl.sandbox.errors import SandboxDataError
 
 
 def _parse_json(tests: str) -> Any:
@@ -43,7 +43,7 @@ def _source_units(src: str) -> dict:
     try:
         tree = ast.parse(src)
     except (SyntaxError, ValueError) as e:
-        raise DataError(f"tests: the test source does not parse ({type(e).__name__}: {e})") from None
+        raise SandboxDataError(f"tests: the test source does not parse ({type(e).__name__}: {e})") from None
     fns = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
            and n.name.startswith("test")]
     if fns:
@@ -72,16 +72,17 @@ def _stdio(cases: list) -> dict:
         elif isinstance(c, (list, tuple)) and len(c) == 2:
             inp, out = c
         else:
-            raise DataError(f"tests[{i}]: expected a Python snippet, an {{input, output}} dict or an "
-                            f"[input, output] pair, got {type(c).__name__}")
+            raise SandboxDataError(f"tests[{i}]: expected a Python snippet, an {{input, output}} dict or an "
+                                   f"[input, output] pair, got {type(c).__name__}")
         if not isinstance(inp, str) or not isinstance(out, str):
-            raise DataError(f"tests[{i}]: stdin/stdout case needs string input and output")
+            raise SandboxDataError(f"tests[{i}]: stdin/stdout case needs string input and output")
         units.append({"name": f"case{i}", "input": inp, "output": out})
     return {"kind": "stdio", "units": units}
 
 
 def collect(tests: Any) -> dict:
-    """The test units of one row's ``tests`` (see the module docstring); raises DataError for a malformed value."""
+    """The test units of one row's ``tests`` (see the module docstring); raises
+    :class:`~postrl.sandbox.errors.SandboxDataError` for a malformed value."""
     if isinstance(tests, str):
         parsed = _parse_json(tests)
         if parsed is None:
@@ -90,11 +91,11 @@ def collect(tests: Any) -> dict:
     if isinstance(tests, dict):
         ins, outs = tests.get("inputs"), tests.get("outputs")
         if not isinstance(ins, list) or not isinstance(outs, list) or len(ins) != len(outs):
-            raise DataError("tests: a dict needs 'inputs' and 'outputs' lists of the same length")
+            raise SandboxDataError("tests: a dict needs 'inputs' and 'outputs' lists of the same length")
         fn = tests.get("fn_name")
         if fn:
             if not isinstance(fn, str) or not fn.isidentifier():
-                raise DataError(f"tests: fn_name {fn!r} is not a Python identifier")
+                raise SandboxDataError(f"tests: fn_name {fn!r} is not a Python identifier")
             units = [{"name": f"call{i}", "args": a if isinstance(a, list) else [a], "expected": o}
                      for i, (a, o) in enumerate(zip(ins, outs))]
             return {"kind": "calls", "fn_name": fn, "units": units}
@@ -105,7 +106,7 @@ def collect(tests: Any) -> dict:
             return {"kind": "asserts", "setup": "",
                     "units": [{"name": f"snippet{i}", "pre": "", "src": t} for i, t in enumerate(tests)]}
         return _stdio(tests)
-    raise DataError(f"tests: expected a string, list or dict, got {type(tests).__name__}")
+    raise SandboxDataError(f"tests: expected a string, list or dict, got {type(tests).__name__}")
 
 
 def unit_keys(tests: Any) -> list[str]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
+
+from postrl.groups import group_index
 
 NAN = float("nan")
 
@@ -51,22 +52,6 @@ def correctness(rewards: torch.Tensor, reward_names: list[str], source: str, thr
     r = rewards[:, col(reward_names, source, stage)]
     known = torch.isfinite(r)
     return known & (r >= threshold), known
-
-
-def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
-
-
-def group_minmax(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row min and max of ``x`` over the valid rows of its group (+inf / -inf for a group with none)."""
-    inv, ng = group_index(group_ids)
-    x = x.to(torch.float64)
-    lo = torch.full((ng,), math.inf, dtype=torch.float64).scatter_reduce(
-        0, inv, torch.where(valid, x, torch.full_like(x, math.inf)), "amin")
-    hi = torch.full((ng,), -math.inf, dtype=torch.float64).scatter_reduce(
-        0, inv, torch.where(valid, x, torch.full_like(x, -math.inf)), "amax")
-    return lo[inv], hi[inv]
 
 
 def group_mean(x: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from postrl.io import read_jsonl
 from postrl.errors import PostrlError
 
 LOCK_FILE = "run.lock"
@@ -212,7 +214,7 @@ class Notices:
 
 def read_notices(run_dir: str | os.PathLike) -> list[dict]:
     """The records of ``RUN/notices.jsonl`` (a line cut by a crash is skipped)."""
-    return [r for r in _read_jsonl(Path(run_dir) / NOTICES_FILE) if isinstance(r.get("message"), str)]
+    return [r for r in read_jsonl(Path(run_dir) / NOTICES_FILE) if isinstance(r.get("message"), str)]
 
 
 # --------------------------------------------------------------------------------------------------- status
@@ -377,26 +379,10 @@ def record_config(run_dir: str | os.PathLike, cfg) -> bool:
     return True
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def after_eval(run_dir: str | os.PathLike, steps: int) -> dict | None:
     """The final evaluation ("after" at ``steps``) already in eval.jsonl, or None: a process killed after the
     final checkpoint wrote it, and the resumed one reuses it instead of appending a second one."""
-    found = [e for e in _read_jsonl(Path(run_dir) / "eval.jsonl") if e.get("tag") == "after" and e.get("step") == steps]
+    found = [e for e in read_jsonl(Path(run_dir) / "eval.jsonl") if e.get("tag") == "after" and e.get("step") == steps]
     return found[-1] if found else None
 
 
@@ -436,3 +422,28 @@ def open_new_run(run_dir: Path, config_yaml: str) -> RunLock:
         (run_dir / name).write_text("")
     (run_dir / "summary.json").unlink(missing_ok=True)
     return lock
+
+
+def append_samples(path: Path, step: int, batch, n: int) -> None:
+    """Append the first ``n`` rows of a training batch to samples.jsonl: prompt, completion, each reward, the
+    scalar reward, the mean advantage, truncated / valid (non-finite values as null), and under ``extra`` the
+    columns reward functions logged with TRL's ``log_extra``."""
+    def f(x) -> float | None:
+        v = float(x)
+        return v if math.isfinite(v) else None
+
+    logged = {k.split(":", 1)[1]: v for k, v in batch.extra.items()  # a reward's TRL log_extra columns
+              if k.startswith("log_extra:") and isinstance(v, list) and len(v) == len(batch)}
+
+    def row(i: int) -> dict:
+        r = {"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
+             "rewards": {name: f(batch.rewards[i, j]) for j, name in enumerate(batch.reward_names)},
+             "reward": f(batch.reward[i]), "advantage": f(batch.advantages[i].mean()),
+             "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i])}
+        if logged:
+            r["extra"] = {k: v[i] for k, v in logged.items()}
+        return r
+
+    lines = [json.dumps(row(i), default=str) for i in range(min(len(batch), n))]
+    with open(path, "a") as fh:
+        fh.write("".join(line + "\n" for line in lines))

@@ -14,7 +14,7 @@ import torch
 
 from postrl.data.base import PromptSource
 from postrl.errors import DataError
-from postrl.models import encode_prompt
+from postrl.generation import encode_prompt
 from postrl.accel.cpu import ThreadPolicy
 
 

@@ -1,9 +1,11 @@
-"""The RL trainer: orders the stages, owns the model, optimizer, processes and checkpoints, and nothing else.
+"""The RL trainer: drives the one step (:class:`postrl.step.Step`), owns the model, optimizer, processes and
+checkpoints, and nothing else.
 
-One step (docs/DEVELOPING.md, "One step"): the step's batch (``train/sampling.py``: prompts -> rollout -> rewards
+One step (docs/DEVELOPING.md, "One step"): the step's batch (``step/sampling.py``: prompts -> rollout -> rewards
 and shaping -> expansions and filters) -> KL in the reward -> advantages -> (old / reference log-probs) -> the
-objective (``losses/objective.py``) over epochs x mini-batches x micro-batches -> optimizer -> every stateful
-stage's end of step -> metrics, samples, checkpoint. The trainer names no stage and asks none what it is.
+objective (``losses/objective.py``) over epochs x mini-batches x micro-batches -> optimizer -> the step's end
+(every stateful stage, once) -> metrics, alarms, samples, checkpoint. The trainer names no stage and asks none
+what it is.
 
 All randomness of step s derives from (seed, s, rank): prompts, sampling and mini-batch shuffling. A resumed run
 therefore only needs the weights, optimizer and scheduler state to continue exactly as the uninterrupted run.
@@ -22,31 +24,27 @@ from typing import Any
 
 import torch
 
-from postrl import accel, stages
+from postrl import accel
 from postrl.batch import RolloutBatch
 from postrl.config import Config, dump_yaml
 from postrl.context import ModelContext
 from postrl.data import load_source
-from postrl.diagnostics.metrics import batch_metrics
+from postrl.diagnostics.hooks import Diagnostics
 from postrl.errors import ConfigError, PostrlError
 from postrl.evaluate import episode_runner, evaluate
-from postrl.fields import produce
-from postrl.losses import kl_reward_penalty
-from postrl.losses.objective import Objective
-from postrl.report.samples import append_samples
+from postrl.generation import SamplingParams
 from postrl.rewards import RewardContext
-from postrl.rollout.base import SamplingParams
-from postrl.stages import StepEnd
+from postrl.seeding import derive_seed as _seed
+from postrl.step import Step
+from postrl.step.sampling import BatchSource
 from postrl.train import checkpoint as ckpt
-from postrl.train import run_state, sampling
+from postrl.train import run_state
 from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
 from postrl.train.policy import load_policy, reference_model
 from postrl.train.processes import Processes
-from postrl.train.sampling import derive_seed as _seed
-from postrl.train.scoring import Scorer
 
 class Trainer:
-    """Runs ``cfg.train.steps`` RL steps and writes the run directory."""
+    """Runs ``cfg.train.steps`` RL steps (more on a resume that extends the run) and writes the run directory."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  reporter: Any | None = None, model: Any = None, tokenizer: Any = None):
@@ -87,14 +85,17 @@ class Trainer:
         acfg = cfg.accel.model_copy(update={"matmul": "torch"}) if self.mixed else cfg.accel
         self.accel = accel.prepare(model, acfg, self.acc.device)
         self.accel.fused = self.accel.fused and self.world == 1 and not self.mixed
-        # the stages: objective (loss, KL, regularisers), rewards + shaping, advantage, batch selection
-        self.objective = Objective(cfg)
-        if self.objective.warning:
-            self._warn(self.objective.warning)
+        # the step: rewards + shaping, batch selection, advantage, objective (loss, KL, regularisers), monitors
+        self.step = Step(cfg, context=RewardContext(model=model, tokenizer=self.tokenizer, device=self.acc.device,
+                                                    chat_template=cfg.model.chat_template),
+                         tokenizer=self.tokenizer, log=self.log, notice=self.notice)
+        for msg in self.step.warnings:
+            self._warn(msg)
+        self.objective = self.step.objective
         self.needs_ref = "ref_logp" in self.objective.reads
         self.ref_model = reference_model(cfg, model, self.model_path, self.acc.device, self.accel) \
             if self.needs_ref else None  # (None with LoRA: the policy's disabled adapter)
-        self.advantage = stages.build("advantage", cfg.advantage.name, cfg.advantage.params)
+        self.steps = cfg.train.steps  # (a resume may extend it: run_state.resume_steps)
         # optimisation
         torch.manual_seed(cfg.seed)
         self.optimizer = make_optimizer(model, cfg.optim)  # with LoRA the adapters only (the trainable parameters)
@@ -111,16 +112,14 @@ class Trainer:
                                                         top_p=r.top_p, top_k=r.top_k, stop=list(r.stop),
                                                         ignore_eos=r.ignore_eos, logprobs=r.logprobs),
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
-                                score=lambda b: self.scorer.score(b, observe=False))
-        self.scorer = Scorer(cfg, RewardContext(model=self.policy, tokenizer=self.tokenizer, device=self.acc.device,
-                                                chat_template=cfg.model.chat_template), self.tokenizer, log=self.log,
-                             notice=self.notice)
-        self.batches = sampling.BatchSource(cfg, self.source, self.ctx, self.scorer, rank=self.rank,
-                                            world=self.world, gather=self.procs.gather,
-                                            max_over_processes=self.procs.max, log=self.log, notice=self.notice)
-        for msg in sampling.check(cfg, [*self.batches.stages, self.advantage]):
-            self._warn(msg)
-        self.scorer.check_sandbox()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
+                                score=lambda b: self.step.score(b, observe=False), logprob_fn=self.accel.logprobs,
+                                autocast=self.mixed)
+        self.batches = BatchSource(self.step, self.source, self.ctx, seed=cfg.seed,
+                                   prompts_per_step=cfg.train.prompts_per_step, rollout=cfg.rollout,
+                                   chat_template=cfg.model.chat_template, environment=cfg.environment,
+                                   rank=self.rank, world=self.world, max_over_processes=self.procs.max, log=self.log,
+                                   notice=self.notice)
+        self.step.scorer.check_sandbox()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
         self.start_step = 0
         self.eval_before: dict | None = None
         self._lock = None  # run_state.RunLock of the main process: one process writes a run directory
@@ -131,11 +130,9 @@ class Trainer:
         elif self.main:
             self._lock = run_state.open_new_run(self.run_dir, dump_yaml(cfg))
         self.notice.start(new=not resume)
-        # diagnostics: metrics beyond the batch, monitors and alarms, sinks (postrl/diagnostics/hooks.py)
-        from postrl.diagnostics.hooks import Diagnostics
-
-        self.diag = Diagnostics(cfg, self.run_dir, self.objective, main=self.main, rank=self.rank,
-                                device=self.acc.device)
+        # diagnostics: metrics beyond the batch, the step's monitors and alarms, sinks (postrl/diagnostics/hooks.py)
+        self.diag = Diagnostics(cfg, self.run_dir, self.objective, self.step.watchdog, main=self.main,
+                                rank=self.rank, device=self.acc.device)
         if resume:
             self.diag.load_state_dict(self._resumed_state.get("diagnostics"))
 
@@ -155,12 +152,6 @@ class Trainer:
     def _make_backend(self):
         return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
 
-    @property
-    def stateful(self) -> dict[str, list[stages.Stage]]:
-        """The run's stages by checkpoint section (their state is saved and restored together)."""
-        return {"rewards": self.scorer.rewards, "shaping": self.scorer.shaping, "filters": self.batches.stages,
-                "advantage": [self.advantage]}
-
     def _resume(self) -> None:
         """Continue from the newest usable checkpoint (newer unusable ones are moved aside, saying so); decide
         ``train.steps`` (run_state.resume_steps) and whether the run already finished (then ``train`` does
@@ -176,8 +167,8 @@ class Trainer:
             raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in {self.run_dir / 'checkpoints'}")
         step = int(json.loads((last / ckpt.STATE_FILE).read_text())["step"])
         steps = run_state.resume_steps(self.run_dir, self.cfg.train.steps, step, say=say)
-        if steps != self.cfg.train.steps:  # the scheduler's horizon follows (before its state is loaded)
-            self.cfg.train.steps = steps
+        if steps != self.steps:  # the scheduler's horizon follows (before its state is loaded)
+            self.steps = steps
             total = steps * self.cfg.train.epochs * self.cfg.train.mini_batches
             self.scheduler = make_scheduler(self.optimizer.optimizer, self.cfg.optim.warmup_for(total), total,
                                             self.cfg.optim.schedule)
@@ -186,7 +177,8 @@ class Trainer:
             for path, problem in skipped:
                 moved = ckpt.quarantine_checkpoint(path)
                 say(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
-            run_state.record_config(self.run_dir, self.cfg)
+            run_state.record_config(self.run_dir, self.cfg.model_copy(update={
+                "train": self.cfg.train.model_copy(update={"steps": steps})}))
         state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
         self.start_step = step
         self._resumed_state = state
@@ -195,59 +187,30 @@ class Trainer:
         # finished run has nothing to do
         self._eval_after = run_state.after_eval(self.run_dir, steps) if step == steps else None
         self._finished = run_state.finished_summary(self.run_dir, steps) if step == steps else None
-        for section, group in self.stateful.items():
-            stages.load_state(group, state.get(section))
-        self.objective.load_state_dict(state.get("losses"))
+        self.step.load_state_dict(state.get("stages"))
         if self.main and self._finished is None:
             for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
                 run_state.truncate_jsonl(self.run_dir / name, self.start_step)
 
     # ------------------------------------------------------------------------------------------------ log-probs
-    def _logprobs(self, model, batch: RolloutBatch, idx: torch.Tensor, with_entropy: bool = False,
-                  entropy_grad: bool = False, with_logits: bool = False):
-        """(logp [n, T], entropy [n, T] or None, temperature-scaled logits [n, T, V] or None) for rows ``idx``."""
-        dev = self.acc.device
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
-            out = self.accel.logprobs(model, batch.prompt_ids[idx].to(dev), batch.prompt_mask[idx].to(dev),
-                                      batch.completion_ids[idx].to(dev), self.cfg.rollout.temperature or 1.0,
-                                      with_entropy=with_entropy, entropy_grad=entropy_grad, return_logits=with_logits,
-                                      **self.ctx.sampling.logprob_filter())
-        return out if with_logits else (*out, None)
-
-    @torch.no_grad()
-    def _frozen_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
-        mbs = self.cfg.train.micro_batch_size
-        outs = [self._logprobs(model, batch, torch.arange(i, min(i + mbs, len(batch))))[0].cpu()
-                for i in range(0, len(batch), mbs)]
-        return torch.cat(outs) if outs else torch.zeros(batch.completion_ids.shape)
-
     def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference model's log-probs: the frozen copy's, or with LoRA the policy's with its adapter disabled
         (the base weights, which LoRA never changes)."""
         if self.ref_model is not None:
-            return self._frozen_logprobs(self.ref_model, batch)
+            return self.ctx.logprobs(batch, model=self.ref_model)[0]
         with self.policy.disable_adapter():  # (reference_model gives None only with LoRA)
-            return self._frozen_logprobs(self.policy, batch)
+            return self.ctx.logprobs(batch)[0]
 
     # ------------------------------------------------------------------------------------------------ the step
     def kl_in_reward(self, batch: RolloutBatch) -> None:
-        """``kl.placement=reward``: r_i <- r_i - coef * sum_t m_it KL_it before the advantages (verl
-        ``use_kl_in_reward``); KL from the policy that generated the batch and the reference model. The per-token
-        values go to ``batch.extra['kl_token']``."""
-        obj = self.objective
-        if obj.kl is None or obj.kl_placement != "reward" or len(batch) == 0:
+        """``kl.placement=reward`` (``Step.kl_penalty``): the KL from the policy that generated the batch and the
+        reference model, subtracted from the reward before the advantages."""
+        if not self.objective.kl_in_reward or len(batch) == 0:
             return
-        batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
+        batch.old_logprobs = self.ctx.logprobs(batch)[0]
         batch.ref_logprobs = self._ref_logprobs(batch)
-        seq, tok, _ = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, obj.kl)
-        batch.reward = batch.reward - obj.kl_ctrl.value * seq
-        batch.extra["kl_token"] = tok
+        self.step.kl_penalty(batch)
 
-    def advantages(self, batch: RolloutBatch) -> None:
-        """The advantage stage, with the fields it reads that the batch lacks produced first
-        (``postrl.fields``)."""
-        produce(self.ctx, batch, self.advantage)
-        batch.advantages = self.advantage(batch)
 
     def update(self, batch: RolloutBatch, step: int) -> dict:
         """Epochs x mini-batches x micro-batches of the objective (``postrl.losses.objective``); one optimizer
@@ -256,7 +219,7 @@ class Trainer:
         multi_pass = cfg.train.epochs > 1 or cfg.train.mini_batches > 1
         t0 = time.perf_counter()
         if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
-            batch.old_logprobs = self._frozen_logprobs(self.policy, batch)
+            batch.old_logprobs = self.ctx.logprobs(batch)[0]
         if self.needs_ref and batch.ref_logprobs is None:
             batch.ref_logprobs = self._ref_logprobs(batch)
         t_ref = time.perf_counter() - t0
@@ -276,9 +239,9 @@ class Trainer:
                 for j, sel in enumerate(micro):
                     idx = mb[sel]
                     with (nullcontext() if j == len(micro) - 1 else self.acc.no_sync(self.model)):
-                        logp, ent, logits = self._logprobs(self.model, batch, idx, with_entropy=True,
-                                                           entropy_grad=obj.entropy_grad,
-                                                           with_logits="logits" in obj.reads)
+                        logp, ent, logits = self.ctx.token_logprobs(batch, idx, model=self.model, with_entropy=True,
+                                                                    entropy_grad=obj.entropy_grad,
+                                                                    with_logits="logits" in obj.reads)
                         old = batch.old_logprobs[idx].to(logp.device) if multi_pass else logp.detach()
                         fields = {**obj.batch_fields(batch, idx, logp.device), "logp": logp, "old_logp": old,
                                   "entropy": ent, "logits": logits}
@@ -291,10 +254,6 @@ class Trainer:
                 grad_norms.append(gn)
         steps_taken = cfg.train.epochs * cfg.train.mini_batches
         out = {k: (v if k == "ratio_max" else v / steps_taken) for k, v in sums.items()}
-        if "kl_token" in batch.extra:  # kl.placement=reward: mean over rows of the per-token mean (verl current_kl)
-            lens = loss_mask.sum(-1)
-            has = lens > 0
-            out["kl_reward"] = float((batch.extra["kl_token"].sum(-1)[has] / lens[has]).mean()) if has.any() else 0.0
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["time/ref"] = t_ref
@@ -314,22 +273,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(gn)
 
-    def batch_metrics(self, batch: RolloutBatch, reward_info: dict) -> dict:
-        """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
-        reward source's failure rate on the scored batch (before filters)."""
-        m = batch_metrics(batch, reward_info, low_prob=self.cfg.diagnostics.entropy_collapse.low_prob)
-        for name, rate in reward_info.get("failure_rate", {}).items():
-            m[f"reward/{name}/failure_rate"] = rate
-        return m
-
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()
-        batch, info = self.batches.next_batch(step)
+        batch, info = self.batches.next_batch(step, self.steps)
         self.kl_in_reward(batch)
-        self.advantages(batch)
+        self.step.advantages(self.ctx, batch)
         t2 = time.perf_counter()
-        metrics = self.batch_metrics(batch, info)
-        metrics.update(self.batches.metrics)  # filters, prompt selectors
+        metrics = self.step.metrics(batch, info)
+        metrics.update(self.batches.metrics)  # filters
         rows = min(len(batch), self.cfg.train.micro_batch_size) * (batch.prompt_ids.shape[1]
                                                                    + batch.completion_ids.shape[1])
         with self.accel.use("update", rows=rows, work=len(batch) * batch.completion_ids.shape[1]):
@@ -341,11 +292,9 @@ class Trainer:
                         "time/tokens_per_s": float(batch.lengths.sum()) * self.world / max(t3 - t0, 1e-9)})
         metrics.update(self.diag.step_metrics(batch, metrics))  # diagnostics: throughput, memory, mismatch...
         metrics = self.procs.reduce_metrics(metrics)
-        # state changes once per step: every stateful stage, the KL controller, the regularisers
-        end = StepEnd(metrics, self.procs.all_reduce_mean)
-        metrics.update(self.objective.end_step(end, len(batch) * self.world))
-        for group in self.stateful.values():
-            metrics.update(stages.end_step(group, end))
+        # state changes once per step: every stateful stage (what it recorded, from every process), the KL controller
+        metrics.update(self.step.end(metrics, len(batch) * self.world, all_reduce_mean=self.procs.all_reduce_mean,
+                                     gather=self.procs.gather))
         metrics["step"] = step + 1
         if self.main:
             for name, rate in info["failure_rate"].items():  # a string: after the reduce, on the main process
@@ -355,7 +304,7 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             if (step + 1) % self.cfg.train.samples_every == 0 or step == 0:
-                append_samples(self.run_dir / "samples.jsonl", step + 1, batch, 2 * self.cfg.rollout.group_size)
+                run_state.append_samples(self.run_dir / "samples.jsonl", step + 1, batch, 2 * self.cfg.rollout.group_size)
             for name, n in info["failures"].items():
                 self.log(f"reward '{name}' failed on {n} completions: {info['first_failure'][name]}")
         return metrics
@@ -366,7 +315,7 @@ class Trainer:
         rows = self.source.eval_rows(cfg.train.eval_size, cfg.seed)
         res = evaluate(self.backend, self.tokenizer, self.source, rows, max_new_tokens=cfg.rollout.max_new_tokens,
                        k=cfg.train.eval_k, temperature=cfg.rollout.temperature or 1.0, seed=_seed(cfg.seed, "eval"),
-                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.scorer.weighted,
+                       chat_template=cfg.model.chat_template, stop=cfg.rollout.stop, reward=self.step.scorer.weighted,
                        max_prompt_length=cfg.rollout.max_prompt_length, prompt_overflow=cfg.rollout.prompt_overflow,
                        episodes=episode_runner(self.backend, self.tokenizer, cfg.environment, cfg.model.chat_template))
         res = {"step": step, "tag": tag, **res}
@@ -380,9 +329,8 @@ class Trainer:
         self.acc.wait_for_everyone()
         if self.main:
             ckpt.save_checkpoint(self.run_dir, step, self.policy, self.tokenizer, self.optimizer, self.scheduler,
-                                 {"seed": self.cfg.seed, "eval_before": self.eval_before,
-                                  **{k: stages.state_of(v) for k, v in self.stateful.items()},
-                                  "losses": self.objective.state_dict(), "diagnostics": self.diag.state_dict()},
+                                 {"seed": self.cfg.seed, "eval_before": self.eval_before, "stages": self.step.state_dict(),
+                                  "diagnostics": self.diag.state_dict()},
                                  keep_last=self.cfg.train.keep_last)
         self.acc.wait_for_everyone()
 
@@ -394,7 +342,7 @@ class Trainer:
         if self._finished is not None:  # resumed a finished run
             if self.main:
                 (self.reporter.log if self.reporter is not None else print)(
-                    f"{self.run_dir}: the run already finished at step {cfg.train.steps}: nothing to do "
+                    f"{self.run_dir}: the run already finished at step {self.steps}: nothing to do "
                     f"(give train.steps=N to train further)")
             if self._lock is not None:
                 self._lock.release()
@@ -408,16 +356,16 @@ class Trainer:
                 if self.eval_before is None:
                     self.eval_before = self.evaluate("before", 0)
                 if self.reporter is not None:
-                    self.reporter.start(cfg.train.steps, self.start_step, self.eval_before)
+                    self.reporter.start(self.steps, self.start_step, self.eval_before)
                 saved = self.start_step  # the step of the latest checkpoint
-                for step in range(self.start_step, cfg.train.steps):
+                for step in range(self.start_step, self.steps):
                     metrics = self.train_step(step)
                     if self.reporter is not None:
                         self.reporter.step(metrics)
                     done = step + 1
-                    if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < cfg.train.steps:
+                    if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < self.steps:
                         self.evaluate("periodic", done)
-                    if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
+                    if cfg.train.save_every and done % cfg.train.save_every == 0 and done < self.steps:
                         self.save(done)
                         saved = done
                     signum = stop.requested(self.acc)
@@ -425,13 +373,13 @@ class Trainer:
                         if saved != done:
                             self.save(done)
                         raise stop.stop(self.run_dir, done, signum, self.main)
-                after = self._eval_after or self.evaluate("after", cfg.train.steps)
+                after = self._eval_after or self.evaluate("after", self.steps)
                 self.backend.close()  # what the backend holds besides the model
-                if saved != cfg.train.steps:
-                    self.save(cfg.train.steps)
+                if saved != self.steps:
+                    self.save(self.steps)
                 if self.main:
                     ckpt.save_final_model(self.run_dir, self.policy, self.tokenizer, cfg.model.lora.save)
-                summary = {"steps": cfg.train.steps, "before": self.eval_before, "after": after,
+                summary = {"steps": self.steps, "before": self.eval_before, "after": after,
                            "model_path": str(self.model_path) if self.model_path else None, "run_dir": str(self.run_dir),
                            "final_model": str(self.run_dir / ckpt.FINAL_DIR), "processes": self.world}
                 if self.main:

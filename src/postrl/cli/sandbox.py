@@ -20,6 +20,13 @@ def _read(path: str, what: str) -> str:
 
 
 def cmd_sandbox(args) -> int:
+    from postrl.rewards.code import sandbox_errors
+
+    with sandbox_errors():
+        return _sandbox(args)
+
+
+def _sandbox(args) -> int:
     from postrl.sandbox import Limits, capabilities, run
 
     if args.capabilities:
@@ -70,5 +77,6 @@ def add_parser(sub) -> None:
     s.add_argument("--stdin", metavar="FILE", help="feed FILE to the program's stdin (plain run)")
     s.add_argument("--isolation", choices=("auto", "bwrap", "namespaces", "fallback"), default=None,
                    help="sandbox mode (default: POSTRL_SANDBOX or auto)")
-    s.add_argument("--capabilities", action="store_true", help="print what this machine enforces and exit")
+    s.add_argument("--capabilities", action="store_true",
+                   help="print what this machine enforces (isolation, limits, the seccomp filter) and exit")
     s.set_defaults(fn=cmd_sandbox)

@@ -1,4 +1,5 @@
-"""The generation-backend interface.
+"""The generation interface: sampling parameters, a generation's result, the backend protocol, prompt encoding and
+left padding.
 
 A backend turns tokenised prompts into ``n`` sampled completions each, with the log-prob of every sampled
 token. The CPU backend (:mod:`postrl.rollout.hf`) drives any HF causal LM with a KV cache; a vLLM backend
@@ -11,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+
+from postrl.errors import PostrlError
 
 
 @dataclass
@@ -95,3 +98,59 @@ class GenerationBackend(ABC):
 
     def close(self) -> None:  # pragma: no cover - trivial for in-process backends
         """Release what the backend holds besides the model (processes, servers); it may generate again later."""
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(ids, mask)``, both ``[len(seqs), max_len]`` long tensors.
+
+    ``mask`` is 1 on real tokens and 0 on padding (which sits on the left).
+    """
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        if len(seq):
+            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def encode_prompt(tokenizer, text: str | list[dict], chat_template: str = "auto") -> list[int]:
+    """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
+    and ``chat_template='auto'``; the plain text otherwise. A conversation (a list of ``{role, content}``
+    messages, TRL's conversational format) is rendered with the chat template, which it needs. SFT, RL and eval
+    all encode prompts here."""
+    has_template = chat_template == "auto" and getattr(tokenizer, "chat_template", None)
+    if isinstance(text, list):
+        if not has_template:
+            why = "model.chat_template is none" if chat_template != "auto" else "the tokenizer has no chat template"
+            raise PostrlError(f"a conversational prompt (a list of messages) needs a chat template, but {why}; "
+                              "give the prompt as a string, or use a model whose tokenizer has a chat template")
+        ids = tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return _nonempty(list(ids), text)
+    if has_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return _nonempty(list(ids), text)
+    return _nonempty(list(tokenizer(text, add_special_tokens=True)["input_ids"]), text)
+
+
+def _nonempty(ids: list[int], prompt) -> list[int]:
+    """``ids``; a prompt with text that encodes to no token (generation needs one) is one error line."""
+    if not ids and prompt:
+        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+        raise PostrlError(f"prompt {shown} encodes to no tokens; every prompt needs at least one token")
+    return ids
+
+
+def fit_prompts(prompts: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[bool]]:
+    """``rollout.max_prompt_length``: (prompts, over): each prompt longer than ``max_length`` tokens cut to its last
+    ``max_length`` tokens (left truncation, TRL's ``max_prompt_length``: the end of the prompt, with the chat
+    template's generation prompt, is what the completion follows), and ``over[i]`` whether prompt i was. With
+    ``rollout.prompt_overflow=drop`` the caller leaves the flagged ones out. ``max_length`` None: no limit."""
+    over = [max_length is not None and len(p) > max_length for p in prompts]
+    return [p[-max_length:] if o else p for p, o in zip(prompts, over)], over

@@ -1,8 +1,6 @@
-"""Rollout options (kinds ``sampling`` and ``expansion``; config ``filters: [...]``).
+"""Expansions (kind ``expansion``; config ``filters: [...]``): new groups made from the scored batch.
 
-* ``multi_temperature`` (kind ``sampling``, protocol ``plan(group_size) -> temperatures``): the completions of a
-  group are sampled across several temperatures.
-* ``cure_branching`` / ``retry_from_failure`` (kind ``expansion``, :class:`postrl.stages.Expansion`): after
+* ``cure_branching`` / ``retry_from_failure`` (protocol :class:`Expansion`): after
   scoring, ``expand(batch, ctx)`` returns new groups that are
   generated from a prefix of existing completions (the prefix becomes part of the prompt, so only the continuation
   is trained on); the trainer scores them and appends them to the batch. ``ctx`` (:class:`ExpandContext`) gives
@@ -16,19 +14,29 @@ of the prompt) and ``extra['completion_prefix']`` (the prefix text).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable
 
 import torch
+from annotated_types import Ge
 
-from postrl.advantages import group_index
 from postrl.batch import RolloutBatch
-from postrl.data.filters import raw_column
-from postrl.errors import ConfigError
+from postrl.generation import left_pad
+from postrl.groups import group_index
 from postrl.registry import register
-from postrl.rollout.base import Generation, SamplingParams
-from postrl.stages import Expansion
-from postrl.rollout.hf import left_pad
+from postrl.selection.filters import raw_column
+
+
+class Expansion:
+    """Protocol of kind ``expansion``: ``expand(batch, ctx)`` returns new groups made from the scored batch
+     or None; ``reads`` names the batch fields it reads beyond the batch's own
+    (produced first when missing, like any stage's positional fields)."""
+
+    reads: tuple[str, ...] = ()
+
+    def expand(self, batch: Any, ctx: Any) -> Any:
+        return None
+
 
 
 @dataclass
@@ -42,33 +50,6 @@ class ExpandContext:
     group_size: int
     seed: int
     pad_id: int = 0
-
-
-@register("sampling", "multi_temperature", source="On the Role of Temperature Sampling in Test-Time Scaling")
-class MultiTemperature:
-    """Sample each group across several temperatures: completion j of a prompt uses temperatures[j mod m].
-
-    After "On the Role of Temperature Sampling in Test-Time Scaling" (different temperatures solve different
-    problems; scaling along temperature widens the reasoning boundary), applied to the rollouts of RL. Default
-    temperatures [0.6, 1.0, 1.4] (assumed). The group size must be at least m. The sampler's log-probs of each row
-    are at that row's temperature (``extra['temperature']`` holds it); the trainer's log-probs use
-    ``rollout.temperature``, so rows sampled at another temperature are off-policy samples of the trained policy
-    (combine with ``loss.tis`` to correct the mismatch, or accept it as exploration noise).
-    """
-
-    def __init__(self, *, temperatures: list = (0.6, 1.0, 1.4)):
-        temps = [float(t) for t in temperatures]
-        if not temps or any(t < 0 for t in temps):
-            raise ValueError(f"filters.multi_temperature.temperatures: expected a non-empty list of values >= 0, "
-                             f"got {list(temperatures)}")
-        self.temperatures = temps
-
-    def plan(self, group_size: int) -> list[float]:
-        """The temperature of each completion index 0..G-1."""
-        if group_size < len(self.temperatures):
-            raise ConfigError(f"filters.multi_temperature: rollout.group_size={group_size} is smaller than the "
-                              f"{len(self.temperatures)} temperatures; every temperature needs a completion")
-        return [self.temperatures[j % len(self.temperatures)] for j in range(group_size)]
 
 
 def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
@@ -149,9 +130,7 @@ class CureBranching(Expansion):
 
     reads = ("token_entropy",)
 
-    def __init__(self, *, branches: int = 1, group_size: int | None = None):
-        if branches < 1 or (group_size is not None and group_size < 1):
-            raise ValueError("filters.cure_branching: expected branches >= 1 and group_size >= 1 (or null)")
+    def __init__(self, *, branches: Annotated[int, Ge(1)] = 1, group_size: Annotated[int, Ge(1)] | None = None):
         self.branches, self.group_size = branches, group_size
 
     def expand(self, batch: RolloutBatch, ctx: ExpandContext) -> RolloutBatch | None:
@@ -184,10 +163,8 @@ class RetryFromFailure(Expansion):
     (no feedback model), and R^3L's positive amplification (up-weighting successes) is not applied.
     """
 
-    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: int | None = None,
-                 max_per_group: int = 1, delimiter: str = "\n"):
-        if max_per_group < 1 or (retries is not None and retries < 1):
-            raise ValueError("filters.retry_from_failure: expected max_per_group >= 1 and retries >= 1 (or null)")
+    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: Annotated[int, Ge(1)] | None = None,
+                 max_per_group: Annotated[int, Ge(1)] = 1, delimiter: str = "\n"):
         self.reward, self.threshold, self.retries = reward, threshold, retries
         self.max_per_group, self.delimiter = max_per_group, delimiter
 
@@ -217,46 +194,3 @@ class RetryFromFailure(Expansion):
         cuts = torch.where(last_delim >= 0, last_delim + 1, t_max if not self.delimiter else torch.zeros_like(t_max))
         retries = self.retries or max(ctx.group_size - 1, 1)
         return branch_batch(batch, rows, cuts.tolist(), retries, ctx, keep_original=True)
-
-
-def generate_multi_temperature(generate: Callable, prompt_ids: list[list[int]], params: SamplingParams,
-                               temps: list[float], seeds: list[int], pad_id: int = 0):
-    """Generate G = len(temps) completions per prompt, completion j at temps[j], with ``generate(prompt_ids, n,
-    params, seeds)`` (a generation backend's); returns (Generation, [N] temperature of each row)."""
-    G, n_prompts = len(temps), len(prompt_ids)
-    by_t: dict[float, list[int]] = {}
-    for j, t in enumerate(temps):
-        by_t.setdefault(t, []).append(j)
-    parts = {}
-    for t, js in by_t.items():
-        s = [(x + int(round(t * 1000)) * 104729) % (2**62) for x in seeds]
-        parts[t] = (js, generate(prompt_ids, len(js), replace(params, temperature=t), s))
-    width = max(g.completion_ids.shape[1] for _, g in parts.values())
-    P = max(g.prompt_ids.shape[1] for _, g in parts.values())
-    N = n_prompts * G
-    pad = int(pad_id or 0)
-    comp = torch.full((N, width), pad, dtype=torch.long)
-    lp, mask, kept = torch.zeros((N, width)), torch.zeros((N, width)), torch.zeros((N, width))
-    pids = torch.full((N, P), pad, dtype=torch.long)
-    pmask = torch.zeros((N, P), dtype=torch.long)
-    trunc = torch.zeros(N, dtype=torch.bool)
-    texts: list[str] = [""] * N
-    row_t = torch.zeros(N)
-    for t, (js, g) in parts.items():
-        k = len(js)
-        for c, j in enumerate(js):
-            src = torch.arange(n_prompts) * k + c
-            dst = torch.arange(n_prompts) * G + j
-            w = g.completion_ids.shape[1]
-            comp[dst, :w], lp[dst, :w], mask[dst, :w] = g.completion_ids[src], g.logprobs[src], g.completion_mask[src]
-            if g.kept_logmass is not None:
-                kept[dst, :w] = g.kept_logmass[src]
-            pids[dst, P - g.prompt_ids.shape[1]:] = g.prompt_ids[src]
-            pmask[dst, P - g.prompt_ids.shape[1]:] = g.prompt_mask[src]
-            trunc[dst] = g.truncated[src]
-            row_t[dst] = t
-            for a, b in zip(src.tolist(), dst.tolist()):
-                texts[b] = g.texts[a]
-    filtered = any(g.kept_logmass is not None for _, g in parts.values())
-    return Generation(prompt_ids=pids, prompt_mask=pmask, completion_ids=comp, completion_mask=mask, logprobs=lp,
-                      truncated=trunc, texts=texts, kept_logmass=kept if filtered else None), row_t

@@ -47,12 +47,12 @@ from typing import Any, Callable
 import torch
 
 from postrl.batch import RolloutBatch
-from postrl.data.base import stable_hash
+from postrl.seeding import stable_hash
 from postrl.environments import call
 from postrl.environments.tools import CLOSE, schemas
 from postrl.errors import PostrlError
-from postrl.rollout.base import SamplingParams
-from postrl.rollout.hf import left_pad
+from postrl.generation import SamplingParams
+from postrl.generation import left_pad
 
 COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
 

@@ -11,18 +11,15 @@ stage function's keyword-only arguments.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
-from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from postrl.diagnostics.config import DiagnosticsConfig, LoggingConfig
+from postrl.config.diagnostics import DiagnosticsConfig, LoggingConfig
 from postrl.errors import ConfigError
 
 
@@ -78,6 +75,18 @@ class StageSpec(BaseModel):
 
 class RewardSpec(StageSpec):
     weight: float = Field(1.0, description="weight of the source in weighted_sum, in [-1e6, 1e6]")
+
+
+class FilterSpec(StageSpec):
+    """A batch-selection stage of the ``filters`` list; ``max_attempts`` belongs to the keep-mask filters."""
+
+    max_attempts: int | None = Field(None, ge=1, description="a keep-mask filter (kind filter): generation rounds "
+                                     "per step, refilling the groups it drops (default 10: DAPO, verl "
+                                     "algorithm.filter_groups.max_num_gen_batches; 1: no refill, the shortfall is "
+                                     "masked)")
+
+    def attempts(self) -> int:
+        return 10 if self.max_attempts is None else self.max_attempts
 
 
 class LoraConfig(_Strict):
@@ -355,11 +364,9 @@ class Config(_Strict):
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward evaluation and fault handling")
     shaping: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="weighted_sum")],
-                                     description="reward transforms in order; one must produce the scalar reward. "
-                                     "overlong_soft's max_length defaults to rollout.max_new_tokens and its buffer "
-                                     "to a fifth of max_length (DAPO's 20480 / 4096); one that cannot apply below "
-                                     "max_new_tokens is an error")
-    filters: list[StageSpec] = Field(default_factory=list, description="group/completion filters in order")
+                                     description="reward transforms in order; one must produce the scalar reward")
+    filters: list[FilterSpec] = Field(default_factory=list, description="batch-selection stages in order: prompt "
+                                      "selectors, sampling plans, expansions, keep-mask filters")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimator + params")
     loss: LossConfig = Field(default_factory=LossConfig, description="policy loss + params; agg: aggregation")
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -406,9 +413,6 @@ class Config(_Strict):
         if eval_rows > MAX_ROWS_PER_STEP:
             raise ValueError(f"train.eval_size: {self.train.eval_size} prompts x train.eval_k {self.train.eval_k} "
                              f"= {eval_rows} rows per evaluation, more than {MAX_ROWS_PER_STEP}")
-        for i, s in enumerate(self.shaping):
-            if s.name == "overlong_soft":
-                _resolve_overlong_soft(s, f"shaping.{i}", self.rollout.max_new_tokens)
         return self
 
 
@@ -427,32 +431,6 @@ def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
-
-
-_OVERLONG_BUFFER_FRACTION = 4096 / 20480  # DAPO: buffer Lc = 4096 of Lmax = 20480 (a fifth)
-
-
-def _resolve_overlong_soft(spec: StageSpec, where: str, max_new_tokens: int) -> None:
-    """Fill in and check the lengths of an ``overlong_soft`` stage (postrl.shaping.length) against the run.
-
-    DAPO's Lmax is the maximum response length, so in a config ``max_length`` defaults to
-    ``rollout.max_new_tokens`` and ``buffer`` to a fifth of ``max_length`` (DAPO: 4096 of 20480), at least 1.
-    The punishment starts above ``max_length - buffer`` tokens; a stage that starts at or beyond
-    ``max_new_tokens`` can never apply and is an error, as is a buffer outside [1, max_length].
-    """
-    params = spec.params
-    max_length = params.get("max_length", max_new_tokens)
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
-        raise ValueError(f"{where}.max_length: expected an integer >= 1, got {max_length!r}")
-    buffer = params.get("buffer", max(1, round(max_length * _OVERLONG_BUFFER_FRACTION)))
-    if not isinstance(buffer, int) or isinstance(buffer, bool) or not 1 <= buffer <= max_length:
-        raise ValueError(f"{where}.buffer: expected an integer in [1, max_length = {max_length}], got {buffer!r}")
-    if max_length - buffer >= max_new_tokens:
-        raise ValueError(f"{where}: overlong_soft never applies: it punishes completions longer than max_length - "
-                         f"buffer = {max_length - buffer} tokens and rollout.max_new_tokens is {max_new_tokens} "
-                         f"(leave out {where}.max_length and {where}.buffer to derive them from max_new_tokens)")
-    setattr(spec, "max_length", max_length)
-    setattr(spec, "buffer", buffer)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -612,170 +590,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def check_stages(cfg: Config) -> None:
-    """Every stage name must exist and every parameter must be one the stage accepts."""
-    from postrl import registry
+    """Every stage name must exist and every parameter must be one the stage accepts, of its type and range
+    (``postrl.stages.check_params``: the annotations of the stage's keyword-only parameters, and its registered
+    ``check``); what a check derives from the run (e.g. a length from ``rollout.max_new_tokens``) is written
+    into the config, so ``postrl config show`` shows it."""
+    from postrl import registry, stages
     from postrl.data import load_source
-    from postrl.stages import FILTER_KINDS
+    from postrl.rewards import columns_in_kwargs
+
+    def check(kind, spec, where: str, **kw) -> None:
+        resolved = stages.check_params(kind, spec.name, spec.params, where, run=cfg, **kw)
+        for k, v in resolved.items():
+            if k not in type(spec).model_fields:
+                spec.model_extra[k] = v
 
     for i, r in enumerate(cfg.rewards):
-        registry.entry("reward", r.name)
-        registry.check_params("reward", r.name, r.params, where=f"rewards.{i}")
-        _check_column_params(r.name, r.params, where=f"rewards.{i}")
+        check("reward", r, f"rewards.{i}", any_keyword=not columns_in_kwargs(registry.get("reward", r.name)))
     if cfg.environment is not None:
-        registry.check_params("environment", cfg.environment.name, cfg.environment.params, where="environment")
+        check("environment", cfg.environment, "environment")
     if cfg.reward.weights is not None and len(cfg.reward.weights) != len(cfg.rewards):
         raise ConfigError(f"reward.weights has {len(cfg.reward.weights)} values but rewards lists "
                           f"{len(cfg.rewards)} sources; give one weight per reward source")
     for i, s in enumerate(cfg.shaping):
-        registry.entry("shaping", s.name)
-        registry.check_params("shaping", s.name, s.params, where=f"shaping.{i}")
+        check("shaping", s, f"shaping.{i}")
     for i, s in enumerate(cfg.filters):
-        registry.check_params(FILTER_KINDS, s.name, s.params, where=f"filters.{i}")
-        kind = registry.find(FILTER_KINDS, s.name).kind
+        check(stages.FILTER_KINDS, s, f"filters.{i}")
+        kind = registry.find(stages.FILTER_KINDS, s.name).kind
+        if s.max_attempts is not None and kind != "filter":
+            raise ConfigError(f"filters.{i}.max_attempts: '{s.name}' is a {kind} stage; max_attempts belongs to "
+                              f"keep-mask filters (kind filter)")
         if cfg.environment is not None and kind in ("sampling", "expansion"):
             raise ConfigError(f"filters.{i}: the {kind} stage '{s.name}' generates single completions; it cannot "
                               f"be combined with environment '{cfg.environment.name}' (multi-turn episodes)")
-    registry.entry("advantage", cfg.advantage.name)
-    registry.check_params("advantage", cfg.advantage.name, cfg.advantage.params, where="advantage")
-    registry.entry("loss", cfg.loss.name)
-    registry.check_params("loss", cfg.loss.name, cfg.loss.params, where="loss")
-    registry.entry("aggregation", cfg.loss.agg)
-    registry.entry("regularizer", f"kl_{cfg.kl.estimator}")
+    check("advantage", cfg.advantage, "advantage")
+    check("loss", cfg.loss, "loss")
+    registry.find("aggregation", cfg.loss.agg)
+    registry.find("kl", cfg.kl.estimator)
     for i, s in enumerate(cfg.regularizers):
-        registry.entry("regularizer", s.name)
-        registry.check_params("regularizer", s.name, s.params, where=f"regularizers.{i}")
+        check("regularizer", s, f"regularizers.{i}")
     load_source(cfg.task.model_dump())  # validates the task name and its parameters
-
-
-def _check_column_params(name: str, params: dict[str, Any], where: str) -> None:
-    """A TRL-style reward function's ``**kwargs`` receive the prompt rows' columns (postrl.rewards.core), so its
-    parameters are its keyword-only arguments alone; ``registry.check_params`` lets any key through to a function
-    with ``**kwargs``. Any other key would reach the function as a column and fail it on every row. A verl-style
-    ``compute_score``'s ``**kwargs`` do take parameters (verl's ``reward_kwargs``); a reward class takes its
-    parameters in ``__init__`` (checked by ``check_params``)."""
-    import inspect
-
-    from postrl import registry
-    from postrl.pipeline import signature
-    from postrl.rewards.core import _is_verl
-
-    fn = registry.get("reward", name)
-    if inspect.isclass(fn) or _is_verl(fn):
-        return
-    sig = signature(fn)
-    var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
-    if not var_kw:
-        return
-    valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
-    for key in params:
-        if key not in valid:
-            raise ConfigError(f"{where}: unknown parameter '{key}' for reward '{name}'; valid: "
-                              f"{', '.join(valid) or '(none)'} (its **{var_kw[0]} receive the prompt rows' "
-                              f"columns; a parameter is a keyword-only argument)")
 
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def _type_text(ann: Any) -> str:
-    """A field's type in words: ``int``, ``float or null``, ``"hf" / "vllm"``, ``list of str``, ``pair of float``."""
-    origin, args = get_origin(ann), get_args(ann)
-    if origin is Literal:
-        return " / ".join(json.dumps(a) for a in args)
-    if origin in (Union, UnionType):
-        return " or ".join("null" if a is type(None) else _type_text(a) for a in args)
-    if origin is list:
-        return f"list of {_type_text(args[0])}"
-    if origin is tuple:
-        return f"pair of {_type_text(args[0])}" if len(args) == 2 and args[0] == args[1] else "tuple"
-    if isinstance(ann, type) and issubclass(ann, StageSpec):
-        return "stage"
-    return getattr(ann, "__name__", str(ann))
-
-
-def _range_text(f: Any) -> str:
-    """Type and bounds of a field, from its annotation and its ge / gt / le / lt constraints."""
-    bounds = []
-    for m in f.metadata:
-        for cls, attr, op in ((Ge, "ge", ">="), (Gt, "gt", ">"), (Le, "le", "<="), (Lt, "lt", "<")):
-            if isinstance(m, cls):
-                bounds.append(f"{op} {getattr(m, attr):g}")
-    return ", ".join([_type_text(f.annotation), *bounds])
-
-
-_RULES = f"""## Types, ranges and limits
-
-Every mistake below stops the run before it starts with one line naming the key (`postrl: error: ...`).
-
-- **Strict types.** A count takes an integer: not `true`, `3.0` or `"3"`. A switch takes a YAML boolean
-  (`true`/`false`, also YAML's `yes`/`no`/`on`/`off`): not `1` or `"true"`. A float may be written as an integer.
-  Command-line overrides are read as YAML first, so `train.steps=3` is the integer 3.
-- **Finite numbers.** No `.nan` or `.inf` anywhere in the config, stage parameters included.
-- **Unknown keys** are refused in every section. A stage's parameters are its keyword-only arguments
-  (`postrl methods`); a reward function whose `**kwargs` receive the prompt rows' columns (TRL style, e.g.
-  `correct`) takes no other key, while a verl-style `compute_score`'s `**kwargs` take its parameters (verl's
-  `reward_kwargs`).
-- **Ranges** are in the tables' range column. Besides: `optim.betas` each in [0, 1); `optim.warmup_steps` and
-  `optim.warmup_ratio` are exclusive (the ratio gives ceil(ratio x train.steps x train.epochs x
-  train.mini_batches) warmup steps, as transformers' `warmup_ratio`); `train.mini_batches` at most the rows per step;
-  `optim.lr` and `sft.lr` at most {MAX_LR:g} (an AdamW step moves each weight by about lr: beyond it a run only
-  diverges); every reward weight (`rewards.N.weight`, `reward.weights`) in [-{MAX_REWARD_WEIGHT:g},
-  {MAX_REWARD_WEIGHT:g}] (the weighted sum is float32: a larger weight is a unit mistake, scale the reward itself);
-  `seed` in [0, 2^63 - 1] (torch's generators take 64 bits); `rollout.stop` strings non-empty.
-- **Limits** on what would exhaust memory or never end: `rollout.group_size` <= {MAX_GROUP_SIZE}; rows per step
-  (`train.prompts_per_step` x `rollout.group_size`) <= {MAX_ROWS_PER_STEP}; `rollout.max_new_tokens` <=
-  {MAX_NEW_TOKENS}; tokens per step (rows per step x `rollout.max_new_tokens`) <= {MAX_TOKENS_PER_STEP:,};
-  rows per evaluation (`train.eval_size` x `train.eval_k`) <= {MAX_ROWS_PER_STEP};
-  `sft.batch_size` <= {MAX_ROWS_PER_STEP}.
-- **Length stages.** `overlong_soft` (DAPO) punishes completions longer than `max_length - buffer` tokens; in a
-  config `max_length` defaults to `rollout.max_new_tokens` and `buffer` to a fifth of it (DAPO's 20480 / 4096),
-  and one that could never apply (`max_length - buffer >= rollout.max_new_tokens`) is an error.
-
-## Data files: the held-out split
-
-`task: {{name: file, path: data.jsonl}}` (or `name: dataset`) holds rows out for the evaluations before, during
-and after training: by default the last 10% (`eval_fraction: 0.1`) of a fixed permutation of the rows, the same
-for every seed, so no run trains on them (at least one row when the file has two or more, and never all of them).
-`eval_path: held.jsonl` (`eval_split` for a dataset) evaluates on that file's rows instead and trains on every row
-of `path`; `eval_fraction: 0` holds no row out. `prompt_column` (default `prompt`) names the prompt: a non-empty
-string, or a conversation (TRL's conversational format: a list of `{{role, content}}` messages, rendered with the
-tokenizer's chat template; a user's reward function then gets prompts as message lists and each completion as
-`[{{role: assistant, content: ...}}]`, as in TRL). The other columns reach the rewards as keyword arguments
-(`columns` keeps a subset); `verifier` names a task whose verifier scores the rows (e.g. `arithmetic`, reading
-`answer`). Files are read as UTF-8; a file in another encoding, a lone surrogate (`\\ud800`) or an empty prompt is
-one error line naming the file and row.
-"""
-
-
-def reference_markdown() -> str:
-    """The configuration reference (docs/config.md), generated from the pydantic models' fields."""
-    lines = ["# Configuration reference", "",
-             "Generated by `postrl config reference` from `src/postrl/config.py`; do not edit by hand.", "",
-             "Any key can be set in a YAML file or overridden on the command line as `section.key=value`.",
-             "A stage section (`task`, `advantage`, `loss`, each entry of `rewards`, `shaping`, `filters`) takes "
-             "`name` plus the stage's own parameters; `postrl methods` lists the stages and their sources.", "",
-             _RULES]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        rows = []
-        for name, f in model.model_fields.items():
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel) and not issubclass(ann, StageSpec):
-                continue
-            default = f.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = default.model_dump(mode="json")
-            elif isinstance(default, list):
-                default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
-            rows.append(f"| `{prefix}{name}` | `{json.dumps(default)}` | {_range_text(f)} | {f.description or ''} |")
-        if rows:
-            lines.extend([f"## `{prefix.rstrip('.') or 'top level'}`", "", "| key | default | range | meaning |",
-                          "|---|---|---|---|", *rows, ""])
-        for name, f in model.model_fields.items():
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel) and not issubclass(ann, StageSpec):
-                walk(ann, f"{prefix}{name}.")
-
-    walk(Config, "")
-    return "\n".join(lines)

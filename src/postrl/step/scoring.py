@@ -1,16 +1,18 @@
 """Rewards then shaping on a rollout batch: the run's reward sources and shaping stages as one object.
 
 ``Scorer.score(batch)`` fills ``rewards`` [N, K] (every source scores every completion: in parallel, per-call
-timeout, failures isolated as NaN and counted; ``cfg.reward``), ``raw_rewards`` (before shaping),
+timeout, failures isolated as NaN and counted; the config's ``reward`` section), ``raw_rewards`` (before shaping),
 ``extra['reward_skipped']`` [N, K] (a source returned None: it does not apply to the row), the step texts / step
 ends when a source or stage reads them, then runs the shaping stages in config order; ``valid`` marks the
 completions with a finite reward. What TRL-style sources log (``log_extra``: ``extra['log_extra:<column>']``, one
 value per row, into samples.jsonl; ``log_metric``: the step's mean per name, in the returned ``metrics``) comes
 back with the outcome. A source that raises on every completion (two or more) of the first batch the Scorer
-scores stops the run with one line (``reward.on_all_failed=stop``, a bug in the reward); notices (``notice``: stderr in every mode and
-the run directory) say what changes the run: that, a source failing on more than ``reward.alarm_rate`` of a batch,
-rows no source applies to. ``observe=False`` scores a batch that does not train (a greedy baseline): the
-stateful stages then learn nothing from it. ``end_step`` applies what the stateful stages recorded, once a step.
+scores stops the run with one line (``reward.on_all_failed=stop``, a bug in the reward); notices (``notice``:
+stderr in every mode and the run directory) say what changes the run: that, a source failing on more than
+``reward.alarm_rate`` of a batch, rows no source applies to. ``observe=False`` scores a batch that does not train
+(a greedy baseline): the stateful stages then learn nothing from it; on a batch that trains, every stateful reward
+source and shaping stage records it (``observe``); the step applies what they recorded once
+(:meth:`postrl.step.Step.end`).
 """
 
 from __future__ import annotations
@@ -23,24 +25,27 @@ import torch
 from postrl import registry, stages
 from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError, RewardError
+from postrl.rewards.code import sandbox_errors
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import trainer_state, wants
-from postrl.rewards.steps import split_steps, step_token_ends
-from postrl.stages import StepEnd
+from postrl.reasoning_steps import split_steps, step_token_ends
 
 _log = logging.getLogger("postrl.rewards")
 
 
 class Scorer:
-    def __init__(self, cfg: Any, context: RewardContext, tokenizer: Any, log: Callable[[str], None] | None = None,
-                 notice: Callable[..., None] | None = None):
-        self.cfg = cfg.reward
-        self.train_cfg = cfg.train  # (train.steps may grow on a resume)
-        self.specs = cfg.rewards
-        self.rewards = stages.build_all("reward", cfg.rewards)
-        self.shaping = stages.build_all("shaping", cfg.shaping)
-        self.weights = torch.tensor(cfg.reward.weights if cfg.reward.weights is not None
-                                    else [r.weight for r in cfg.rewards], dtype=torch.float32)
+    """``reward``: the config's ``reward`` section (evaluation and fault handling); ``rewards`` / ``shaping``: its
+    stage lists; ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (step ends);
+    ``log``: the console; ``notice``: what changes the run (``postrl.train.run_state.Notices``: every mode)."""
+
+    def __init__(self, reward: Any, rewards: list, shaping: list, context: RewardContext, tokenizer: Any,
+                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None):
+        self.cfg = reward
+        self.specs = rewards
+        self.rewards = stages.build_all("reward", rewards, section="rewards")
+        self.shaping = stages.build_all("shaping", shaping, section="shaping")
+        self.weights = torch.tensor(reward.weights if reward.weights is not None
+                                    else [r.weight for r in rewards], dtype=torch.float32)
         self.context = context
         self.tokenizer = tokenizer
         self.log = log
@@ -53,10 +58,11 @@ class Scorer:
     def check_sandbox(self) -> None:
         """Where a reward runs code in the sandbox (it declares ``needs=('sandbox',)``), say at start-up what this
         machine cannot enforce."""
-        if any("sandbox" in s.needs for s in self.rewards) and self.log is not None:
+        if any("sandbox" in s.needs for s in self.rewards) and (self.log or self.notice) is not None:
             from postrl.sandbox import capabilities
 
-            warning = capabilities().get("warning")
+            with sandbox_errors():
+                warning = capabilities().get("warning")
             if warning:
                 self._say(warning, kind="warning")
 
@@ -85,7 +91,8 @@ class Scorer:
                               strict=rc.strict, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size,
                               completion_ids=[ids[:n].tolist() for ids, n in zip(batch.completion_ids,
                                                                                  batch.lengths.long().tolist())],
-                              trainer_state=trainer_state(int(batch.extra.get("step", 0)), self.train_cfg.steps))
+                              trainer_state=trainer_state(int(batch.extra.get("step", 0)),
+                                                          int(batch.extra.get("max_steps", 0))))
         step = int(batch.extra.get("step", 0)) + 1
         first, self.scored = self.scored == 0, self.scored + 1
         n = len(batch)
@@ -111,6 +118,9 @@ class Scorer:
         if outcome.step_rewards is not None or self.wants_step_ends:
             batch.step_ends = step_token_ends(batch.completion_ids, batch.lengths, batch.completions,
                                               self.tokenizer, rc.step_delimiter)
+        if observe:
+            for stage in self.rewards:
+                stage.observe(batch)
         for stage in self.shaping:
             out = stage(batch)
             if observe:
@@ -156,7 +166,4 @@ class Scorer:
                           context=self.context, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size)
         combine = registry.get("shaping", "weighted_sum")  # (by name: train does not import the shaping package)
         return combine(out.matrix, self.weights, out.skipped)["reward"].tolist()
-
-    def end_step(self, step: StepEnd) -> dict:
-        return stages.end_step(self.stages, step)
 

@@ -1,14 +1,16 @@
 """The step's training batch: prompts -> rollout -> rewards and shaping -> expansions -> keep-mask filters (refill).
 
-:class:`BatchSource` runs the batch-selection stages of the config's ``filters`` list, each by its own protocol
-(``postrl.stages``; kinds ``selector``, ``sampling``, ``expansion``, ``filter``):
+:class:`BatchSource` runs the batch-selection stages of the step (:class:`postrl.step.Step`, the config's
+``filters`` list), each by its own protocol (:mod:`postrl.selection`; kinds ``selector``, ``sampling``,
+``expansion``, ``filter``), for a driver that owns generation (postrl's trainer; engines that generate themselves,
+TRL and verl, use only the step's scoring and keep masks):
 
 * a prompt **selector** picks the step's prompts from a pool of ``pool_factor`` x prompts_per_step rows (every
-  process makes the same choice and takes its share) and learns, once per step, from the outcome of every group
-  generated that step on every process (``update``);
+  process makes the same choice and takes its share) and records the outcome of every group generated that step
+  (``observe``; every process's records reach it at the end of the step);
 * a **sampling** plan gives each completion of a group its temperature;
 * **expansions** (cure_branching, retry_from_failure) append scored groups made from the scored batch;
-* **keep-mask filters** drop groups; when one has ``max_attempts``, fresh prompts (seed derived from (seed, step,
+* **keep-mask filters** drop groups; with ``max_attempts`` > 1 (the filter entry's), fresh prompts (seed derived from (seed, step,
   attempt)) are generated, scored and filtered until the batch holds as many groups as the unfiltered first round,
   or the cap is hit: the shortfall is filled with dropped groups masked out of the loss (``valid`` False), a
   warning is logged and ``filter/cap_hit`` is 1.
@@ -29,71 +31,47 @@ import torch
 from postrl import stages
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
-from postrl.data.base import stable_hash
-from postrl.data.rollout_options import ExpandContext, generate_multi_temperature
+from postrl.seeding import derive_seed
+from postrl.selection.expansions import ExpandContext
+from postrl.selection.sampling import generate_multi_temperature
 from postrl.environments import make as make_environment
-from postrl.errors import ConfigError
 from postrl.fields import produce
-from postrl.models import encode_prompt, fit_prompts
-from postrl.rollout import multiturn
-from postrl.train.scoring import Scorer
-
-_HASH_MOD = 2**62
-
-
-def derive_seed(*parts: Any) -> int:
-    return stable_hash(*parts) % _HASH_MOD
-
-
-def check(cfg: Any, all_stages: list[stages.Stage]) -> list[str]:
-    """What the stages declared they need of the run: a ConfigError for a filter or a selection that cannot
-    work, warnings for a dubious combination (returned)."""
-    warn = []
-    G = cfg.rollout.group_size
-    selectors = [s.name for s in all_stages if s.kind == "selector"]
-    if len(selectors) > 1:
-        raise ConfigError(f"filters: at most one prompt selector per run, got {', '.join(selectors)}")
-    for s in all_stages:
-        if "groups" in s.needs and G < 2:
-            if s.kind == "advantage":
-                warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: every "
-                            f"advantage is 0 (use reinforce_pp, remax or gae for one completion per prompt)")
-            else:
-                raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (a group of one completion "
-                                  f"has no reward variance, so every group would be dropped)")
-        if s.kind == "sampling":
-            s.fn.plan(G)  # raises when the group cannot hold the plan
-    return warn
-
+from postrl.generation import encode_prompt, fit_prompts
+from postrl.environments import episodes
 
 class BatchSource:
-    """Builds each step's training batch (see the module docstring)."""
+    """Builds each step's training batch (see the module docstring). ``step``: the run's :class:`Step` (scoring,
+    selection stages, refill attempts); ``source``: the prompt source; ``ctx``: the model context (generation);
+    ``rollout``: the config's rollout section; ``environment``: its environment section (None: single turns)."""
 
-    def __init__(self, cfg: Any, source: Any, ctx: ModelContext, scorer: Scorer, *, rank: int = 0, world: int = 1,
-                 gather: Callable[[Any], list] = lambda obj: [obj],
+    def __init__(self, step: Any, source: Any, ctx: ModelContext, *, seed: int, prompts_per_step: int,
+                 rollout: Any, chat_template: str = "auto", environment: Any = None, rank: int = 0, world: int = 1,
                  max_over_processes: Callable[[int], int] = lambda n: n,
                  log: Callable[[str], None] | None = None, notice: Any = None):
-        self.cfg, self.source, self.ctx, self.scorer = cfg, source, ctx, scorer
-        self.rank, self.world, self.gather, self.max_over_processes = rank, world, gather, max_over_processes
+        self.step, self.source, self.ctx, self.scorer = step, source, ctx, step.scorer
+        self.seed, self.prompts_per_step, self.rollout_cfg = seed, prompts_per_step, rollout
+        self.chat_template, self.environment = chat_template, environment
+        self.rank, self.world, self.max_over_processes = rank, world, max_over_processes
         self.log = log
         self.notice = notice  # run_state.Notices: what changes the run, in every mode (the first time)
-        self.stages = stages.build_all(stages.FILTER_KINDS, cfg.filters)
+        self.stages = step.selection
         by_kind = {k: [s for s in self.stages if s.kind == k] for k in stages.FILTER_KINDS}
         self.keepers, self.expansions = by_kind["filter"], by_kind["expansion"]
         self.selector = by_kind["selector"][0] if by_kind["selector"] else None
         self.plan = by_kind["sampling"][0] if by_kind["sampling"] else None
-        self.max_attempts = max([int(s.param("max_attempts", 1)) for s in self.keepers], default=1)
+        self.max_attempts = step.attempts
         self.metrics: dict[str, float] = {}
+        self.max_steps = 0
         self.generation_time = 0.0
         self.prompts_over = 0  # prompts over rollout.max_prompt_length in the step's rounds
 
     # ------------------------------------------------------------------------------------------ rollout
     def rollout(self, step: int, attempt: int = 0) -> RolloutBatch:
         """G completions for each of this process's prompts; ``attempt`` > 0 (a refill) draws fresh prompts."""
-        cfg, ctx = self.cfg, self.ctx
-        P, G = cfg.train.prompts_per_step, cfg.rollout.group_size
+        ctx, rc = self.ctx, self.rollout_cfg
+        P, G = self.prompts_per_step, rc.group_size
         per_rank = P // self.world
-        seed = cfg.seed if attempt == 0 else derive_seed(cfg.seed, step, attempt, "refill")
+        seed = self.seed if attempt == 0 else derive_seed(self.seed, step, attempt, "refill")
         sel = self.selector.fn if self.selector is not None else None
         rows = self.source.train_rows(step, P * (sel.pool_factor if sel else 1), seed)
         if sel is not None:
@@ -101,19 +79,19 @@ class BatchSource:
             pick = sel.select(rows, P, seed=derive_seed(seed, step, attempt, "select"), group_size=G, features=feats)
             rows = [rows[i] for i in pick]
         rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
-        prompt_ids, over = fit_prompts([encode_prompt(ctx.tokenizer, r["prompt"], cfg.model.chat_template)
-                                        for r in rows], cfg.rollout.max_prompt_length)
+        prompt_ids, over = fit_prompts([encode_prompt(ctx.tokenizer, r["prompt"], self.chat_template)
+                                        for r in rows], rc.max_prompt_length)
         self.prompts_over += sum(over)
         first = self.rank * per_rank  # global index of this process's first prompt
-        seeds = [derive_seed(cfg.seed, step, first + i, "rollout", *([attempt] if attempt else []))
+        seeds = [derive_seed(self.seed, step, first + i, "rollout", *([attempt] if attempt else []))
                  for i in range(len(rows))]
-        extra: dict[str, Any] = {"step": step, "attempt": attempt}
+        extra: dict[str, Any] = {"step": step, "attempt": attempt, "max_steps": self.max_steps}
         group_ids = torch.arange(len(rows)).repeat_interleave(G) + step * P + self.rank * per_rank
-        if cfg.environment is not None:  # episodes with an environment: one row per episode (rollout/multiturn.py)
-            env = cfg.environment
-            return multiturn.rollout(ctx, rows, G, seeds, lambda: make_environment(env.name, env.params),
+        if self.environment is not None:  # episodes with an environment: one row per episode (environments/episodes.py)
+            env = self.environment
+            return episodes.rollout(ctx, rows, G, seeds, lambda: make_environment(env.name, env.params),
                                      max_turns=env.max_turns, max_total_tokens=env.max_total_tokens,
-                                     group_ids=group_ids, chat_template=cfg.model.chat_template, extra=extra)
+                                     group_ids=group_ids, chat_template=self.chat_template, extra=extra)
         if self.plan is None:
             gen = ctx.generate(prompt_ids, G, ctx.sampling, seeds)
         else:
@@ -127,7 +105,7 @@ class BatchSource:
             completion_mask=gen.completion_mask.float(), group_ids=group_ids, sampler_logprobs=gen.logprobs,
             truncated=gen.truncated, prompts=[r["prompt"] for r in rows for _ in range(G)], completions=gen.texts,
             columns={k: [r.get(k) for r in rows for _ in range(G)] for k in keys}, extra=extra)
-        if cfg.rollout.prompt_overflow == "drop" and any(over):  # generated from the cut prompt, masked once scored
+        if rc.prompt_overflow == "drop" and any(over):  # generated from the cut prompt, masked once scored
             batch.extra["prompt_dropped"] = torch.tensor(over).repeat_interleave(G)
         return batch
 
@@ -141,16 +119,18 @@ class BatchSource:
         return info
 
     # ------------------------------------------------------------------------------------------ the step's batch
-    def next_batch(self, step: int) -> tuple[RolloutBatch, dict]:
-        """The scored, filtered training batch of ``step`` and the first round's reward outcome."""
+    def next_batch(self, step: int, max_steps: int = 0) -> tuple[RolloutBatch, dict]:
+        """The scored, filtered training batch of ``step`` (of ``max_steps``: what a TRL-style reward's
+        ``trainer_state`` says) and the first round's reward outcome."""
+        self.max_steps = max_steps
         t0 = time.perf_counter()
         self.prompts_over = 0
         batch = self.rollout(step)
         self.generation_time = time.perf_counter() - t0  # the first round's generation (time/generation)
         info = self._score(batch)
         batch = self.filter(batch)
-        if self.cfg.rollout.max_prompt_length is not None:
-            name = {"truncate": "prompts/truncated", "drop": "prompts/dropped"}[self.cfg.rollout.prompt_overflow]
+        if self.rollout_cfg.max_prompt_length is not None:
+            name = {"truncate": "prompts/truncated", "drop": "prompts/dropped"}[self.rollout_cfg.prompt_overflow]
             self.metrics[name] = float(self.prompts_over)
         return batch, info
 
@@ -160,19 +140,16 @@ class BatchSource:
         if not self.stages:
             return batch
         step = int(batch.extra.get("step", 0))
-        summaries: list = []
         failures = 0
 
         def prepare(b: RolloutBatch, attempt: int) -> RolloutBatch:
             b = self._expand(b, step, attempt)
-            if self.selector is not None:
-                summaries.append(self.selector.fn.summarize(b))
+            if self.selector is not None:  # every generated group, kept or not: the selector learns from all
+                self.selector.observe(b)
             return b
 
         def split(b: RolloutBatch) -> tuple[RolloutBatch, RolloutBatch]:
-            keep = torch.ones(len(b), dtype=torch.bool)
-            for f in self.keepers:
-                keep &= f(b).bool()
+            keep = self.step.keep(b)
             return b.select(torch.nonzero(keep).flatten()), b.select(torch.nonzero(~keep).flatten())
 
         batch = prepare(batch, 0)
@@ -202,9 +179,6 @@ class BatchSource:
             elif self.log is not None:
                 self.log(f"warning: {msg}")
         batch = kept
-        if self.selector is not None:  # every process's outcomes, so every process keeps the same state
-            self.selector.fn.update([row for part in self.gather(summaries) for rows in part for row in rows])
-            self.metrics.update(self.selector.fn.metrics())
         if self.world > 1:
             batch = batch.pad_rows(self.max_over_processes(len(batch)))
         if self.keepers:
@@ -220,8 +194,8 @@ class BatchSource:
             produce(ctx, batch, e)
             ectx = ExpandContext(generate=lambda ids, n, seeds: ctx.generate(ids, n, ctx.sampling, seeds),
                                  decode=lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True),
-                                 group_size=self.cfg.rollout.group_size, pad_id=ctx.pad_id,
-                                 seed=derive_seed(self.cfg.seed, step, attempt, self.rank, e.name))
+                                 group_size=self.rollout_cfg.group_size, pad_id=ctx.pad_id,
+                                 seed=derive_seed(self.seed, step, attempt, self.rank, e.name))
             more = e.fn.expand(batch, ectx)
             if more is None or not len(more):
                 continue

@@ -1,110 +1,31 @@
-"""Data filters and prompt selection (kinds ``filter`` and ``selector``; config ``filters: [...]``).
+"""Prompt selectors (kind ``selector``; config ``filters: [...]``): choose the step's prompts before any rollout.
 
-Two kinds of stages, each with its own protocol (``postrl.stages``; the step's batch is assembled by
-``postrl.train.sampling``, which calls each hook once per step):
-
-* keep-mask filters (kind ``filter``, functions): ``fn(<batch fields>, *, <params>) -> bool [N]`` on the scored batch; rows with
-  False are dropped. A filter with a ``max_attempts`` parameter asks the trainer to *refill*: it generates more
-  prompts (fresh prompts drawn with a seed derived from (seed, step, attempt)), scores and filters them, until the
-  batch holds as many groups as an unfiltered batch would, or ``max_attempts`` generation rounds were made. When the
-  cap is hit, the shortfall is filled with dropped groups whose rows are masked (``valid`` False: advantage 0, no
-  loss), a warning is logged and ``filter/cap_hit`` = 1. So every batch has the same number of groups, and under
-  DDP every process ends with the same number of rows (the trainer also pads the shortest process with masked
-  copies of rows when expansions make the counts differ); nothing silently shrinks.
-  They judge the RAW reward column (``reward``, default ``correct``), never the shaped scalar reward.
-* prompt selectors (kind ``selector``, :class:`PromptSelector`): choose the step's prompts from a candidate pool of
-  ``pool_factor`` x ``prompts_per_step`` rows, before any rollout. Their running statistics are updated by
-  ``update`` with the per-group outcomes of every process (gathered), so every process holds the same state and
-  makes the same selection; the state is saved in checkpoints (``state_dict`` / ``load_state_dict``).
-The rollout options (kinds ``sampling`` and ``expansion``) are in ``postrl.data.rollout_options``.
+A selector (:class:`PromptSelector`) chooses the step's prompts from a candidate pool of ``pool_factor`` x
+``prompts_per_step`` rows. Its running statistics are updated once per step by ``update`` with the per-group
+outcomes of every process (gathered), so every process holds the same state and makes the same selection; the
+state is saved in checkpoints (``state_dict`` / ``load_state_dict``). The step's batch is assembled by
+``postrl.step.sampling``, which calls each hook once per step.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
-from postrl.advantages import group_index, group_sum
-from postrl.data.base import stable_hash
+from postrl.groups import group_index, group_sum
 from postrl.registry import register
+from postrl.seeding import stable_hash
+from postrl.selection.filters import raw_column
 from postrl.stages import Stateful
 
 
-def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
-               raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None) -> torch.Tensor:
-    """The raw reward column ``name`` [N] (NaN where that source failed): from the matrix as the sources returned
-    it (the batch field ``raw_rewards``, kept by the trainer before shaping) when given, so a shaping stage that
-    rewrites or appends columns changes nothing here; else from ``rewards``."""
-    if raw_rewards is not None and raw_reward_names is not None:
-        rewards, reward_names = raw_rewards, raw_reward_names
-    names = list(reward_names)
-    if name not in names:
-        raise ValueError(f"{what}.reward: no reward source named '{name}' in this run; rewards: {', '.join(names)}")
-    return rewards[:, names.index(name)]
+PoolFactor = Annotated[int, Ge(1)]  # the candidate pool is pool_factor x prompts_per_step rows
+Unit = Annotated[float, Ge(0), Le(1)]
 
 
-def _group_moments(x: torch.Tensor, group_ids: torch.Tensor):
-    """(per-row group mean, min, max, count) over the finite entries of x."""
-    inv, ng = group_index(group_ids)
-    ok = torch.isfinite(x)
-    xd = torch.where(ok, x.to(torch.float64), torch.zeros_like(x, dtype=torch.float64))
-    cnt = group_sum(ok.to(torch.float64), inv, ng)
-    mean = group_sum(xd, inv, ng) / cnt.clamp(min=1)
-    hi = torch.full((ng,), -math.inf, dtype=torch.float64).scatter_reduce(
-        0, inv, torch.where(ok, xd, torch.full_like(xd, -math.inf)), "amax")
-    lo = torch.full((ng,), math.inf, dtype=torch.float64).scatter_reduce(
-        0, inv, torch.where(ok, xd, torch.full_like(xd, math.inf)), "amin")
-    return mean[inv], lo[inv], hi[inv], cnt[inv]
-
-
-# ------------------------------------------------------------------------------------------------ keep masks
-@register("filter", "dynamic_sampling", source="DAPO (Yu et al. 2025) dynamic sampling; verl algorithm.filter_groups",
-          needs=("groups",))
-def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
-                     raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
-                     reward: str = "correct", max_attempts: int = 10) -> torch.Tensor:
-    """Keep the groups whose raw verifiable reward varies (std > 0); the trainer regenerates until the batch is full.
-
-    DAPO ("DAPO: An Open-Source LLM Reinforcement Learning System at Scale"): a group whose completions are all
-    right or all wrong has zero advantage under group normalisation; it is dropped and more prompts are sampled
-    (verl ``algorithm.filter_groups.enable=True, metric=acc``, ``max_num_gen_batches`` = ``max_attempts``,
-    default 10). Judged on the raw column ``reward`` (default 'correct'), never on the shaped reward (a length or
-    format term must not make an all-wrong group look informative): the column as the reward source returned it
-    (``raw_rewards``), untouched by shaping stages. NaN entries (failed rewards) are ignored; a group with fewer
-    than two finite values has no variance and is dropped.
-    Shapes: rewards [N, K], reward_names [K], group_ids [N] (raw_rewards [N, K']) -> keep [N] bool.
-    """
-    if max_attempts < 1:
-        raise ValueError(f"filters.dynamic_sampling.max_attempts: expected an integer >= 1, got {max_attempts}")
-    x = raw_column(rewards, reward_names, reward, "filters.dynamic_sampling", raw_rewards, raw_reward_names)
-    _, lo, hi, cnt = _group_moments(x, group_ids)
-    return (cnt >= 2) & (hi > lo)
-
-
-@register("filter", "range_filter", source="OpenRLHF --dynamic_filtering --dynamic_filtering_reward_range")
-def range_filter(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
-                 raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
-                 reward: str = "correct", low: float = 0.0, high: float = 1.0, max_attempts: int = 10) -> torch.Tensor:
-    """Keep the groups whose mean raw reward lies strictly inside (low, high); regenerate until the batch is full.
-
-    OpenRLHF dynamic filtering: ``low + 1e-6 < mean_g r < high - 1e-6`` (``dynamic_filtering_reward_range``,
-    default (0, 1): drops all-wrong and all-right groups of a 0/1 reward). Raw column ``reward`` (default
-    'correct', before shaping); NaN entries ignored, a group with no finite value dropped. ``max_attempts``
-    (default 10) as dynamic_sampling; 1 = filter without regenerating (the shortfall is masked).
-    Shapes: rewards [N, K], reward_names [K], group_ids [N] -> keep [N] bool.
-    """
-    if not low < high:
-        raise ValueError(f"filters.range_filter: expected low < high, got low={low}, high={high}")
-    if max_attempts < 1:
-        raise ValueError(f"filters.range_filter.max_attempts: expected an integer >= 1, got {max_attempts}")
-    x = raw_column(rewards, reward_names, reward, "filters.range_filter", raw_rewards, raw_reward_names)
-    mean, _, _, cnt = _group_moments(x, group_ids)
-    return (cnt >= 1) & (mean > low + 1e-6) & (mean < high - 1e-6)
-
-
-# ------------------------------------------------------------------------------------------------ selectors
 def prompt_key(prompt: str) -> str:
     """Stable short key of a prompt for the selectors' state."""
     return format(stable_hash(prompt), "016x")
@@ -116,26 +37,35 @@ class PromptSelector(Stateful):
     needs_prompt_features = False
 
     def __init__(self, reward: str, pool_factor: int):
-        if pool_factor < 1:
-            raise ValueError(f"filters.pool_factor: expected an integer >= 1, got {pool_factor}")
         self.reward = reward
         self.pool_factor = pool_factor
 
-    def summarize(self, batch) -> list:
-        """[(prompt key, successes, count)] per group of the scored batch: raw reward clipped to [0, 1], finite
-        entries of valid rows only; rows generated by branching (``extra['branch']``) are left out."""
-        x = raw_column(batch.rewards, batch.reward_names, self.reward, "filters", getattr(batch, "raw_rewards", None),
-                       batch.extra.get("raw_reward_names"))
+    def observe(self, rewards, reward_names, group_ids, prompts, valid=None, raw_rewards=None,
+                raw_reward_names=None, branch=None) -> None:
+        """Record (prompt key, successes, count) per group of a scored batch that trains: raw reward clipped to
+        [0, 1], finite entries of valid rows only; rows generated by branching (``branch``) are left out. Every
+        process's records reach ``update`` at the end of the step, so every process keeps the same state."""
+        x = raw_column(rewards, reward_names, self.reward, "filters", raw_rewards, raw_reward_names)
         ok = torch.isfinite(x)
-        if batch.valid is not None:
-            ok = ok & batch.valid
-        if "branch" in batch.extra:
-            ok = ok & ~batch.extra["branch"].bool()
-        inv, ng = group_index(batch.group_ids)
+        if valid is not None:
+            ok = ok & valid
+        if branch is not None:
+            ok = ok & ~branch.bool()
+        inv, ng = group_index(group_ids)
         s = group_sum(torch.where(ok, x.clamp(0, 1).double(), torch.zeros_like(x, dtype=torch.float64)), inv, ng)
         n = group_sum(ok.double(), inv, ng)
         first = torch.full((ng,), len(x), dtype=torch.long).scatter_reduce(0, inv, torch.arange(len(x)), "amin")
-        return [(prompt_key(batch.prompts[int(first[g])]), float(s[g]), float(n[g])) for g in range(ng) if n[g] > 0]
+        for g in range(ng):
+            if n[g] > 0:
+                self.record((prompt_key(prompts[int(first[g])]), float(s[g]), float(n[g])))
+
+    def end_step(self, step) -> dict:
+        """The step's outcomes of every process (``update``), once; the selector's metrics."""
+        self.update(list(self.observed))
+        return self.metrics()
+
+    def update(self, summaries: list) -> None:
+        """Learn from [(prompt key, successes, count)] of the step's groups."""
 
     @staticmethod
     def _top(score: torch.Tensor, k: int, seed: int) -> list[int]:
@@ -158,11 +88,9 @@ class PassRateCurriculum(PromptSelector):
     from the pool (``torch.multinomial``, seeded by (seed, step)). State: the pass-rate table (checkpointed).
     """
 
-    def __init__(self, *, target: float = 0.5, width: float = 0.2, ema: float = 0.5, pool_factor: int = 4,
-                 reward: str = "correct"):
+    def __init__(self, *, target: Unit = 0.5, width: Annotated[float, Gt(0)] = 0.2,
+                 ema: Annotated[float, Gt(0), Le(1)] = 0.5, pool_factor: PoolFactor = 4, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if not 0 <= target <= 1 or width <= 0 or not 0 < ema <= 1:
-            raise ValueError("filters.pass_rate_curriculum: expected 0 <= target <= 1, width > 0, 0 < ema <= 1")
         self.target, self.width, self.ema = target, width, ema
         self.rate: dict[str, float] = {}
 
@@ -226,12 +154,10 @@ class InSight(PromptSelector):
     difficulty term 4 mu (1 - mu); w = 0 is plain mutual information.
     """
 
-    def __init__(self, *, prior_alpha: float = 1.0, prior_beta: float = 1.0, difficulty_weight: float = 1.0,
-                 decay: float = 1.0, pool_factor: int = 4, reward: str = "correct"):
+    def __init__(self, *, prior_alpha: Annotated[float, Gt(0)] = 1.0, prior_beta: Annotated[float, Gt(0)] = 1.0,
+                 difficulty_weight: Annotated[float, Ge(0)] = 1.0, decay: Annotated[float, Gt(0), Le(1)] = 1.0,
+                 pool_factor: PoolFactor = 4, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if prior_alpha <= 0 or prior_beta <= 0 or difficulty_weight < 0 or not 0 < decay <= 1:
-            raise ValueError("filters.insight: expected prior_alpha, prior_beta > 0, difficulty_weight >= 0, "
-                             "0 < decay <= 1")
         self.a0, self.b0, self.w, self.decay = prior_alpha, prior_beta, difficulty_weight, decay
         self.post: dict[str, list[float]] = {}  # key -> [successes, failures] (evidence, without the prior)
         self._last_score = 0.0
@@ -278,11 +204,9 @@ class PromptCurriculum(PromptSelector):
 
     needs_prompt_features = True
 
-    def __init__(self, *, target: float = 0.5, pool_factor: int = 4, lr: float = 1e-2, epochs: int = 10,
-                 reward: str = "correct"):
+    def __init__(self, *, target: Unit = 0.5, pool_factor: PoolFactor = 4, lr: Annotated[float, Gt(0)] = 1e-2,
+                 epochs: Annotated[int, Ge(1)] = 10, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if not 0 <= target <= 1 or lr <= 0 or epochs < 1:
-            raise ValueError("filters.pcl: expected 0 <= target <= 1, lr > 0, epochs >= 1")
         self.target, self.lr, self.epochs = target, lr, epochs
         self.head: torch.nn.Linear | None = None
         self.optimizer = None

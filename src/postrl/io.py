@@ -1,0 +1,70 @@
+"""Reading what users and runs write: JSON lines, and objects named by import path (``module:attr``).
+
+``read_jsonl(path)`` reads a JSON-lines file in one of two modes: ``strict`` (a data file a user gives: a line that
+is not a JSON object, or a file that is not UTF-8 text, is a one-line :class:`~postrl.errors.DataError` naming
+the file and line) or lenient (a run's own logs: a line cut by a crash, or still being written, is skipped; a
+missing file reads as no rows). ``load_object("pkg.mod:name", what)`` imports a module and returns its attribute,
+or raises one :class:`~postrl.errors.ConfigError` line naming ``what``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from postrl.errors import ConfigError, DataError
+
+
+def read_jsonl(path: str | os.PathLike, *, strict: bool = False) -> list[dict]:
+    """The JSON objects of a JSON-lines file, one per non-empty line (see the module docstring for ``strict``)."""
+    p = Path(path)
+    rows: list[dict] = []
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        if strict:
+            raise DataError(f"{p}: cannot read it ({e.strerror or type(e).__name__})") from None
+        return rows
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if strict:
+            raise DataError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it "
+                            f"as UTF-8 JSON lines") from None
+        text = data.decode("utf-8", errors="replace")
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, an int over Python's digit limit
+            if strict:
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                    e, RecursionError) else str(e).split(";")[0].split(":")[0]
+                raise DataError(f"{p}: line {lineno} is not valid JSON ({msg})") from None
+            continue  # a line cut by a crash or still being written
+        if isinstance(obj, dict):
+            rows.append(obj)
+        elif strict:
+            raise DataError(f"{p}: line {lineno} is a {type(obj).__name__}, expected a JSON object")
+    return rows
+
+
+def load_object(path: str, what: str) -> Any:
+    """The attribute named by ``path`` = ``'module.name:attr'`` (``attr`` may be dotted); ``what`` names the config
+    key or option in the one-line error."""
+    module_name, sep, attr = str(path).partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what}: expected an import path 'module:attribute', got '{path}'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{what} '{path}': cannot import module '{module_name}' ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    return obj

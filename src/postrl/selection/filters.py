@@ -1,0 +1,88 @@
+"""Keep-mask filters (kind ``filter``; config ``filters: [...]``): which groups of the scored batch train.
+
+A filter is a function ``fn(<batch fields>, *, <params>) -> bool [N]`` on the scored batch; rows with False are
+dropped. A filter entry's ``max_attempts`` (a key of the config entry, read by the step's batch assembly,
+``postrl.step.sampling``) asks for a *refill*: more prompts (drawn with a seed derived from (seed, step,
+attempt)) are generated, scored and filtered until the batch holds as many groups as an unfiltered batch would, or
+``max_attempts`` generation rounds were made. When the cap is hit, the shortfall is filled with dropped groups whose
+rows are masked (``valid`` False: advantage 0, no loss), a warning is logged and ``filter/cap_hit`` = 1. So every
+batch has the same number of groups, and under DDP every process ends with the same number of rows; nothing
+silently shrinks. Filters judge the RAW reward column (``reward``, default ``correct``), never the shaped scalar
+reward.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+from annotated_types import Ge
+
+from postrl.errors import ConfigError
+from postrl.groups import group_moments
+from postrl.registry import register
+from postrl.stages import parameters
+
+
+def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
+               raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None) -> torch.Tensor:
+    """The raw reward column ``name`` [N] (NaN where that source failed): from the matrix as the sources returned
+    it (the batch field ``raw_rewards``, kept by the trainer before shaping) when given, so a shaping stage that
+    rewrites or appends columns changes nothing here; else from ``rewards``."""
+    if raw_rewards is not None and raw_reward_names is not None:
+        rewards, reward_names = raw_rewards, raw_reward_names
+    names = list(reward_names)
+    if name not in names:
+        raise ValueError(f"{what}.reward: no reward source named '{name}' in this run; rewards: {', '.join(names)}")
+    return rewards[:, names.index(name)]
+
+
+# ------------------------------------------------------------------------------------------------ keep masks
+@register("filter", "dynamic_sampling", source="DAPO (Yu et al. 2025) dynamic sampling; verl algorithm.filter_groups",
+          needs=("groups",))
+def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
+                     raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
+                     reward: str = "correct", max_attempts: Annotated[int, Ge(1)] = 10) -> torch.Tensor:
+    """Keep the groups whose raw verifiable reward varies (std > 0); the trainer regenerates until the batch is full.
+
+    DAPO ("DAPO: An Open-Source LLM Reinforcement Learning System at Scale"): a group whose completions are all
+    right or all wrong has zero advantage under group normalisation; it is dropped and more prompts are sampled
+    (verl ``algorithm.filter_groups.enable=True, metric=acc``, ``max_num_gen_batches`` = ``max_attempts``,
+    default 10). Judged on the raw column ``reward`` (default 'correct'), never on the shaped reward (a length or
+    format term must not make an all-wrong group look informative): the column as the reward source returned it
+    (``raw_rewards``), untouched by shaping stages. NaN entries (failed rewards) are ignored; a group with fewer
+    than two finite values has no variance and is dropped.
+    Shapes: rewards [N, K], reward_names [K], group_ids [N] (raw_rewards [N, K']) -> keep [N] bool.
+    """
+    x = raw_column(rewards, reward_names, reward, "filters.dynamic_sampling", raw_rewards, raw_reward_names)
+    _, lo, hi, cnt = group_moments(x, group_ids)
+    return (cnt >= 2) & (hi > lo)
+
+
+def _low_below_high(params: dict, run: Any, where: str) -> dict:
+    """``range_filter``: ``low`` < ``high``."""
+    p = {**{k: d for k, (_, d) in parameters(range_filter).items()}, **params}
+    if not p["low"] < p["high"]:
+        raise ConfigError(f"{where}.high: expected a value > low ({p['low']}), got {p['high']}")
+    return params
+
+
+@register("filter", "range_filter", source="OpenRLHF --dynamic_filtering --dynamic_filtering_reward_range",
+          check=_low_below_high)
+def range_filter(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
+                 raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
+                 reward: str = "correct", low: float = 0.0, high: float = 1.0,
+                 max_attempts: Annotated[int, Ge(1)] = 10) -> torch.Tensor:
+    """Keep the groups whose mean raw reward lies strictly inside (low, high); regenerate until the batch is full.
+
+    OpenRLHF dynamic filtering: ``low + 1e-6 < mean_g r < high - 1e-6`` (``dynamic_filtering_reward_range``,
+    default (0, 1): drops all-wrong and all-right groups of a 0/1 reward). Raw column ``reward`` (default
+    'correct', before shaping); NaN entries ignored, a group with no finite value dropped. ``max_attempts``
+    (default 10) as dynamic_sampling; 1 = filter without regenerating (the shortfall is masked).
+    Shapes: rewards [N, K], reward_names [K], group_ids [N] -> keep [N] bool.
+    """
+    x = raw_column(rewards, reward_names, reward, "filters.range_filter", raw_rewards, raw_reward_names)
+    mean, _, _, cnt = group_moments(x, group_ids)
+    return (cnt >= 1) & (mean > low + 1e-6) & (mean < high - 1e-6)
+
+

@@ -1,0 +1,166 @@
+"""The package layers (docs/DEVELOPING.md, "Layers"): no package imports a package above it, imports inside functions
+included, so the package graph has no cycle; the kernel imports nothing of postrl beyond itself; every dotted
+``postrl.`` name in the README and docs/ resolves to a module or attribute."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+# The kernel: the bottom layer (docs/DEVELOPING.md). It imports no other postrl package.
+KERNEL = {"postrl", "postrl.errors", "postrl.batch", "postrl.registry", "postrl.stages", "postrl.fields", "postrl.context",
+          "postrl.generation", "postrl.logprobs", "postrl.groups", "postrl.seeding", "postrl.io", "postrl.jsonstate",
+          "postrl.reasoning_steps"}
+# Layers, bottom to top: a package may import its own layer's packages only as the graph allows (no cycle) and the
+# layers below. The kernel and the self-contained sandbox are layer 0.
+LAYERS = [
+    {"postrl", "postrl.sandbox", *KERNEL},  # postrl: the package's facade (errors and registry; the rest on first use)
+    {"postrl.calibration", "postrl.models", "postrl.rollout", "postrl.data"},
+    {"postrl.reward_models", "postrl.accel"},
+    {"postrl.rewards", "postrl.shaping", "postrl.advantages", "postrl.losses", "postrl.selection"},
+    {"postrl.environments"},
+    {"postrl.config", "postrl.recipes"},
+    {"postrl.diagnostics", "postrl.evaluate"},
+    {"postrl.step"},
+    {"postrl.train"},
+    {"postrl.report", "postrl.integrations", "postrl.compare", "postrl.launch"},
+    {"postrl.benchmark", "postrl.cli", "postrl.__main__"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in (SRC / "postrl").rglob("*.py"):
+        parts = list(p.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+def _top(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def _package_edges() -> dict[str, set[str]]:
+    """package -> the packages it imports (module level and inside functions), as the import_cycles tool counts."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        edges.setdefault(_top(m), set())
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")
+                    base = ".".join(up[: len(up) - (node.level - 1)] + ([base] if base else []))
+                targets = [base + "." + a.name for a in node.names] + [base]
+            else:
+                continue
+            for t in targets:
+                r = resolve(t)
+                if r and _top(r) != _top(m):
+                    edges[_top(m)].add(_top(r))
+    return edges
+
+
+def test_every_package_has_a_layer():
+    missing = set(_package_edges()) - set().union(*LAYERS)
+    assert not missing, f"packages without a layer in tests/test_layers.py and docs/DEVELOPING.md: {sorted(missing)}"
+
+
+def test_no_package_imports_a_layer_above_it():
+    level = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    up = [(a, b) for a, targets in _package_edges().items() for b in targets if level[b] > level[a]]
+    assert not up, f"imports that climb a layer: {sorted(up)}"
+
+
+def test_the_kernel_imports_only_the_kernel():
+    edges = _package_edges()
+    bad = {k: sorted(edges.get(k, set()) - KERNEL) for k in KERNEL if edges.get(k, set()) - KERNEL}
+    assert not bad, f"kernel modules importing packages above the kernel: {bad}"
+
+
+def test_no_import_cycle_between_packages():
+    edges = _package_edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"package cycles: {cycles}"
+
+
+def _doc_names() -> list[tuple[str, str]]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = []
+    for d in docs:
+        for name in re.findall(r"`(postrl(?:\.[A-Za-z_][A-Za-z0-9_]*)+)", d.read_text()):
+            found.append((d.name, name))
+    return sorted(set(found))
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc, name", _doc_names())
+def test_dotted_names_in_the_docs_resolve(doc, name):
+    if name.split(".")[1] in ("integrations",) and any(p in name for p in (".trl", ".verl")):
+        pytest.importorskip(name.split(".")[2] if len(name.split(".")) > 2 else "trl")
+    assert _resolves(name), f"{doc} names `{name}`, which is no module or attribute"
