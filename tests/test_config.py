@@ -194,7 +194,7 @@ FUZZ = [
     (["rewards=[{name: format, tags: think}]"], r"^rewards\.0\.tags: expected a list, got 'think'$"),
     (["rewards=[{name: exact, extract: nope}]"],
      r"^rewards\.0\.extract: expected 'none', 'answer_tag', 'boxed', 'last_number' or 'auto', got 'nope'$"),
-    (["task.digits=0"], r"^task\.digits: expected a value >= 1, got 0$"),
+    (["task.digits=0"], r"^task\.digits: expected a value >= 1 and <= 1000, got 0$"),
     (["task.digits=2", "task.min_digits=3"], r"^task\.min_digits: expected a value <= digits \(2\), got 3$"),
     (["task.ops=/"], r"^task\.ops: expected a non-empty string of '\+', '-', '\*', got '/'$"),
     (["filters=[{name: range_filter, low: 1, high: 0}]"],

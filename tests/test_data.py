@@ -123,7 +123,7 @@ def test_task_param_validation():
     # refused when the task is loaded from its config (annotations and the registered checks), in one line
     cases = [({"name": "arithmetic", "ops": "/"}, "task.ops: expected a non-empty string of '+', '-', '*', got '/'"),
              ({"name": "arithmetic", "ops": ""}, "task.ops: expected a non-empty string"),
-             ({"name": "arithmetic", "digits": 0}, "task.digits: expected a value >= 1, got 0"),
+             ({"name": "arithmetic", "digits": 0}, "task.digits: expected a value >= 1 and <= 1000, got 0"),
              ({"name": "arithmetic", "digits": 2.0}, "task.digits: expected an integer, got 2.0"),
              ({"name": "arithmetic", "digits": 2, "min_digits": 3}, "task.min_digits: expected a value <= digits (2)"),
              ({"name": "arithmetic", "min_digits": 3}, "task.min_digits: expected a value <= digits (2), got 3"),

@@ -531,22 +531,22 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     assert tr2.step.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
 
 
-@registry.register("reward", "half_none", source="test: fails on every other completion")
-def half_none(prompts, completions, **kw):
-    return [None if i % 2 else 1.0 for i in range(len(completions))]
+@registry.register("reward", "half_nan", source="test: fails on every other completion")
+def half_nan(prompts, completions, **kw):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]  # NaN fails (None: does not apply)
 
 
 def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
     from postrl.train.trainer import Trainer
 
     out = tmp_path / "run"
-    tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_none}]", "reward.alarm_rate=0.25"), out)
+    tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_nan}]", "reward.alarm_rate=0.25"), out)
     batch = tr.batches.rollout(0)
     with caplog.at_level("WARNING", logger="postrl.rewards"):
         info = tr.step.score(batch)
-    assert info["failure_rate"] == {"correct": 0.0, "half_none": 0.5}
+    assert info["failure_rate"] == {"correct": 0.0, "half_nan": 0.5}
     assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
-    alarms = [r.getMessage() for r in caplog.records if "half_none" in r.getMessage()]
-    assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned None" in alarms[0]
+    alarms = [r.getMessage() for r in caplog.records if "half_nan" in r.getMessage()]
+    assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned nan" in alarms[0]
     m = tr.step.metrics(batch, info)
-    assert m["reward/half_none/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0
+    assert m["reward/half_nan/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0

@@ -42,6 +42,10 @@ def _read_json(path: Path) -> list[dict]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise  # read_rows says: not UTF-8
+    except ValueError as e:  # an integer over Python's limit of digits
+        raise DataError(f"{path}: not valid JSON ({str(e).split(';')[0].split(':')[0]})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
     for i, obj in enumerate(data, 1):
@@ -76,19 +80,63 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if p.is_dir():
         raise DataError(f"{p}: is a directory, expected a {', '.join(SUFFIXES)} file")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        rows = read_jsonl(p, strict=True)
-    elif suffix == ".json":
-        rows = _read_json(p)
-    elif suffix == ".csv":
-        rows = _read_csv(p)
-    elif suffix == ".parquet":
-        rows = _read_parquet(p)
-    else:
+    jsonl = lambda path: read_jsonl(path, strict=True)  # noqa: E731
+    readers = {".jsonl": jsonl, ".ndjson": jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
+    if suffix not in readers:
         raise DataError(f"{p}: unsupported file type '{p.suffix}'; expected one of {', '.join(SUFFIXES)}")
+    try:
+        rows = readers[suffix](p)
+    except UnicodeDecodeError as e:  # Latin-1, UTF-16 or a binary file
+        raise DataError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as "
+                        f"UTF-8") from None
+    except RecursionError:
+        raise DataError(f"{p}: a value nested too deeply to read") from None
+    except csv.Error as e:
+        raise DataError(f"{p}: not a readable CSV file ({e})") from None
+    except OSError as e:
+        raise DataError(f"{p}: cannot read it ({e.strerror or e})") from None
     if not rows:
         raise DataError(f"{p}: no rows (empty file)")
     return rows
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+def _unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g. JSON's unpaired ``\\ud800``), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds {text[e.start:e.end].encode('unicode_escape').decode()} at character {e.start}, a lone " \
+               f"surrogate that is not valid Unicode text"
+    return None
+
+
+def check_prompt(prompt: Any, where: str) -> str | list[dict]:
+    """A prompt as a prompt source keeps it: a non-empty string, or a conversation (TRL's conversational format:
+    a non-empty list of ``{"role": str, "content": str}`` messages, encoded with the chat template); else one
+    DataError line starting with ``where``."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where} is empty; every prompt needs some text")
+        bad = _unicode_problem(prompt)
+        if bad:
+            raise DataError(f"{where} {bad}")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        for j, m in enumerate(prompt):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: message {j} needs a string 'role' and a string 'content' (a "
+                                f"conversation is a list of {{role, content}} messages), got keys {sorted(m)}")
+            bad = _unicode_problem(m["role"] + m["content"])
+            if bad:
+                raise DataError(f"{where}: message {j} {bad}")
+        if not any(m["content"] for m in prompt):
+            raise DataError(f"{where} is a conversation whose messages are all empty")
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DataError(f"{where} is a {type(prompt).__name__}, expected a string or a conversation (a list of "
+                    f"{{role, content}} messages)")
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -151,11 +199,7 @@ class RowsSource(PromptSource):
         if self.prompt_column not in row:
             cols = ", ".join(map(str, row)) or "(none)"
             raise DataError(f"{label}: row {rownum} has no prompt column '{self.prompt_column}' (columns: {cols})")
-        prompt = row[self.prompt_column]
-        if not isinstance(prompt, str):
-            raise DataError(
-                f"{label}: row {rownum} column '{self.prompt_column}' is a {type(prompt).__name__}, expected a string"
-            )
+        prompt = check_prompt(row[self.prompt_column], f"{label}: row {rownum} column '{self.prompt_column}'")
         if self.columns is None:
             out = {k: v for k, v in row.items() if k != self.prompt_column}
         else:
@@ -165,6 +209,10 @@ class RowsSource(PromptSource):
                     cols = ", ".join(map(str, row))
                     raise DataError(f"{label}: row {rownum} has no column '{c}' (columns: {cols})")
                 out[c] = row[c]
+        for k, v in out.items():  # what is tokenized (a demonstration) or compared must be valid text too
+            bad = _unicode_problem(v) if isinstance(v, str) else None
+            if bad:
+                raise DataError(f"{label}: row {rownum} column '{k}' {bad}")
         out["prompt"] = prompt
         if self.verifier is not None:
             out["task"] = self.verifier

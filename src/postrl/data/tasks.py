@@ -28,6 +28,7 @@ from postrl.registry import register
 from postrl.stages import parameters
 
 HELD_OUT_MOD = 10
+MAX_DIGITS = 1000  # arithmetic operands: a product has up to 2000 digits, within Python's int <-> str limit (4300)
 
 
 def is_held_out(prompt: str) -> bool:
@@ -137,7 +138,7 @@ class ArithmeticTask(ProceduralTask):
 
     name = "arithmetic"
 
-    def __init__(self, *, digits: Annotated[int, Ge(1)] = 2, ops: Ops = "+", min_digits: Annotated[int, Ge(1)] = 1,
+    def __init__(self, *, digits: Annotated[int, Ge(1), Le(MAX_DIGITS)] = 2, ops: Ops = "+", min_digits: Annotated[int, Ge(1)] = 1,
                  chatty: Annotated[float, Ge(0), Le(1)] = 0.0):
         self.chatty = float(chatty)
         self.digits, self.min_digits = digits, min_digits

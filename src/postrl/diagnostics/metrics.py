@@ -302,6 +302,8 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         m[f"reward/{name}/mean"] = _mean(col)
         m[f"reward/{name}/std"] = _std(col)
         m[f"reward/{name}/failures"] = float(reward_info.get("failures", {}).get(name, 0))
+        if name in reward_info.get("skipped_rate", {}):  # the fraction of rows it returned None for (TRL: n/a)
+            m[f"reward/{name}/skipped"] = float(reward_info["skipped_rate"][name])
     if "correct" in batch.reward_names:
         correct = rewards[:, batch.reward_names.index("correct")]
         m["accuracy"] = _mean((correct[np.isfinite(correct)] >= 1.0).astype(np.float64))
@@ -314,6 +316,8 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         m.update(kept_mass_metrics(batch.extra["sampler_kept_logmass"], batch.completion_mask))
     m["tokens/completion"] = float(_np(batch.completion_mask).sum())
     m["tokens/prompt"] = float(_np(batch.prompt_mask).sum())
+    for name, value in (reward_info.get("metrics") or {}).items():  # a reward's TRL log_metric: postrl's win
+        m.setdefault(name, float(value))
     extra = getattr(batch, "extra", None) or {}  # a RolloutBatch has it; tests' stand-in batches may not
     if "num_turns" in extra:
         m.update(turn_metrics(extra, batch.completion_mask))

@@ -131,11 +131,12 @@ def correct(prompts, completions, task=None, **columns):
     """1.0 when the row's task verifier accepts the completion, else 0.0 (None where a row has no verifier).
 
     The verifier is the ``verify`` of the prompt source registered under the row's ``task`` column; the row holds
-    the per-completion columns (``trainer_state``, one dict for the batch, is not one).
+    the per-completion columns (not ``trainer_state``, ``log_extra``, ``log_metric``: one for the whole call).
+    A row without a verifier does not apply to this reward (None, TRL's semantics: the other sources score it).
     """
     from postrl.data import verify_row
 
-    keys = [k for k in columns if k != "trainer_state"]
+    keys = [k for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)]
     out = []
     for i, c in enumerate(completions):
         row = {k: columns[k][i] for k in keys}
