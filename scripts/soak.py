@@ -31,7 +31,7 @@ def _status(pid: int) -> dict[str, int]:
         out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, ValueError):
         return {}
-    return out
+    return out if "VmRSS" in out and "VmHWM" in out else {}  # (an exiting process has no memory lines)
 
 
 def _sizes(run: Path) -> dict[str, int]:
