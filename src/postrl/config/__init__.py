@@ -242,11 +242,18 @@ class KLConfig(_Strict):
         "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type)")
     target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller")
     horizon: int = Field(10000, ge=1, description="horizon of the adaptive controller (in sequences)")
+    is_correction: Literal["none", "token", "sequence"] = Field(
+        "none", description="kl.placement=loss: multiply each token's KL estimate by the importance ratio "
+        "pi_theta/pi_old, differentiable (token: per token; sequence: exp of the sequence's mean log-ratio), so the "
+        "KL of the sampling policy's tokens estimates the current policy's (DeepSeek-V3.2; TRL "
+        "use_bias_correction_kl, TRL's default); none: the plain estimate")
 
     @model_validator(mode="after")
     def _check_controller(self) -> "KLConfig":
         if self.controller == "adaptive" and self.coef <= 0:
             raise ValueError("kl.controller=adaptive needs kl.coef > 0 (the initial coefficient)")
+        if self.is_correction != "none" and self.placement == "reward":
+            raise ValueError("kl.is_correction weighs the KL term of the loss; with kl.placement=reward set it to none")
         return self
 
 

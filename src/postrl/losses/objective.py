@@ -8,6 +8,10 @@ accumulation changes nothing):
     L_pg  *= pg_mask of every mask regulariser              e.g. top_entropy_tokens            (regularizers.py)
     loss   = sum(w L_pg) + kl_coef sum(w KL) + sum_j coef_j sum(w R_j)                          (kl.py, regularizers.py)
 
+with KL = the estimator's [n, T] values, times the importance ratio exp(logp - old_logp) (per token, or per
+sequence: exp of the masked mean log-ratio) when ``kl.is_correction`` asks for it (TRL ``use_bias_correction_kl``:
+``per_token_kl * coef_1``, the ratio differentiated).
+
 The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
 tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
 ``sampler_logp``, ``ref_logp``, ``lengths`` and any per-row tensor of ``batch.extra``); :meth:`batch_fields` takes
@@ -44,6 +48,7 @@ class Objective:
         # one KL: its estimator (kind kl) either in the loss (kl.placement=loss) or in the reward (Step.kl_penalty)
         self.kl = stages.build("kl", kl.estimator, where="kl.estimator").fn if kl.coef > 0 else None
         self.kl_placement = kl.placement
+        self.kl_is = getattr(kl, "is_correction", "none")
         self.kl_ctrl = KLController(kl.coef, adaptive=kl.controller == "adaptive", target=kl.target,
                                     horizon=kl.horizon)
         self.regularizers = stages.build_all("regularizer", regularizers, section="regularizers")
@@ -104,7 +109,8 @@ class Objective:
 
     def __call__(self, fields: dict, w: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
         """(loss, statistics, the policy loss's info) of a micro-batch; statistics are weighted sums (a
-        mini-batch's sum is its aggregate), ``ratio_max`` a maximum."""
+        mini-batch's sum is its aggregate), ``ratio_max`` a maximum; with the KL in the loss, ``info['kl_token']`` is
+        its per-token [n, T] value (detached, after ``kl.is_correction``)."""
         loss_mat, info = self.loss(fields)
         m = fields["mask"]
         stats: dict[str, float] = {}
@@ -132,7 +138,14 @@ class Objective:
         if fields.get("entropy") is not None:
             stats["entropy"] = float((w * fields["entropy"].detach()).sum())
         if self.kl_in_loss:
-            kl = (w * self.kl(fields["logp"], fields["ref_logp"])).sum()
+            kl_mat = self.kl(fields["logp"], fields["ref_logp"])
+            if self.kl_is != "none":
+                log_ratio = fields["logp"] - fields["old_logp"]
+                if self.kl_is == "sequence":
+                    log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+                kl_mat = kl_mat * torch.exp(log_ratio)
+            kl = (w * kl_mat).sum()
+            info = {**info, "kl_token": kl_mat.detach()}
             loss = loss + self.kl_ctrl.value * kl
             stats["kl"] = kl.item()
         for key, val in info.items():

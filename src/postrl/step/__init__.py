@@ -43,12 +43,14 @@ class Step:
 
     ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (process rewards' step
     ends); ``log``: where warnings go (one line each); ``notice``: where what changes the run goes (every mode:
-    ``postrl.train.run_state.Notices``)."""
+    ``postrl.train.run_state.Notices``); ``sources``: reward sources the driver adds before the config's
+    ``rewards``, as ``(name, callable, weight)`` (``Scorer``; the TRL adapter's ``reward_funcs``)."""
 
     def __init__(self, cfg: Any, *, context: RewardContext | None = None, tokenizer: Any = None,
-                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None):
+                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None,
+                 sources: list | None = None):
         self.scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, context or RewardContext(), tokenizer, log=log,
-                             notice=notice)
+                             notice=notice, sources=sources)
         self.selection = stages.build_all(stages.FILTER_KINDS, cfg.filters, section="filters")
         self.attempts = max([spec.attempts() for spec, st in zip(cfg.filters, self.selection)
                              if st.kind == "filter"], default=1)
