@@ -497,6 +497,26 @@ def test_off_policy_mask_hand_values():
     assert out.sum() == 6  # positive advantages are always kept
 
 
+def test_vespo_hand_values():
+    """vespo: on policy phi(1) = e^lambda 1^k e^-lambda = 1, so L = -A logp; a sequence whose log-ratios sum to
+    log 2 (A > 0: k = 2, lambda = 3) has phi = exp(3 + 2 log 2 - 3 * 2) = 4 e^-3; the weight is detached."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss, info = build("loss", "vespo")({"logp": logp, "old_logp": logp.detach(), "advantages": torch.tensor([2.0]),
+                                         "mask": mask})
+    assert torch.allclose(loss, torch.tensor([[2.0, 4.0]]))
+    old = logp.detach() - torch.tensor([[LOG(2) / 2, LOG(2) / 2]])
+    loss, info = build("loss", "vespo")({"logp": logp, "old_logp": old, "advantages": torch.tensor([1.0]),
+                                         "mask": mask})
+    phi = 4 * math.exp(-3)
+    assert torch.allclose(info["phi"], torch.full((1, 2), phi), atol=1e-6)
+    assert torch.allclose(grad_of(loss.sum(), logp), torch.full((1, 2), -phi), atol=1e-6)  # d(-phi A logp) = -phi A
+    # A < 0 (k = 3, lambda = 2): exp(2 + 3 log 2 - 2 * 2) = 8 e^-2
+    _, info = build("loss", "vespo")({"logp": logp, "old_logp": old, "advantages": torch.tensor([-1.0]),
+                                      "mask": mask})
+    assert torch.allclose(info["phi"], torch.full((1, 2), 8 * math.exp(-2)), atol=1e-6)
+
+
 def test_kl_reward_penalty_hand_values():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.9, 0.9]]))
     ref = torch.log(torch.tensor([[0.25, 0.5, 0.3], [0.4, 0.9, 0.9]]))

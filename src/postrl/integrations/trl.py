@@ -40,19 +40,19 @@ TRL's algorithm options are the defaults of the section (:func:`trl_section`): `
 ``sapo_temperature_*`` become the postrl stages that compute the same step; the section's own keys override them
 (a TRL option set away from its default and a section key that disagrees with it is a one-line error naming both).
 ``entropy_coef`` / ``use_adaptive_entropy`` keep TRL's own entropy bonus (TRL's formula and controller, on top of
-the objective). Options with no postrl counterpart are refused in one line that says what to do (:data:`REFUSED`).
+the objective). An option that cannot carry over is refused in one line that says what to do.
 
 How it hooks into TRL (which has no advantage or loss hook): ``_calculate_rewards`` scores and shapes (and returns
 the raw reward matrix, so TRL's own ``rewards/<name>/mean`` stay right), ``_generate_and_score_completions``
 replaces TRL's advantages by the postrl stage's, ``_prepare_inputs`` adds the aggregation weights, ``_compute_loss``
 evaluates the objective on TRL's log-probs, ``training_step`` ends the postrl step (stateful stages, KL controller,
-metrics, alarms) after the last micro-batch of a generation. An optimizer step must lie within one generation:
-``steps_per_generation`` is a multiple of ``gradient_accumulation_steps`` (TRL's default: equal).
+metrics, alarms) after the last micro-batch of a generation.
 
 Several processes: every process gathers the completions of all of them (TRL spreads a group over processes),
 scores and shapes that batch, runs the filters and the advantage on it and keeps its own rows, so every process
 holds the same statistics and state; the reward sources therefore run on every process (cheap for verifiers; a
-costly judge or reward model is called once per process). Only the one-process path is tested here (CPU).
+costly judge or reward model is called once per process), and what they receive is gathered too (with
+``environment_factory``, TRL's environment objects must then be picklable). Only the one-process path is tested here.
 
 Errors are one line and are both :class:`postrl.errors.ConfigError` and ``ValueError`` (what TRL raises).
 """
@@ -93,12 +93,9 @@ class TRLConfigError(ConfigError, ValueError):
     raises for a bad option, so code written for TRL catches it."""
 
 
-# GRPOConfig options with no postrl counterpart under the adapter: the value that is refused -> what to do instead
-REFUSED = {
-    ("loss_type", "vespo"): "loss_type='vespo' (VESPO's gamma-weighted sequence loss) has no postrl loss: train it "
-                            "with trl.GRPOTrainer, or pick a postrl loss in the postrl section (postrl methods --kind "
-                            "loss; e.g. loss: {name: gspo} for a sequence-level ratio)",
-}
+# GRPOConfig options with no postrl counterpart under the adapter: (option, value) -> what to do instead (every
+# loss_type of TRL 1.16 has one now; the other refusals depend on several options: see trl_section and _configure)
+REFUSED: dict[tuple[str, Any], str] = {}
 # fields a stage may read that TRL's batch cannot give
 _UNAVAILABLE = {"logits": "the logits (TRL's forward returns log-probs and entropies only)",
                 "greedy_reward": "a greedy generation (TRL owns generation)"}
@@ -131,10 +128,10 @@ def trl_section(args: Any) -> tuple[dict, dict]:
 
     loss_type -> ``loss.agg``: grpo / sapo ``seq_mean_token_mean``, dapo / bnpo / cispo ``token_mean`` (bnpo
     normalises by each micro-batch's tokens: equal when one micro-batch is one optimizer step), dr_grpo ``dr_grpo``,
-    luspo ``seq_mean_token_sum``; ``loss.name``: ``ppo_clip`` (``eps_low`` = epsilon, ``eps_high`` = epsilon_high or
-    epsilon, ``dual_clip`` = delta), ``gspo`` with importance_sampling_level='sequence', ``cispo`` (cap = TRL's
-    epsilon_high: ``eps_high`` = epsilon_high - 1), ``sapo`` (``tau_pos`` / ``tau_neg`` = sapo_temperature_pos /
-    neg); scale_rewards -> ``advantage: {name: grpo, scale, eps: 1e-4}`` (TRL's epsilon); multi_objective_aggregation
+    luspo ``seq_mean_token_sum``, vespo ``token_mean``; ``loss.name``: ``ppo_clip`` (``eps_low`` = epsilon,
+    ``eps_high`` = epsilon_high or epsilon, ``dual_clip`` = delta), ``gspo`` with importance_sampling_level='sequence',
+    ``cispo`` (cap = TRL's epsilon_high: ``eps_high`` = epsilon_high - 1), ``sapo`` (``tau_pos`` / ``tau_neg`` =
+    sapo_temperature_pos / neg), ``vespo`` (``vespo_*``); scale_rewards -> ``advantage: {name: grpo, scale, eps: 1e-4}`` (TRL's epsilon); multi_objective_aggregation
     normalize_then_sum -> ``gdpo``; top_entropy_quantile -> regularizer ``top_entropy_tokens``;
     off_policy_mask_threshold -> regularizer ``off_policy_mask``; beta -> ``kl: {coef: beta, estimator: k3,
     placement: loss, is_correction}`` (``token`` / ``sequence`` with use_bias_correction_kl, TRL's default).
@@ -148,17 +145,21 @@ def trl_section(args: Any) -> tuple[dict, dict]:
     eps_low = float(args.epsilon)
     eps_high = float(args.epsilon_high if args.epsilon_high is not None else args.epsilon)
     agg = {"grpo": "seq_mean_token_mean", "sapo": "seq_mean_token_mean", "dapo": "token_mean", "bnpo": "token_mean",
-           "cispo": "token_mean", "dr_grpo": "dr_grpo", "luspo": "seq_mean_token_sum"}.get(lt)
+           "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "dr_grpo", "luspo": "seq_mean_token_sum"}.get(lt)
     if agg is None:
         raise TRLConfigError(f"GRPOConfig.loss_type={lt!r}: not a loss type the adapter knows; use one of grpo, dapo, "
-                             f"bnpo, dr_grpo, cispo, sapo, luspo, or set loss and loss.agg in the postrl section")
+                             f"bnpo, dr_grpo, cispo, sapo, luspo, vespo, or set loss and loss.agg in the postrl "
+                             f"section")
     if lt == "cispo":
-        if eps_high < 1.0:
+        if eps_high <= 0.0:
             raise TRLConfigError(f"GRPOConfig.loss_type='cispo' caps the importance weight at epsilon_high "
-                                 f"({eps_high:g}, below 1); set epsilon_high to a cap >= 1 (e.g. 5.0) or use "
-                                 f"loss: {{name: cispo, eps_high: ...}} in the postrl section")
+                                 f"({eps_high:g}); set a positive cap (ScaleRL's 5.0)")
         loss = {"name": "cispo", "eps_high": eps_high - 1.0}
         keys = ("loss_type", "epsilon_high")
+    elif lt == "vespo":
+        loss = {"name": "vespo", "k_pos": float(args.vespo_k_pos), "lambda_pos": float(args.vespo_lambda_pos),
+                "k_neg": float(args.vespo_k_neg), "lambda_neg": float(args.vespo_lambda_neg)}
+        keys = ("loss_type", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
     elif lt == "sapo":
         loss = {"name": "sapo", "tau_pos": float(args.sapo_temperature_pos),
                 "tau_neg": float(args.sapo_temperature_neg)}
@@ -210,7 +211,8 @@ def trl_section(args: Any) -> tuple[dict, dict]:
 # the GRPOConfig options trl_section reads (one of them away from its default makes its keys binding)
 _TRANSLATED = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
                "multi_objective_aggregation", "top_entropy_quantile", "off_policy_mask_threshold", "beta",
-               "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg")
+               "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+               "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
 
 def _explicit(postrl: Config | Mapping[str, Any] | None) -> dict:
@@ -225,8 +227,12 @@ def _explicit(postrl: Config | Mapping[str, Any] | None) -> dict:
 def _section(postrl: Config | Mapping[str, Any] | None, args: Any, rollout: dict, steps: int | None,
              trl_rewards: bool) -> Config:
     """The run's postrl config: TRL's options as defaults (:func:`trl_section`), the user's section over them
-    (a disagreement with an option set away from TRL's default is an error), TRL's rollout settings; without the
-    section naming ``rewards``, TRL's ``reward_funcs`` (``trl_rewards``) are the only reward sources."""
+    (a disagreement with an option set away from TRL's default is an error), TRL's rollout settings; its
+    ``rewards`` are the ones the section names (none: TRL's ``reward_funcs`` are the only reward sources; with
+    neither, ``trl_rewards`` False, the error TRL raises, with the postrl way added)."""
+    if not trl_rewards and "rewards" not in _explicit(postrl):
+        raise TRLConfigError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method, or name rewards in the postrl section")
     user = _explicit(postrl)
     base, why = trl_section(args)
     changed = {o for o in _TRANSLATED if _changed(args, o)}
@@ -264,7 +270,7 @@ def _section(postrl: Config | Mapping[str, Any] | None, args: Any, rollout: dict
     if steps is not None:
         merged["train"] = {**dict(user.get("train") or {}), "steps": steps}
     cfg = load_config(base=merged)
-    if trl_rewards and "rewards" not in user:  # (a config file needs a source: TRL's are added by the adapter)
+    if "rewards" not in user:  # TRL's reward_funcs are the sources (a config needs one: they come in the adapter)
         cfg = cfg.model_copy(update={"rewards": []})
     return cfg
 
@@ -380,11 +386,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The GRPOConfig TRL gets, the postrl config, the reward processing classes TRL gets (one per reward source
         passed to it: TRL's, then the section's). ``trl_rewards``: TRL has reward sources of its own
         (``reward_funcs`` or an environment's ``get_reward``), so the section's ``rewards`` only add to them."""
-        if args.steps_per_generation % args.gradient_accumulation_steps:
-            raise TRLConfigError(
-                f"GRPOConfig.steps_per_generation={args.steps_per_generation} must be a multiple of "
-                f"gradient_accumulation_steps={args.gradient_accumulation_steps} under postrl's adapter (an "
-                f"optimizer step within one generation: the aggregation weighs the optimizer step's whole batch)")
         if funcs is None and args.reward_weights is not None:
             raise TRLConfigError("GRPOConfig.reward_weights weighs reward_funcs; the postrl section's reward sources "
                                  "take rewards.N.weight")
@@ -575,13 +576,22 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         """TRL's batch, plus ``postrl_weights``: the aggregation's token weights over each optimizer step's batch
         (its gradient-accumulation micro-batches on every process), times the number of processes (DDP averages
-        the gradients)."""
+        the gradients). When ``steps_per_generation`` is not a multiple of ``gradient_accumulation_steps`` an
+        optimizer step can span two generations, whose masks are not known together: the weights are then those of
+        the generation's whole batch times steps_per_generation / gradient_accumulation_steps, i.e. each optimizer
+        step is normalised by the generation's average per optimizer step (TRL's own normalisation in that case:
+        ``dapo`` divides by the generation's tokens times GA / steps_per_generation; ``grpo``, ``dr_grpo``, the
+        sequence means, are per micro-batch and so unchanged)."""
         before = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
+        spg, ga = self.args.steps_per_generation, self.args.gradient_accumulation_steps
         if not self.model.training:
             self._weigh([inputs], 1)
         elif self._buffered_inputs is not before:
-            self._weigh(self._buffered_inputs, self.args.gradient_accumulation_steps)
+            if spg % ga == 0:
+                self._weigh(self._buffered_inputs, ga)
+            else:
+                self._weigh(self._buffered_inputs, spg, scale=spg / ga)
         return inputs
 
     def _loss_mask(self, piece: dict) -> torch.Tensor:
@@ -591,8 +601,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         valid = self._scored["train" if self.model.training else "eval"][0].valid
         return m * valid[piece["postrl_row"].cpu()].to(m.device).unsqueeze(-1).float()
 
-    def _weigh(self, pieces: list[dict], per_step: int) -> None:
-        world = self.accelerator.num_processes
+    def _weigh(self, pieces: list[dict], per_step: int, scale: float = 1.0) -> None:
+        world = self.accelerator.num_processes * scale
         for s in range(0, len(pieces), per_step):
             group = pieces[s:s + per_step]
             local = torch.cat([self._loss_mask(p) for p in group])
@@ -692,6 +702,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         m["entropy"].append(mean(entropy))
         if "kl_token" in info:
             m["kl"].append(mean(info["kl_token"]))
+        if "phi" in info:  # vespo: the sequences' weight
+            phi = info["phi"][:, 0].detach()
+            tot = self.accelerator.reduce(torch.stack([phi.sum(), phi.new_tensor(float(phi.numel()))]),
+                                          reduction="sum")
+            m["vespo/phi_seq_mean"].append(float(tot[0] / tot[1].clamp(min=1.0)))
         low, high = info.get("clip_low"), info.get("clip_high")
         if low is not None and high is not None:
             low, high = low.float().expand_as(mask), high.float().expand_as(mask)
@@ -715,7 +730,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """Once per generation, after its last micro-batch: the objective's statistics (averaged over the
         generation's optimizer steps), the batch metrics, reduced over processes; every stateful stage's and the
         KL controller's end of step; the monitors' alarms; all logged through TRL (``postrl/<key>``)."""
-        opt_steps = self._generate_every // self.args.gradient_accumulation_steps
+        opt_steps = self._generate_every / self.args.gradient_accumulation_steps
         m = dict(self._step_metrics)
         m.update({k: (v if k == "ratio_max" else v / opt_steps) for k, v in self._loss_sums.items()})
         m = self.procs.reduce_metrics(m)
