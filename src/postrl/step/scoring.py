@@ -50,10 +50,10 @@ class Scorer:
                  sources: list[tuple[str, Callable, float]] | None = None):
         self.cfg = reward
         sources = list(sources or [])
-        names = [n for n, _, _ in sources] + [r.name for r in rewards]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ConfigError(f"rewards: two reward sources are named '{dup}'; give each source its own name")
+        names = [n for n, _, _ in sources]
+        clash = [n for i, n in enumerate(names) if n in names[:i] or n in {r.name for r in rewards}]
+        if clash:
+            raise ConfigError(f"rewards: two reward sources are named '{clash[0]}'; give each source its own name")
         self.specs = [SimpleNamespace(name=n, weight=float(w), params={}) for n, _, w in sources] + list(rewards)
         self.rewards = [stages.Stage("reward", n, fn, {}, (), label=n) for n, fn, _ in sources] + \
             stages.build_all("reward", rewards, section="rewards")
