@@ -540,3 +540,15 @@ def test_mixture_of_experts_logs_trls_aux_loss(tmp_path):
     a = [r["aux_loss"] for r in trl_side.state.log_history if "aux_loss" in r]
     b = [r["aux_loss"] for r in ours.state.log_history if "aux_loss" in r]
     assert len(a) == len(b) > 0 and b == pytest.approx(a, abs=1e-6)
+
+
+def test_postrl_entropy_regularizer_gets_trls_differentiable_entropy(model_dir, tmp_path):
+    """A postrl regulariser that differentiates the entropy (entropy_bonus) trains through TRL's entropy (TRL
+    1.16's fused head gives it a gradient): with every advantage 0 the entropy term alone moves the weights."""
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    section = {"rewards": [{"name": f"{MODULE}:always_zero"}]}
+    flat = _run_postrl(model_dir, tmp_path / "flat", section)
+    assert _max_diff(_weights(flat), start) == 0  # no signal without the regulariser
+    bonus = _run_postrl(model_dir, tmp_path / "bonus",
+                        {**section, "regularizers": [{"name": "entropy_bonus", "coef": 1.0}]})
+    assert bonus.postrl.objective.entropy_grad and _max_diff(_weights(bonus), start) > 1e-3
