@@ -54,6 +54,46 @@ def test_dynamic_sampling_keeps_groups_with_raw_variance_only():
         dynamic_sampling(rewards, ["correct", "len"], g, reward="acc")
 
 
+def test_dynamic_sampling_singletons_keep_is_verl_convention():
+    # groups: 0 = one completion (r=1), 1 = two equal (0, 0), 2 = varies (0, 1), 3 = one finite value (1, NaN)
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [0.0], [1.0], [1.0], [nan]])
+    g = torch.tensor([0, 1, 1, 2, 2, 3, 3])
+    # default (postrl): a group with fewer than two finite values is dropped -> only group 2 trains
+    assert dynamic_sampling(rewards, ["correct"], g).tolist() == [False, False, False, True, True, False, False]
+    # verl: evict only len >= 2 with std 0 -> the group of one is kept; so is the group with one finite value
+    keep = dynamic_sampling(rewards, ["correct"], g, singletons="keep")
+    assert keep.tolist() == [True, False, False, True, True, True, True]
+
+
+def _verl_dapo_keep(values_by_uid: dict) -> dict:
+    """verl 0.9.1 ReplayBuffer._dapo_filtered_keys: a group is evicted iff len(values) > 1 and np.std == 0."""
+    import numpy as np
+
+    return {uid: not (len(v) > 1 and float(np.std(v)) == 0.0) for uid, v in values_by_uid.items()}
+
+
+def test_dynamic_sampling_singletons_keep_equals_verl_on_random_tensors():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        sizes = torch.randint(1, 5, (12,), generator=gen).tolist()  # groups of 1..4 completions
+        g = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
+        g = g[torch.randperm(len(g), generator=gen)]  # groups need not be contiguous
+        if trial % 2:
+            r = torch.randint(0, 2, (len(g),), generator=gen).float()  # 0/1 accuracy (many zero-std groups)
+        else:
+            r = torch.randint(0, 3, (len(g),), generator=gen).float() / 2  # graded scores
+        by_uid: dict = {}
+        for uid, val in zip(g.tolist(), r.tolist()):
+            by_uid.setdefault(uid, []).append(val)
+        ref = _verl_dapo_keep(by_uid)
+        keep = dynamic_sampling(r[:, None], ["correct"], g, singletons="keep")
+        assert keep.tolist() == [ref[uid] for uid in g.tolist()]
+        # the default differs exactly on the groups of one
+        default = dynamic_sampling(r[:, None], ["correct"], g)
+        differ = {uid for uid, v in by_uid.items() if len(v) == 1}
+        assert [a != b for a, b in zip(keep.tolist(), default.tolist())] == [uid in differ for uid in g.tolist()]
+
+
 def test_range_filter_hand_values():
     r = torch.tensor([[0.0], [0.0], [1.0], [0.0], [1.0], [1.0], [1.0], [0.5]])
     g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # means 0, 0.5, 1, 0.75

@@ -13,6 +13,8 @@ reward.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from postrl.groups import group_moments
@@ -37,7 +39,8 @@ def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
           needs=("groups",))
 def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
                      raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
-                     reward: str = "correct", max_attempts: int = 10) -> torch.Tensor:
+                     reward: str = "correct", max_attempts: int = 10,
+                     singletons: Literal["drop", "keep"] = "drop") -> torch.Tensor:
     """Keep the groups whose raw verifiable reward varies (std > 0); the trainer regenerates until the batch is full.
 
     DAPO ("DAPO: An Open-Source LLM Reinforcement Learning System at Scale"): a group whose completions are all
@@ -45,15 +48,27 @@ def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch
     (verl ``algorithm.filter_groups.enable=True, metric=acc``, ``max_num_gen_batches`` = ``max_attempts``,
     default 10). Judged on the raw column ``reward`` (default 'correct'), never on the shaped reward (a length or
     format term must not make an all-wrong group look informative): the column as the reward source returned it
-    (``raw_rewards``), untouched by shaping stages. NaN entries (failed rewards) are ignored; a group with fewer
-    than two finite values has no variance and is dropped.
+    (``raw_rewards``), untouched by shaping stages. NaN entries (failed rewards) are ignored.
+
+    A group with one finite value (a group of one completion, or a group whose other entries failed):
+    ``singletons='drop'`` (default) drops it, since it has no variance and GRPO gives it advantage 0;
+    ``singletons='keep'`` keeps it, verl's convention: verl evicts a group only when it holds two or more
+    trajectories whose metric has zero std (``len(values) > 1 and np.std(values) == 0``, verl 0.9.1
+    ``ReplayBuffer._dapo_filtered_keys``; the older ``DAPORayTrainer`` kept ``std > 0 or len(vals) == 1``), so a
+    group of one trains there (with verl's GRPO it gets A = r / (1 + eps), ``advantage.singleton: raw``).
+    keep_g = (n_g >= 2 and max_g > min_g)  or  (singletons = 'keep' and n_g == 1), n_g = finite values in g;
+    a group with no finite value is dropped either way (verl never sees a NaN reward: its std would be NaN and
+    the group kept).
     Shapes: rewards [N, K], reward_names [K], group_ids [N] (raw_rewards [N, K']) -> keep [N] bool.
     """
     if max_attempts < 1:
         raise ValueError(f"filters.dynamic_sampling.max_attempts: expected an integer >= 1, got {max_attempts}")
     x = raw_column(rewards, reward_names, reward, "filters.dynamic_sampling", raw_rewards, raw_reward_names)
     _, lo, hi, cnt = group_moments(x, group_ids)
-    return (cnt >= 2) & (hi > lo)
+    keep = (cnt >= 2) & (hi > lo)
+    if singletons == "keep":
+        keep = keep | (cnt == 1)
+    return keep
 
 
 @register("filter", "range_filter", source="OpenRLHF --dynamic_filtering --dynamic_filtering_reward_range")

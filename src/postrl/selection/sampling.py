@@ -20,8 +20,11 @@ from postrl.registry import register
 class MultiTemperature:
     """Sample each group across several temperatures: completion j of a prompt uses temperatures[j mod m].
 
-    After "On the Role of Temperature Sampling in Test-Time Scaling" (different temperatures solve different
-    problems; scaling along temperature widens the reasoning boundary), applied to the rollouts of RL. Default
+    A training-time reading of a test-time paper. "On the Role of Temperature Sampling in Test-Time Scaling" is
+    about inference only: it finds that different sampling temperatures solve different problems, so scaling the
+    number of traces along the temperature dimension (and its multi-temperature voting) widens the reasoning
+    boundary of a fixed model, with no training. The paper does not train on such samples; postrl's use of the
+    idea for the rollouts of RL (more diverse groups) is postrl's assumption, not a result of the paper. Default
     temperatures [0.6, 1.0, 1.4] (assumed). The group size must be at least m. The sampler's log-probs of each row
     are at that row's temperature (``extra['temperature']`` holds it); the trainer's log-probs use
     ``rollout.temperature``, so rows sampled at another temperature are off-policy samples of the trained policy
