@@ -15,7 +15,11 @@ gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as
 
 from __future__ import annotations
 
+import math
+from typing import Annotated
+
 import torch
+from annotated_types import Ge
 
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
@@ -113,27 +117,48 @@ def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2, l
 @register("regularizer", "entropy_smoothing", source="EPO: Entropy-regularized Policy Optimization for LLM Agents "
           "Reinforcement Learning")
 class EntropySmoothing(Stateful):
-    """Keep the policy's entropy near its running historical mean (after EPO's entropy smoothing regulariser).
+    """Keep the policy's entropy near its running historical mean (EPO's smoothing), with EPO's phase weighting.
 
     H_hist = mean of the last ``window`` steps' aggregated token entropies; H_b = mean token entropy of the
     current forward pass (detached); s = sgn(H_b - H_hist) if |H_b - H_hist| > band * H_hist, else 0;
-    R_t = s (H_t - H_hist). Aggregated (weights summing to 1) the term is |H - H_hist| while the entropy is out of
-    the band and 0 inside, and its gradient moves the entropy back toward H_hist; 0 before any history.
+    R_t = w_k s (H_t - H_hist). Aggregated (weights summing to 1) the term is w_k |H - H_hist| while the entropy
+    is out of the band and 0 inside, and its gradient moves the entropy back toward H_hist; 0 before any history.
     Assumed where the abstract is open: a hinge on the batch-mean entropy (a per-token band would flatten the
-    forking structure), relative band; defaults window = 10, band = 0.1 are postrl's. EPO's other parts:
-    entropy regularisation is ``entropy_bonus``; its phase-based weighting is not implemented. History in the
-    checkpoint.
+    forking structure), relative band; defaults window = 10, band = 0.1 are postrl's. Entropy regularisation, EPO's
+    first part, is ``entropy_bonus``. History in the checkpoint.
+
+    Phase-based weighting ("adaptive phase-based weighting that balances exploration and exploitation across
+    training"; the abstract gives no formula: this is the schedule of the authors' released code,
+    ``DataParallelPPOActor._calculate_epoch_based_entropy_weight`` with ``enable_smooth_weights``, which multiplies
+    the smoothing penalty). With K = ``phase_steps`` training steps, h = floor(K / 2) and k = the number of steps
+    already taken (clamped to [0, K]):
+        w_k = 1 - 0.2 (1 - exp(-phase_slow k / h))             k <= h   (slow decay 1 -> ~0.83; h = 0: 1)
+        w_k = 0.8 exp(-phase_fast (k - h) / (K - h))           k > h    (fast decay 0.8 -> 0.8 e^-phase_fast)
+    defaults phase_slow 2.0, phase_fast 3.0 (the code's; its K default is 150 epochs). ``phase_steps`` None
+    (default) keeps w_k = 1 (no phase weighting). The code's schedule is not continuous at k = h (0.83 -> 0.8).
+    The v2 abstract words the weighting as moving "from conservative exploration to strong stabilization";
+    the released schedule lowers the smoothing weight over training, and that schedule is what is implemented.
+    Not reproduced: the code applies smoothing only to turns past half of an episode's step budget.
     """
 
-    def __init__(self, *, window: int = 10, band: float = 0.1):
+    def __init__(self, *, window: int = 10, band: float = 0.1,
+                 phase_steps: Annotated[int, Ge(1)] | None = None,
+                 phase_slow: Annotated[float, Ge(0)] = 2.0, phase_fast: Annotated[float, Ge(0)] = 3.0):
         if window < 1 or band < 0:
             raise ValueError(f"regularizers.entropy_smoothing: expected window >= 1, band >= 0 (got {window}, {band})")
         self.window, self.band = int(window), float(band)
+        self.phase_steps, self.phase_slow, self.phase_fast = phase_steps, float(phase_slow), float(phase_fast)
         self.history: list[float] = []
+        self.steps = 0
 
     @property
     def reference(self) -> float | None:
         return sum(self.history) / len(self.history) if self.history else None
+
+    @property
+    def phase_weight(self) -> float:
+        """w_k of the current step (1.0 without ``phase_steps``)."""
+        return phase_weight(self.steps, self.phase_steps, self.phase_slow, self.phase_fast)
 
     def __call__(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ref = self.reference
@@ -141,21 +166,36 @@ class EntropySmoothing(Stateful):
             return torch.zeros_like(entropy)
         hb = float((entropy.detach() * mask).sum() / mask.sum())
         s = 0.0 if abs(hb - ref) <= self.band * ref else (1.0 if hb > ref else -1.0)
-        return s * (entropy - ref)
+        return (self.phase_weight * s) * (entropy - ref)
 
     def end_step(self, step: StepEnd) -> dict:
         h = step.metrics.get("entropy")
         ref = self.reference
-        used = {"reference": ref} if ref is not None else {}  # the value this step used
+        used = {"reference": ref} if ref is not None else {}  # the values this step used
+        if self.phase_steps is not None:
+            used["phase_weight"] = self.phase_weight
         if h is not None and h == h:
             self.history = (self.history + [float(h)])[-self.window:]
+        self.steps += 1
         return used
 
     def state_dict(self) -> dict:
-        return {"history": list(self.history)}
+        return {"history": list(self.history), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.history = [float(x) for x in state["history"]][-self.window:]
+        self.steps = int(state.get("steps", 0))
+
+
+def phase_weight(k: int, total: int | None, slow: float = 2.0, fast: float = 3.0) -> float:
+    """EPO's phase weight w_k after k of ``total`` steps (see :class:`EntropySmoothing`); 1.0 when total is None."""
+    if total is None:
+        return 1.0
+    k = max(0, min(int(k), int(total)))
+    half = total // 2
+    if k <= half:
+        return 1.0 if half == 0 else 1.0 - 0.2 * (1.0 - math.exp(-slow * k / half))
+    return 0.8 * math.exp(-fast * (k - half) / (total - half))
 
 
 # ---------------------------------------------------------------------------------------------- distributions
