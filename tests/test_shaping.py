@@ -235,6 +235,42 @@ def test_truncation_penalty_zeroes_over_cap():
     close(out["rewards"], [[1.0, 0.5], [1.0, 0.5], [nan, 1.0]])
 
 
+def test_difficulty_truncation_tightens_cap_on_easy_prompts():
+    from postrl.shaping.length import difficulty_truncation
+
+    # max_length 100, tighten 0.5: group 0 all correct -> cap floor(100 (1 - 0.5)) = 50; group 1 half correct
+    # -> 75; group 2 none correct -> 100 (the plain truncation cap)
+    r = T([[1.0], [1.0], [1.0], [0.0], [0.0], [0.0]])
+    L = T([40.0, 60.0, 70.0, 80.0, 90.0, 99.0])
+    tr = T([False] * 6)
+    g = T([0, 0, 1, 1, 2, 2])
+    out = difficulty_truncation(r, ["correct"], L, tr, g, max_length=100)
+    close(out["truncation_cap"], [50, 50, 75, 75, 100, 100])
+    close(out["rewards"], [[1.0], [0.0], [1.0], [0.0], [0.0], [0.0]])  # 60 > 50 zeroed; 70 <= 75 kept
+    # the plain DLER truncation with the same cap zeroes nothing here
+    close(truncation_penalty(r, ["correct"], L, tr, max_length=100)["rewards"], r)
+    # min_length floors the cap; a truncated completion is over the cap; NaN stays NaN
+    out = difficulty_truncation(T([[1.0], [nan]]), ["correct"], T([30.0, 5.0]), T([False, True]), T([0, 0]),
+                                max_length=100, tighten=0.9, min_length=40)
+    close(out["truncation_cap"], [40, 40])  # acc over finite entries = 1 -> floor(100 * 0.1) = 10 -> 40
+    close(out["rewards"], [[1.0], [nan]])
+    with pytest.raises(ConfigError, match="max_length: required"):
+        difficulty_truncation(r, ["correct"], L, tr, g)
+
+
+def test_difficulty_truncation_cap_defaults_to_max_new_tokens():
+    from postrl.config import load_config
+
+    cfg = load_config(None, ["rollout.max_new_tokens=48",
+                             "shaping=[{name: difficulty_truncation}, {name: weighted_sum}]"])
+    assert cfg.shaping[0].params["max_length"] == 48
+    with pytest.raises(ConfigError, match="tighten: expected a value >= 0 and < 1, got 1.5"):
+        load_config(None, ["shaping=[{name: difficulty_truncation, tighten: 1.5}, {name: weighted_sum}]"])
+    with pytest.raises(ConfigError, match="expected min_length <= max_length"):
+        load_config(None, ["rollout.max_new_tokens=16",
+                           "shaping=[{name: difficulty_truncation, min_length: 20}, {name: weighted_sum}]"])
+
+
 def test_laser_step_bonus():
     r = T([[1.0], [1.0], [0.0], [nan]])
     out = laser(r, ["correct"], T([1.0]), T([3.0, 9.0, 2.0, 2.0]), target_length=5, alpha=0.5)

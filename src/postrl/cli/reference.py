@@ -66,6 +66,8 @@ Every mistake below stops the run before it starts with one line naming the key 
 - **Length stages.** `overlong_soft` (DAPO) punishes completions longer than `max_length - buffer` tokens; in a
   config `max_length` defaults to `rollout.max_new_tokens` and `buffer` to a fifth of it (DAPO's 20480 / 4096),
   and one that could never apply (`max_length - buffer >= rollout.max_new_tokens`) is an error.
+  `difficulty_truncation` (Difficulty-Aware DLER) cuts each prompt at floor(max_length (1 - tighten acc_g)), acc_g
+  its group's accuracy; its `max_length` defaults to `rollout.max_new_tokens`.
 
 ## Data files: the held-out split
 

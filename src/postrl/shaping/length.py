@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 
 import torch
-from annotated_types import Ge
+from annotated_types import Ge, Interval
 
 from postrl.errors import ConfigError
 from postrl.registry import register
@@ -98,6 +98,59 @@ def truncation_penalty(rewards, reward_names, lengths, truncated, *, max_length:
         r = out[:, k]
         out[:, k] = torch.where(over & torch.isfinite(r), torch.zeros_like(r), r)
     return {"rewards": out}
+
+
+def _difficulty_lengths(params: dict, run: Any, where: str) -> dict:
+    """``difficulty_truncation``'s base cap against the run: ``max_length`` defaults to ``rollout.max_new_tokens``;
+    ``min_length`` must not exceed it."""
+    if run is not None and params.get("max_length") is None:
+        params = {**params, "max_length": run.rollout.max_new_tokens}
+    ml, lo = params.get("max_length"), params.get("min_length", 1)
+    if ml is not None and lo > ml:
+        raise ConfigError(f"{where}: expected min_length <= max_length, got min_length={lo}, max_length={ml}")
+    return params
+
+
+@register("shaping", "difficulty_truncation", source="DLER: Doing Length pEnalty Right (Difficulty-Aware DLER)",
+          needs=("groups",), check=_difficulty_lengths)
+def difficulty_truncation(rewards, reward_names, lengths, truncated, group_ids, *, max_length: Annotated[int, Ge(1)]
+                          | None = None, tighten: Annotated[float, Interval(ge=0, lt=1)] = 0.5,
+                          min_length: Annotated[int, Ge(1)] = 1, source: str = "correct",
+                          correct_threshold: float = 1.0, sources: list[str] | None = None,
+                          include_truncated: bool = True):
+    """Difficulty-aware DLER truncation: each prompt's length cap tightens with its group's accuracy; r' = 0 over it.
+
+    After "DLER: Doing Length pEnalty Right" ("Difficulty-Aware DLER, which adaptively tightens truncation on
+    easier questions"; the abstract gives no formula). The group's accuracy is the difficulty signal:
+        acc_g = mean_{j in g} 1[r_j^source >= correct_threshold]     (finite entries of the ``source`` column)
+        L_g   = max(min_length, floor(max_length * (1 - tighten * acc_g)))
+        r'_i  = 0 on the ``sources`` columns (default all) if L_i > L_g(i) or (``include_truncated`` and the
+                completion hit the generation limit), else r_i
+    so an all-correct (easy) prompt is cut at (1 - tighten) * max_length and an all-wrong one at max_length, the
+    plain ``truncation_penalty``. Assumed: the linear map from accuracy to cap and defaults tighten 0.5,
+    min_length 1; ``max_length`` defaults to ``rollout.max_new_tokens`` in a config (required when called
+    directly). Accuracy is read before truncation (a long correct answer still marks its prompt easy); a failed
+    entry stays NaN; a group without a finite ``source`` value keeps the full cap. Combine as the DLER recipe:
+    ``advantage.scale: batch``, clip-higher, ``dynamic_sampling``. Adds ``truncation_cap`` [N] to the batch.
+    Shapes: rewards [N, K], lengths [N], truncated [N], group_ids [N] -> {rewards, truncation_cap}.
+    """
+    if max_length is None:
+        raise ConfigError("shaping.difficulty_truncation.max_length: required outside a config (a config derives "
+                          "it from rollout.max_new_tokens)")
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "difficulty_truncation")
+    inv, ng = group_index(group_ids)
+    hits = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, c.to(torch.float64))
+    n = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, known.to(torch.float64))
+    acc = torch.where(n > 0, hits / n.clamp(min=1.0), torch.zeros_like(n))
+    cap = torch.floor(max_length * (1.0 - tighten * acc)).clamp(min=min_length)[inv]
+    over = lengths.to(torch.float64) > cap
+    if include_truncated:
+        over = over | truncated.bool()
+    out = rewards.clone()
+    for k in cols(reward_names, sources, "difficulty_truncation"):
+        r = out[:, k]
+        out[:, k] = torch.where(over & torch.isfinite(r), torch.zeros_like(r), r)
+    return {"rewards": out, "truncation_cap": cap.to(torch.float32)}
 
 
 _LASER = "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping"
