@@ -177,6 +177,50 @@ def test_riskpo_hand_values():
     assert torch.all(riskpo(torch.ones(3), torch.zeros(3, dtype=torch.long)) == 0)
 
 
+def test_riskpo_bundling_hand_values():
+    # two questions of three completions, one bundle of 2: papers j = (row j of q1, row j of q2)
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    g = torch.tensor([7, 7, 7, 3, 3, 3])  # q1 (id 7) appears first: ids need not be sorted
+    # paper scores S = [1 + 0, 0 + 0, 1 + 1] = [1, 0, 2]; alpha 0.25 of 3 papers: q = the 1st smallest = 0,
+    # psi = 0 everywhere (no paper below 0); u = 0.5 S = [0.5, 0, 1]; GRPO over papers: [0, -1, 1] (std 0.5)
+    a = riskpo(r, g, bundle_size=2)
+    assert close(a, [0.0, -1.0, 1.0, 0.0, -1.0, 1.0])
+    # without bundling each question is its own risk pool: q1 [1, 0, 1] -> GRPO of 0.5 r
+    assert close(riskpo(r, g), torch.cat([grpo(r[:3], g[:3]), grpo(r[3:], g[3:])]))
+    assert not close(riskpo(r, g), a)
+    # unequal questions: q2 has 2 valid completions -> 2 papers; q1's third completion is in none (0)
+    v = torch.tensor([True, True, True, True, False, True])
+    # papers: (r0 + r3) = 1, (r1 + r5) = 1 -> equal scores, advantage 0
+    assert close(riskpo(r, g, v, bundle_size=2), [0.0] * 6)
+    # bundle_size 1 is the unbundled estimator (exactly)
+    r2 = torch.tensor([0.0, 1.0, 2.0, 3.0, 0.5, 0.25])
+    g2 = torch.tensor([0, 0, 0, 0, 1, 1])
+    assert torch.equal(riskpo(r2, g2, alpha=0.5, bundle_size=1), riskpo(r2, g2, alpha=0.5))
+
+
+def test_riskpo_rvar_cvar_is_the_authors_estimator():
+    # one bundle of 5 papers S = [0, 1, 2, 3, 4] (one question, B = 1), alpha 0.2, beta 0.9:
+    # torch.quantile: q_a = S at position 0.8 = 0.8, q_b = position 3.6 = 3.6
+    S = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    g = torch.zeros(5, dtype=torch.long)
+    eps = 1e-6
+    rvar = torch.tensor([-2.8, 0.2 - 2.8, 1.2 - 2.8, 2.2 - 2.8, 3.2 - 0.4 - 2.8]) / (0.7 + eps)  # [-4, -3.71, ...]
+    cvar = torch.tensor([-0.8, 0.0, 0.0, 0.0, 0.0]) / (0.2 + eps)  # only S = 0 lies below q_a
+    mixed = (1.5 * cvar + rvar) / 2.5  # [-4.0, -1.4857, -0.9143, -0.3429, 0.0]
+    sd = math.sqrt(2.5)  # unbiased std of 0..4
+    a = riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar")
+    assert close(a, mixed / (sd + eps))
+    assert close(riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar", scale="none"), mixed)
+    # credit 'std': divided by the question's reward std as well
+    assert close(riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar", credit="std"), mixed / (sd + eps) / (sd + eps))
+    # a single paper: q_a = q_b = S -> 0
+    assert close(riskpo(torch.tensor([1.0]), torch.zeros(1, dtype=torch.long), form="rvar_cvar"), [0.0])
+    from postrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="alpha < beta"):
+        stages.build("advantage", "riskpo", {"form": "rvar_cvar", "alpha": 0.9, "beta": 0.5})
+
+
 def test_aem_hand_values():
     r = torch.tensor([1.0, 0.0])
     lp = torch.tensor([[-1.0], [-3.0]])  # surprisal 1 and 3 -> z = -0.707 / +0.707
