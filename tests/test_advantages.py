@@ -264,6 +264,36 @@ def test_rank_tournament_bracket_and_ranks():
     assert close(a3, grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g, torch.tensor([True, True, True, False])))
 
 
+def test_rank_tournament_rubric_judge_is_lexicographic_over_columns():
+    # columns (correct, format); scalar reward = correct + 2 format pays format more than correctness
+    cols = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # A, B, C, D
+    r = cols[:, 0] + 2 * cols[:, 1]  # A 1, B 3, C 2, D 0 -> seeds B, C, A, D
+    g = torch.zeros(4, dtype=torch.long)
+    args = (r, g, ["q"] * 4, ["a"] * 4, None, cols, ["correct", "format"])
+    # round 1: B vs D, C vs A; reward judge: C beats A (2 > 1), final B beats C
+    assert close(rank_tournament(*args), grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g))
+    # rubric: correctness decides first: A beats C; final B vs A ties on correct, B wins on format
+    assert close(rank_tournament(*args, judge="rubric"), grpo(torch.tensor([1.0, 2.0, 0.0, 0.0]), g))
+    # rubric order reversed (format first): C beats A again
+    assert close(rank_tournament(*args, judge="rubric", rubric=["format", "correct"]),
+                 grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g))
+    # margin: differences up to the margin do not decide; the next level does
+    near = torch.tensor([[0.9, 0.0], [1.0, 1.0], [0.2, 1.0], [0.0, 0.0]])
+    a = rank_tournament(near[:, 0] + 2 * near[:, 1], g, ["q"] * 4, ["a"] * 4, None, near,
+                        ["correct", "format"], judge="rubric", margin=0.15)
+    # round 1: B (3) vs D, C (2.2) vs A (0.9): correct 0.7 apart > 0.15 -> A; final B vs A: 0.1 <= 0.15 -> format: B
+    assert close(a, grpo(torch.tensor([1.0, 2.0, 0.0, 0.0]), g))
+    # completions with identical rubric vectors share their mean score
+    same = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    a = rank_tournament(torch.tensor([1.0, 0.9, 0.2, 0.1]), g, ["q"] * 4, ["a"] * 4, None, same,
+                        ["correct", "format"], judge="rubric")
+    assert close(a, grpo(torch.tensor([1.5, 1.5, 0.0, 0.0]), g))  # seeds 1, 2 reach the final: 2 and 1 -> 1.5
+    with pytest.raises(registry.ConfigError, match="advantage.rubric: expected reward columns of this run"):
+        rank_tournament(*args, judge="rubric", rubric=["length"])
+    stage = stages.build("advantage", "rank_tournament", {"judge": "rubric", "rubric": ["correct", "format"]})
+    assert {"rewards", "reward_names"} <= set(stage.reads)
+
+
 JUDGE = (
     "CALLS = []\n\n\n"
     "def shorter_wins(prompts, first, second):\n"
