@@ -221,6 +221,20 @@ def test_riskpo_rvar_cvar_is_the_authors_estimator():
         stages.build("advantage", "riskpo", {"form": "rvar_cvar", "alpha": 0.9, "beta": 0.5})
 
 
+def test_r3l_positive_amplification_hand_values():
+    from postrl.advantages.shaped import r3l
+
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.2, 0.4, 0.5])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    # group 0: mean 0.375 -> success 1.0 gets 1; 0 -> -0.375 (unchanged); 0.5 -> 3 * 0.125 = 0.375
+    # group 1: mean 0.3 -> 0.2: -0.1; 0.4: 3 * 0.1 = 0.3; group 2 (one completion): 0
+    assert close(r3l(r, g), [1.0, -0.375, -0.375, 0.375, -0.1, 0.3, 0.0])
+    assert close(r3l(r, g, singleton="raw")[-1:], [1.5])  # the code's baseline 0: 3 * 0.5
+    assert close(r3l(r, g, success=None)[:4], [1.875, -0.375, -0.375, 0.375])  # 3 * (1 - 0.375)
+    assert close(r3l(r, g, alpha=1.0, success=None), dr_grpo(r, g))  # alpha 1, no success rule: r - mean_g
+    assert close(r3l(torch.ones(3), torch.zeros(3, dtype=torch.long)), [1.0, 1.0, 1.0])  # all-correct group: 1
+
+
 def test_aem_hand_values():
     r = torch.tensor([1.0, 0.0])
     lp = torch.tensor([[-1.0], [-3.0]])  # surprisal 1 and 3 -> z = -0.707 / +0.707
@@ -550,8 +564,9 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
 @pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae",
                                                                             "red", "attention_credit"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
-    # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal)
-    params = {"baseline": "step"} if name == "step_return" else {}
+    # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal;
+    # r3l's success rule pays every success, an all-correct group included, as R^3L's code does)
+    params = {"baseline": "step"} if name == "step_return" else {"success": None} if name == "r3l" else {}
     a = call_stage(make(name), batch_fields(equal=True), params)
     assert torch.all(a.abs() < 1e-6), name  # all-equal rewards: no signal (rl_zvp's entropy shaping aside)
     a = call_stage(make(name), batch_fields(N=4, G=1, seed=3), params)

@@ -255,6 +255,66 @@ def test_retry_restarts_at_the_failing_step_and_trains_the_suffix():
     assert RetryFromFailure().expand(fake_batch([1.0, 1.0], [0, 0]), fake_ctx(be)) is None  # nothing failed
 
 
+class ReflectBackend(FakeBackend):
+    """The first call (one sample per failed row) is the reflection: it returns ``replies``; later calls retry."""
+
+    def __init__(self, replies):
+        super().__init__()
+        self.replies, self.contexts = replies, []
+
+    def generate(self, prompt_ids, n, params, seed):
+        self.contexts.append([list(p) for p in prompt_ids])
+        gen = super().generate(prompt_ids, n, params, seed)
+        if len(self.calls) == 1:
+            gen.texts = list(self.replies)
+        return gen
+
+
+def test_retry_reflects_then_retries_from_the_diagnosed_step_with_guidance():
+    # row 0 failed: steps [7 '\n'] [8 '\n'] [9 9]; the most surprising token (8) is in step 1
+    b = fake_batch([0.0, 1.0], [0, 0], comp=[[7, 3, 8, 3, 9, 9], [7, 7, 7, 7, 7, 7]],
+                   logp=[[-0.1, -0.1, -3.0, -0.1, -0.2, -0.2], [-1.0] * 6])
+    encoded = []
+
+    def encode(text):
+        encoded.append(text)
+        return [1000 + len(encoded)]  # one token per encoded text: 1001 the reflection prompt, 1002 the guidance
+
+    be = ReflectBackend(['ok {"retry_from_step": 2, "improvement_suggestion": "check the 9s"}'])
+    ctx = fake_ctx(be)
+    ctx.encode = encode
+    out = RetryFromFailure(retries=2, reflect=True).expand(b, ctx)
+    # the reflection read prompt + failed completion + the template listing the numbered steps
+    assert be.contexts[0] == [[5, 6, 7, 3, 8, 3, 9, 9, 1001]]
+    assert "Step 0: <7>\nStep 1: <8>\nStep 2: <9><9>\n" in encoded[0] and "0 to 2" in encoded[0]
+    assert encoded[1] == "\n(Hint from a previous attempt: check the 9s)\n"
+    # retries generated from prompt + guidance + the kept steps 0 and 1 ...
+    assert be.contexts[1] == [[5, 6, 1002, 7, 3, 8, 3]]
+    # ... and trained as continuations of prompt + prefix, without the guidance
+    assert out.prompt_ids[1].tolist()[-6:] == [5, 6, 7, 3, 8, 3] and 1002 not in out.prompt_ids.flatten().tolist()
+    assert out.completion_ids[0, :2].tolist() == [9, 9]  # the failed suffix from step 2
+    assert out.group_ids.tolist() == [0, 0, 0]
+    assert out.extra["guided"].tolist() == [False, True, True]
+    assert out.extra["retry_step"].tolist() == [2, 2, 2] and out.extra["reflected"].all()
+    # a reply without a usable step: the surprisal pivot (step 1, token 2) and no guidance
+    be = ReflectBackend(["I am not sure"])
+    ctx = fake_ctx(be)
+    ctx.encode = lambda text: [1]
+    out = RetryFromFailure(retries=2, reflect=True).expand(b, ctx)
+    assert be.contexts[1] == [[5, 6, 7, 3]] and out.completion_ids[0, :4].tolist() == [8, 3, 9, 9]
+    assert out.extra["retry_step"].tolist() == [-1, -1, -1] and not out.extra["reflected"].any()
+    assert "guided" not in out.extra
+
+
+def test_parse_reflection():
+    from postrl.selection.expansions import parse_reflection
+
+    assert parse_reflection('{"retry_from_step": 1, "improvement_suggestion": "x"}', 3) == (1, "x")
+    assert parse_reflection('retry_from_step: 2, improvement_suggestion: "y"', 3) == (2, "y")  # not JSON
+    assert parse_reflection('{"retry_from_step": 3}', 3) == (None, "")  # out of range
+    assert parse_reflection('{"retry_from_step": true}', 3) == (None, "")
+
+
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
     with pytest.raises(ConfigError, match="group_size must be >= 2"):

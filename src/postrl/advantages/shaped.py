@@ -365,6 +365,41 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
     return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------------ R^3L
+@register("advantage", "r3l", source="R^3L: Reflect-then-Retry Reinforcement Learning with Language-Guided "
+          "Exploration, Pivotal Credit, and Positive Amplification (Positive Amplification)", needs=("groups",))
+def r3l(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+        alpha: Annotated[float, Ge(1)] = 3.0, success: float | None = 1.0,
+        singleton: Literal["zero", "raw"] = "zero") -> torch.Tensor:
+    """R^3L's Positive Amplification: successes get a fixed positive advantage, other above-baseline completions
+    are scaled up by alpha, below-baseline ones are left as they are.
+
+    "R^3L" (Positive Amplification "upweights successful trajectories to ensure positive signals guide the
+    optimization", against failure-dominated groups and off-policy retries). The abstract gives no formula; this
+    is the rule of the authors' released code (``StepWiseOPMDReweightAdvAdvantageFn``, R^3L's
+    ``opmd_reweight_adv`` family), with the group-mean (OPMD) baseline, no std normalisation:
+        b_g = mean_{j in g} r_j                                      (valid rows)
+        A_i = 1                    if r_i >= success                 (a success: ``success`` 1.0; None: no rule)
+        A_i = alpha (r_i - b_g)    else if r_i - b_g >= 0            (alpha 3.0)
+        A_i = r_i - b_g            otherwise
+    A group with one valid completion: 0 (``singleton='zero'``, postrl's convention) or the code's baseline 0
+    (``singleton='raw'``: A from r_i alone). Pair with ``retry_from_failure`` (``reflect: true``) for the whole
+    method; the code trains with OPMD's loss, postrl with the configured one. Rows with ``valid`` False or a NaN
+    reward get 0. Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    """
+    v = valid_mask(reward, valid)
+    mean, std, n = group_stats(reward, group_ids, v)
+    mean, _ = singleton_stats(mean, std, n, singleton)
+    r = reward.to(torch.float64)
+    d = r - mean
+    adv = torch.where(d >= 0, alpha * d, d)
+    if success is not None:
+        adv = torch.where(r >= success, torch.ones_like(adv), adv)
+    if singleton == "zero":
+        adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------------ IGPO
 @register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)", needs=("groups",))
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,

@@ -14,12 +14,15 @@ of the prompt) and ``extra['completion_prefix']`` (the prefix text).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from postrl.batch import RolloutBatch
+from postrl.errors import ConfigError
 from postrl.generation import left_pad
 from postrl.groups import group_index
 from postrl.registry import register
@@ -41,14 +44,15 @@ class Expansion:
 @dataclass
 class ExpandContext:
     """What an expanding stage may use: ``generate(prompt_token_lists, n, seeds)`` -> ``Generation`` with the run's
-    sampling parameters; ``decode(token_ids)`` -> text (special tokens skipped); the run's group size and a seed
-    for this step and attempt."""
+    sampling parameters; ``decode(token_ids)`` -> text (special tokens skipped); ``encode(text)`` -> token ids
+    (no special tokens); the run's group size and a seed for this step and attempt."""
 
     generate: Callable
     decode: Callable[[list[int]], str]
     group_size: int
     seed: int
     pad_id: int = 0
+    encode: Callable[[str], list[int]] | None = None  # text -> token ids, no special tokens (reflection prompts)
 
 
 def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
@@ -56,26 +60,35 @@ def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:
 
 
 def branch_batch(parent: RolloutBatch, rows: list[int], cuts: list[int], n: int, ctx: ExpandContext,
-                 keep_original: bool = False) -> RolloutBatch | None:
+                 keep_original: bool = False, guides: list[list[int]] | None = None) -> RolloutBatch | None:
     """New groups: for each (row, cut), ``n`` continuations of prompt + completion[:cut] (one group per row);
-    ``keep_original`` puts the row's own suffix completion[cut:] first in its group."""
+    ``keep_original`` puts the row's own suffix completion[cut:] first in its group. ``guides`` (token ids per
+    row, may be empty): inserted between the prompt and the prefix for the generation only; the new rows' prompt
+    is prompt + prefix without it (the continuations are then off-policy samples of that context; rows with a
+    guide carry ``extra['guided']`` True)."""
     if not rows:
         return None
     prefixes = [parent.completion_ids[i, :t].tolist() for i, t in zip(rows, cuts)]
     new_prompts = [_prompt_tokens(parent, i) + p for i, p in zip(rows, prefixes)]
+    guides = guides or [[] for _ in rows]
+    contexts = [_prompt_tokens(parent, i) + gd + p for i, gd, p in zip(rows, guides, prefixes)]
     seeds = [(ctx.seed + 7919 * j) % (2**62) for j in range(len(rows))]
-    gen = ctx.generate(new_prompts, n, seeds)
+    gen = ctx.generate(contexts, n, seeds)
     texts = [ctx.decode(p) for p in prefixes]
     cols = {k: [v[i] for i in rows for _ in range(n)] for k, v in parent.columns.items()}
     gids = torch.arange(len(rows)).repeat_interleave(n)
+    guided = any(guides)
+    pids, pmask = (left_pad([p for p in new_prompts for _ in range(n)], ctx.pad_id) if guided
+                   else (gen.prompt_ids, gen.prompt_mask))
     out = RolloutBatch(
-        prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
+        prompt_ids=pids, prompt_mask=pmask, completion_ids=gen.completion_ids,
         completion_mask=gen.completion_mask.float(), group_ids=gids, sampler_logprobs=gen.logprobs,
         truncated=gen.truncated, prompts=[parent.prompts[i] for i in rows for _ in range(n)],
         completions=[texts[j] + gen.texts[j * n + c] for j in range(len(rows)) for c in range(n)], columns=cols,
         extra={"branch": torch.ones(len(gids), dtype=torch.bool),
                "completion_prefix": [texts[j] for j in range(len(rows)) for _ in range(n)],
-               **({} if gen.kept_logmass is None else {"sampler_kept_logmass": gen.kept_logmass})})
+               **({} if gen.kept_logmass is None else {"sampler_kept_logmass": gen.kept_logmass}),
+               **({"guided": torch.tensor([bool(gd) for gd in guides]).repeat_interleave(n)} if guided else {})})
     if not keep_original:
         return out
     # the original suffixes, one per new group, with the same (prompt + prefix) context
@@ -95,7 +108,8 @@ def branch_batch(parent: RolloutBatch, rows: list[int], cuts: list[int], n: int,
         group_ids=torch.arange(len(rows)), sampler_logprobs=lp, truncated=parent.truncated[rows],
         prompts=[parent.prompts[i] for i in rows], completions=[parent.completions[i] for i in rows],
         columns={k: [v[i] for i in rows] for k, v in parent.columns.items()},
-        extra={"branch": torch.ones(len(rows), dtype=torch.bool), "completion_prefix": texts})
+        extra={"branch": torch.ones(len(rows), dtype=torch.bool), "completion_prefix": texts,
+               **({"guided": torch.zeros(len(rows), dtype=torch.bool)} if guided else {})})
     both = RolloutBatch.concat([orig, out], pad_id=ctx.pad_id)
     both.group_ids = torch.cat([torch.arange(len(rows)), gids])
     return both
@@ -148,6 +162,39 @@ class CureBranching(Expansion):
         return branch_batch(batch, rows, [int(cut[i]) for i in rows], self.group_size or ctx.group_size, ctx)
 
 
+REFLECT_TEMPLATE = (
+    "\n\nThe attempt above is wrong. Its steps:\n{steps}\nFind the first step that went wrong and reply with JSON "
+    'only: {{"retry_from_step": <step number, 0 to {last}>, "improvement_suggestion": "<what to do instead>"}}\n')
+GUIDANCE_TEMPLATE = "\n(Hint from a previous attempt: {suggestion})\n"
+_STEP_KEY = re.compile(r'"?retry_from_step"?\s*[:=]\s*(-?\d+)')
+_SUGGESTION_KEY = re.compile(r'"?improvement_suggestion"?\s*[:=]\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+
+
+def parse_reflection(text: str, n_steps: int) -> tuple[int | None, str]:
+    """(retry_from_step or None, improvement_suggestion) of a reflection: the first JSON object in ``text`` with
+    those keys, else the keys found by pattern; the step must lie in [0, n_steps)."""
+    step, hint = None, ""
+    a, b = text.find("{"), text.rfind("}")
+    obj = None
+    if 0 <= a < b:
+        try:
+            obj = json.loads(text[a:b + 1])
+        except (json.JSONDecodeError, ValueError):
+            obj = None
+    if isinstance(obj, dict):
+        st = obj.get("retry_from_step")
+        step = st if isinstance(st, int) and not isinstance(st, bool) else None
+        hint = str(obj.get("improvement_suggestion") or "")
+    else:
+        m = _STEP_KEY.search(text)
+        step = int(m.group(1)) if m else None
+        m = _SUGGESTION_KEY.search(text)
+        hint = m.group(1) if m else ""
+    if step is None or not 0 <= step < n_steps:
+        return None, hint
+    return step, hint.strip()
+
+
 @register("expansion", "retry_from_failure", source="R^3L: Reflect-then-Retry Reinforcement Learning with Language-Guided "
           "Exploration, Pivotal Credit, and Positive Amplification")
 class RetryFromFailure(Expansion):
@@ -155,21 +202,36 @@ class RetryFromFailure(Expansion):
 
     After "R^3L: Reflect-then-Retry RL" (restart from identified failure points; Pivotal Credit Assignment trains
     only the suffix after the shared prefix). For up to ``max_per_group`` (1) failed completions per group (raw
-    ``reward`` < ``threshold``, default 'correct' < 1.0), the failure point is the step holding the completion's
-    most surprising token (max -log pi_old; steps split after tokens containing ``delimiter``, default newline, so
-    the restart is the start of that step; ``delimiter: ''``: restart at that token itself). A new group = the
-    failed suffix + ``retries`` (default G - 1) fresh continuations of prompt + prefix; the prefix is part of the
-    prompt, so only the diverging suffixes get gradient.
-    Assumed / not implemented: the failure point is located by surprisal instead of language-model reflection
-    (no feedback model), and R^3L's positive amplification (up-weighting successes) is not applied.
+    ``reward`` < ``threshold``, default 'correct' < 1.0), a pivot step is found; a new group = the failed suffix +
+    ``retries`` (default G - 1) fresh continuations of prompt + prefix (the steps before the pivot); the prefix is
+    part of the prompt, so only the diverging suffixes get gradient. Steps split after tokens containing
+    ``delimiter`` (default newline); ``delimiter: ''`` makes every token a step boundary.
+
+    Pivot without reflection (``reflect: false``, default): the step holding the completion's most surprising
+    token (max -log pi_old); ``delimiter: ''``: that token itself. Assumed: surprisal as the failure locator.
+
+    Reflect-then-retry (``reflect: true``, R^3L's language-guided exploration): the policy itself diagnoses the
+    attempt. Its context is prompt + failed completion + ``reflect_template`` (``{steps}``: the completion's
+    steps numbered from 0, ``{last}``: the last step number), generated once with the run's sampling parameters;
+    the reply's JSON ``retry_from_step`` k (0 = from scratch) is the pivot (retry from step k, keep steps < k) and
+    its ``improvement_suggestion`` is the guidance: the retries are generated from prompt +
+    ``guidance_template`` (``{suggestion}``) + prefix, and trained as continuations of prompt + prefix without
+    the guidance (so they are off-policy samples, as in R^3L, whose released workflow trains the retried
+    trajectory without its guidance; ``extra['guided']`` marks them; ``loss.tis`` corrects the mismatch). A reply
+    without a valid step in [0, S) falls back to the surprisal pivot and no guidance. ``extra['retry_step']``
+    holds the pivot step of the new rows, ``extra['reflected']`` whether it came from a reflection.
+    The templates are appended as raw text (no chat turn). R^3L's Positive Amplification is the advantage
+    ``r3l``.
     """
 
     def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: int | None = None,
-                 max_per_group: int = 1, delimiter: str = "\n"):
+                 max_per_group: int = 1, delimiter: str = "\n", reflect: bool = False,
+                 reflect_template: str = REFLECT_TEMPLATE, guidance_template: str = GUIDANCE_TEMPLATE):
         if max_per_group < 1 or (retries is not None and retries < 1):
             raise ValueError("filters.retry_from_failure: expected max_per_group >= 1 and retries >= 1 (or null)")
         self.reward, self.threshold, self.retries = reward, threshold, retries
         self.max_per_group, self.delimiter = max_per_group, delimiter
+        self.reflect, self.reflect_template, self.guidance_template = reflect, reflect_template, guidance_template
 
     def expand(self, batch: RolloutBatch, ctx: ExpandContext) -> RolloutBatch | None:
         x = raw_column(batch.rewards, batch.reward_names, self.reward, "filters.retry_from_failure",
@@ -195,5 +257,47 @@ class RetryFromFailure(Expansion):
         before = is_delim & (pos < t_max.unsqueeze(-1))
         last_delim = torch.where(before, pos, torch.full_like(pos, -1)).amax(-1)
         cuts = torch.where(last_delim >= 0, last_delim + 1, t_max if not self.delimiter else torch.zeros_like(t_max))
+        cuts = cuts.tolist()
+        guides, steps, reflected = None, [None] * len(rows), [False] * len(rows)
+        if self.reflect:
+            guides, steps, reflected, cuts = self._reflect(batch, rows, ids, mask, is_delim, cuts, ctx)
         retries = self.retries or max(ctx.group_size - 1, 1)
-        return branch_batch(batch, rows, cuts.tolist(), retries, ctx, keep_original=True)
+        out = branch_batch(batch, rows, cuts, retries, ctx, keep_original=True, guides=guides)
+        if out is not None and self.reflect:  # rows: each failed suffix, then each row's retries
+            order = list(range(len(rows))) + [j for j in range(len(rows)) for _ in range(retries)]
+            out.extra["retry_step"] = torch.tensor([-1 if s is None else s for s in steps], dtype=torch.long)[order]
+            out.extra["reflected"] = torch.tensor(reflected, dtype=torch.bool)[order]
+        return out
+
+    def _reflect(self, batch: RolloutBatch, rows: list[int], ids: torch.Tensor, mask: torch.Tensor,
+                 is_delim: torch.Tensor, cuts: list[int], ctx: ExpandContext):
+        """(guides, pivot steps, reflected flags, cuts) from the policy's reflection on each failed row."""
+        if ctx.encode is None:
+            raise ConfigError("filters.retry_from_failure.reflect: this run's expansion context cannot encode text")
+        lens = mask.sum(-1).tolist()
+        starts_all, prompts = [], []
+        for j, i in enumerate(rows):
+            L = int(lens[j])
+            starts = [0] + [t + 1 for t in range(L - 1) if bool(is_delim[j, t])] if self.delimiter \
+                else list(range(L))
+            starts_all.append(starts)
+            bounds = starts + [L]
+            listing = "".join(f"Step {k}: {ctx.decode(ids[j, bounds[k]:bounds[k + 1]].tolist()).strip()}\n"
+                              for k in range(len(starts)))
+            text = self.reflect_template.format(steps=listing, last=len(starts) - 1)
+            prompts.append(_prompt_tokens(batch, i) + ids[j, :L].tolist() + list(ctx.encode(text)))
+        gen = ctx.generate(prompts, 1, [(ctx.seed + 104729 * (j + 1)) % (2**62) for j in range(len(rows))])
+        guides, steps, reflected, new_cuts = [], [], [], []
+        for j, reply in enumerate(gen.texts):
+            k, hint = parse_reflection(reply, len(starts_all[j]))
+            if k is None:  # no usable diagnosis: the surprisal pivot, no guidance
+                guides.append([])
+                steps.append(None)
+                reflected.append(False)
+                new_cuts.append(cuts[j])
+                continue
+            guides.append(list(ctx.encode(self.guidance_template.format(suggestion=hint))) if hint else [])
+            steps.append(k)
+            reflected.append(True)
+            new_cuts.append(starts_all[j][k])
+        return guides, steps, reflected, new_cuts

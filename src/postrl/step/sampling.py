@@ -191,6 +191,7 @@ class BatchSource:
             produce(ctx, batch, e)
             ectx = ExpandContext(generate=lambda ids, n, seeds: ctx.generate(ids, n, ctx.sampling, seeds),
                                  decode=lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True),
+                                 encode=lambda text: list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]),
                                  group_size=self.rollout_cfg.group_size, pad_id=ctx.pad_id,
                                  seed=derive_seed(self.seed, step, attempt, self.rank, e.name))
             more = e.fn.expand(batch, ectx)
