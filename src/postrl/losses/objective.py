@@ -7,6 +7,8 @@ accumulation changes nothing):
     L_pg  *= tis_weights(old_logp, sampler_logp, mask)     if loss.tis.level != none          (tis.py)
     L_pg  *= pg_mask of every mask regulariser              e.g. top_entropy_tokens            (regularizers.py)
     loss   = sum(w L_pg) + kl_coef sum(w KL) + sum_j coef_j sum(w R_j)                          (kl.py, regularizers.py)
+             + sum_j coef_j sum(U_j)       a regulariser's 'unweighted' term U_j, normalised by the stage itself
+                                           (f_divergence_rehearsal: rows outside the loss mask)
 
 The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
 tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
@@ -126,6 +128,10 @@ class Objective:
                 agg = (w * term).sum()
                 extra = extra + coef * agg
                 stats[f"reg/{reg.label}"] = agg.item()
+            if isinstance(out, dict) and out.get("unweighted") is not None:  # normalised by the stage itself
+                total = out["unweighted"].sum()
+                extra = extra + coef * total
+                stats[f"reg/{reg.label}"] = stats.get(f"reg/{reg.label}", 0.0) + total.item()
         pg = (w * loss_mat).sum()
         loss = pg + extra
         stats["pg_loss"] = pg.item()

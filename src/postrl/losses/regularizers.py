@@ -4,7 +4,9 @@ A regulariser reads per-token fields by positional parameter name (``logp``, ``o
 ``advantages``, ``mask``, ``entropy`` (differentiable), ``logits`` ([N, T, V], differentiable, temperature
 applied; computed only when a stage asks for it), ``sampler_logp``, ``lengths``) and returns either
 - a tensor R [N, T]: the trainer adds ``coef * sum(w * R)`` to the loss (w = the aggregation's weights), or
-- a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``.
+- a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``,
+  and/or ``unweighted`` [N, T]: summed as it is (``coef * sum(U)``), for a term the stage normalises itself
+  (``f_divergence_rehearsal``, on rows outside the loss mask).
 A stateful regulariser is a :class:`postrl.stages.Stateful` class: ``__init__`` takes the keyword parameters,
 ``__call__`` the fields; ``end_step(step)`` runs once per training step with the step's metrics reduced over
 processes (``step.metrics['entropy']`` = aggregated token entropy) and returns the values the step used, and
@@ -16,11 +18,12 @@ gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from annotated_types import Ge
 
+from postrl.errors import ConfigError
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 
@@ -235,9 +238,10 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.0
           "Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)")
 def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
                  divergence: str = "forward_kl", importance_weight: bool = True, cap: float = 2.0) -> torch.Tensor:
-    """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's uses pre-sampled ones).
+    """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's form: f_divergence_rehearsal).
 
-    After DPH-RL; unlike DPH-RL it needs an online reference model (see below).
+    After DPH-RL; unlike DPH-RL it needs an online reference model (see below; ``f_divergence_rehearsal`` is the
+    paper's form, on pre-sampled completions of the initial policy, with no reference model).
 
     D_f = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per token:
     ``forward_kl`` = KL(pi_ref || pi_theta): f(t) = t - 1 - log t (the generator -log t plus t - 1, which leaves
@@ -251,21 +255,67 @@ def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Ten
     (w = 1), which is exact only for rows that pi_ref generated.
     Difference from DPH-RL, which computes the f-divergence with generator functions on completions pre-sampled
     once from the initial policy (with their initial-policy log-probs), so it needs only those samples and no
-    online reference model: postrl evaluates the term on the current rollouts, so ``ref_logp`` of every rollout
-    is needed and a reference model is loaded and run every step (one extra forward per step), and DPH-RL's
-    choice of prompts for the term (those the initial model already solves) is not part of this stage.
+    online reference model: this stage evaluates the term on the current rollouts, so ``ref_logp`` of every
+    rollout is needed and a reference model is loaded and run every step (one extra forward per step), and
+    DPH-RL's choice of prompts for the term (those the initial model already solves) is not part of this stage.
     """
     if divergence not in ("forward_kl", "js"):
         raise ValueError(f"regularizers.f_divergence.divergence: expected 'forward_kl' or 'js', got {divergence!r}")
     if cap <= 0:
         raise ValueError(f"regularizers.f_divergence.cap: expected a value > 0, got {cap}")
-    log_t = (logp - ref_logp).clamp(-20.0, 20.0)
-    t = torch.exp(log_t)
-    if divergence == "forward_kl":
-        f = t - 1.0 - log_t
-    else:
-        f = 0.5 * (t * log_t - (1.0 + t) * torch.log((1.0 + t) / 2.0))
+    f = f_generator(logp - ref_logp, divergence)
     if not importance_weight:
         return f
     w = torch.exp((ref_logp - old_logp).clamp(-20.0, 20.0)).clamp(max=cap).detach()
     return w * f
+
+
+def f_generator(log_t: torch.Tensor, divergence: str) -> torch.Tensor:
+    """The generator terms of D_f(pi_ref || pi_theta) at t = pi_theta / pi_ref (``log_t``, clamped to [-20, 20]):
+    ``forward_kl`` t - 1 - log t; ``js`` (t log t - (1 + t) log((1 + t) / 2)) / 2."""
+    log_t = log_t.clamp(-20.0, 20.0)
+    t = torch.exp(log_t)
+    if divergence == "forward_kl":
+        return t - 1.0 - log_t
+    return 0.5 * (t * log_t - (1.0 + t) * torch.log((1.0 + t) / 2.0))
+
+
+def _rehearsal_needed(params: dict, run, where: str) -> dict:
+    """The regulariser reads the rows the ``rehearsal`` expansion appends: the run must list it."""
+    if run is not None and not any(f.name == "rehearsal" for f in run.filters):
+        raise ConfigError(f"{where}: f_divergence_rehearsal needs the pre-sampled completions of the initial policy: "
+                          f"add filters: [{{name: rehearsal, path: <file written by postrl presample>}}]")
+    return params
+
+
+@register("regularizer", "f_divergence_rehearsal", source="The Choice of Divergence: A Neglected Key to Mitigating "
+          "Diversity Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)", check=_rehearsal_needed)
+def f_divergence_rehearsal(logp: torch.Tensor, rehearsal_logp: torch.Tensor, rehearsal_mask: torch.Tensor,
+                           rehearsal_weight: torch.Tensor, *,
+                           divergence: Literal["forward_kl", "js"] = "forward_kl") -> dict:
+    """DPH-RL's f-divergence to the initial policy on its own pre-sampled completions: no reference model.
+
+    "The Choice of Divergence" (DPH-RL): a mass-covering f-divergence (forward KL, Jensen-Shannon) to the initial
+    policy pi_0 acts as rehearsal; it "computes f-divergence using generator functions, requiring only sampling
+    from the initial policy and no online reference model". The samples y ~ pi_0 and their log-probs
+    log pi_0(y_t | y_<t) are drawn once, before training (``postrl presample``), and the ``rehearsal`` expansion
+    (``filters: [{name: rehearsal, path: ..., per_step: 8}]``, required) appends some to every batch; the
+    trainer's forward gives log pi_theta of their tokens with the rollouts' (the rows are ``valid`` False: no
+    advantage, no policy loss, no metric). With t = pi_theta(y_t) / pi_0(y_t) per token (y_t ~ pi_0 given the
+    prefix, so E_{pi_0}[t] = 1):
+        forward_kl: f(t) = t - 1 - log t         (E_{pi_0}[f] = KL(pi_0 || pi_theta) per token; the gradient of
+                                                  -log t is behaviour cloning of pi_0's samples)
+        js:         f(t) = (t log t - (1 + t) log((1 + t) / 2)) / 2   (E_{pi_0}[f] = JS(pi_0, pi_theta))
+        term = sum over rehearsal tokens of f(t) / (rehearsal tokens in the batch)   (``rehearsal_weight``)
+    so ``coef`` x term is added to the loss as a token mean over the rehearsal completions, independent of the
+    aggregation of the policy loss (which never sees these rows). Per-token generator terms with the prefix from
+    pi_0 are an unbiased estimate of each divergence's per-token (chain-rule) form. Assumed where the abstract
+    is silent: token-level generator terms, this token-mean normalisation, and which rows are rehearsed (the
+    file's: ``postrl presample --only-correct`` keeps the completions the initial model got right, DPH-RL's
+    rehearsal on solved prompts). The log-probs must be at the run's ``rollout.temperature`` (checked against
+    the file's ``temperature``). With ``train.mini_batches`` > 1 each optimizer step sees the rehearsal rows of
+    its mini-batch.
+    Shapes: logp, rehearsal_logp, rehearsal_mask [N, T], rehearsal_weight [N] -> {'unweighted': [N, T]}.
+    """
+    f = f_generator(logp - rehearsal_logp, divergence)
+    return {"unweighted": f * rehearsal_mask * rehearsal_weight.unsqueeze(-1)}

@@ -1,5 +1,7 @@
 """Expansions (kind ``expansion``; config ``filters: [...]``): new groups made from the scored batch.
 
+* ``rehearsal``: completions pre-sampled once from the initial policy, with their initial-policy log-probs,
+  appended unscored after the keep filters for the ``f_divergence_rehearsal`` regulariser (DPH-RL).
 * ``cure_branching`` / ``retry_from_failure`` (protocol :class:`Expansion`): after
   scoring, ``expand(batch, ctx)`` returns new groups that are
   generated from a prefix of existing completions (the prefix becomes part of the prompt, so only the continuation
@@ -17,14 +19,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
+from annotated_types import Ge
 
 from postrl.batch import RolloutBatch
-from postrl.errors import ConfigError
+from postrl.errors import ConfigError, DataError
 from postrl.generation import left_pad
 from postrl.groups import group_index
+from postrl.io import read_jsonl
 from postrl.registry import register
 from postrl.selection.filters import raw_column
 
@@ -32,9 +36,12 @@ from postrl.selection.filters import raw_column
 class Expansion:
     """Protocol of kind ``expansion``: ``expand(batch, ctx)`` returns new groups made from the scored batch
      or None; ``reads`` names the batch fields it reads beyond the batch's own
-    (produced first when missing, like any stage's positional fields)."""
+    (produced first when missing, like any stage's positional fields). ``scored`` False: the rows it returns are
+    not rollouts to score, filter or compare (they carry their own fields, ``valid`` False so that no advantage,
+    policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``)."""
 
     reads: tuple[str, ...] = ()
+    scored: bool = True
 
     def expand(self, batch: Any, ctx: Any) -> Any:
         return None
@@ -301,3 +308,98 @@ class RetryFromFailure(Expansion):
             reflected.append(True)
             new_cuts.append(starts_all[j][k])
         return guides, steps, reflected, new_cuts
+
+
+# ------------------------------------------------------------------------------------------------ rehearsal
+_DPH = ("The Choice of Divergence: A Neglected Key to Mitigating Diversity Collapse in Reinforcement Learning with "
+        "Verifiable Reward (DPH-RL)")
+
+
+def _rehearsal_check(params: dict, run: Any, where: str) -> dict:
+    """The rehearsal file's temperature must be the run's (its log-probs are compared with the policy's at
+    ``rollout.temperature``)."""
+    if run is not None and params.get("temperature") is None:
+        params = {**params, "temperature": float(run.rollout.temperature or 1.0)}
+    return params
+
+
+def read_rehearsal(path: str, temperature: float | None = None) -> list[dict]:
+    """The rows of a rehearsal file (``postrl presample`` writes it): JSON lines with ``prompt_ids`` and
+    ``completion_ids`` (token ids, non-empty) and ``logprobs`` (the initial policy's log-prob of each completion
+    token, as many), optionally ``prompt``, ``completion`` (texts) and ``temperature``. A bad row is a
+    :class:`~postrl.errors.DataError` naming the file and row."""
+    rows = read_jsonl(path, strict=True)
+    if not rows:
+        raise DataError(f"{path}: no rehearsal rows (write them with postrl presample)")
+    for i, r in enumerate(rows, 1):
+        for key in ("prompt_ids", "completion_ids", "logprobs"):
+            v = r.get(key)
+            if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                           for x in v):
+                raise DataError(f"{path}: row {i}: field '{key}' must be a non-empty list of numbers")
+        if len(r["logprobs"]) != len(r["completion_ids"]):
+            raise DataError(f"{path}: row {i}: {len(r['logprobs'])} logprobs for {len(r['completion_ids'])} "
+                            f"completion tokens")
+        if temperature is not None and r.get("temperature") is not None and \
+                abs(float(r["temperature"]) - temperature) > 1e-9:
+            raise DataError(f"{path}: row {i}: log-probs at temperature {r['temperature']}, the run samples at "
+                            f"{temperature} (rollout.temperature); presample at the run's temperature")
+    return rows
+
+
+@register("expansion", "rehearsal", source=_DPH, check=_rehearsal_check)
+class Rehearsal(Expansion):
+    """Append completions pre-sampled once from the initial policy (DPH-RL's rehearsal set), unscored.
+
+    DPH-RL computes its mass-covering f-divergence with generator functions on samples of the initial policy,
+    "requiring only sampling from the initial policy and no online reference model". This stage reads such
+    samples, written once by ``postrl presample`` (``path``: JSON lines with ``prompt_ids``, ``completion_ids``
+    and the initial policy's per-token ``logprobs`` at the run's ``rollout.temperature``; DPH-RL rehearses the
+    prompts the initial model already solves: ``postrl presample --only-correct``), and appends ``per_step``
+    (default 8) of them to every training batch, drawn without replacement per step (seeded by the step; with
+    wrap-around when the file has fewer rows). Appended rows: ``valid`` False (no advantage, no policy loss, no
+    metric), rewards NaN, and the fields the ``f_divergence_rehearsal`` regulariser reads:
+    ``rehearsal`` [N] bool, ``rehearsal_logp`` [N, T] (log pi_0 of each token), ``rehearsal_mask`` [N, T] (1 on
+    the rehearsal completion tokens) and ``rehearsal_weight`` [N] (1 / the number of rehearsal tokens of the
+    batch, so the term is a token mean over them); 0 on the rollouts. ``temperature``: the run's (set from the
+    config); a file row whose ``temperature`` differs is an error.
+    """
+
+    scored = False
+
+    def __init__(self, *, path: str, per_step: Annotated[int, Ge(1)] = 8, temperature: float | None = None):
+        self.path, self.per_step, self.temperature = path, int(per_step), temperature
+        self.rows = read_rehearsal(path, temperature)
+
+    def expand(self, batch: RolloutBatch, ctx: ExpandContext) -> RolloutBatch:
+        gen = torch.Generator().manual_seed(int(ctx.seed) % (2**63))
+        n_rows = len(self.rows)
+        reps = -(-self.per_step // n_rows)
+        pick = torch.cat([torch.randperm(n_rows, generator=gen) for _ in range(reps)])[:self.per_step].tolist()
+        rows = [self.rows[i] for i in pick]
+        n = len(rows)
+        pids, pmask = left_pad([[int(t) for t in r["prompt_ids"]] for r in rows], ctx.pad_id)
+        T = max(len(r["completion_ids"]) for r in rows)
+        comp = torch.full((n, T), ctx.pad_id, dtype=torch.long)
+        mask, lp = torch.zeros((n, T)), torch.zeros((n, T))
+        for j, r in enumerate(rows):
+            L = len(r["completion_ids"])
+            comp[j, :L] = torch.tensor([int(t) for t in r["completion_ids"]], dtype=torch.long)
+            mask[j, :L] = 1.0
+            lp[j, :L] = torch.tensor([float(x) for x in r["logprobs"]])
+        K = len(batch.reward_names)
+        nan_k = torch.full((n, K), float("nan"))
+        raw = batch.raw_rewards
+        return RolloutBatch(
+            prompt_ids=pids, prompt_mask=pmask, completion_ids=comp, completion_mask=mask,
+            group_ids=torch.arange(n), sampler_logprobs=lp, truncated=torch.zeros(n, dtype=torch.bool),
+            prompts=[str(r.get("prompt", "")) for r in rows],
+            completions=[str(r["completion"]) if "completion" in r else ctx.decode(r["completion_ids"]) for r in rows],
+            columns={k: [None] * n for k in batch.columns}, reward_names=list(batch.reward_names),
+            rewards=nan_k, reward_weights=batch.reward_weights,
+            raw_rewards=None if raw is None else torch.full((n, raw.shape[1]), float("nan")),
+            reward=torch.zeros(n), valid=torch.zeros(n, dtype=torch.bool),
+            step_ends=None if batch.step_ends is None else torch.full((n, 1), -1, dtype=torch.long),
+            step_rewards=None if batch.step_rewards is None else torch.full((n, 1), float("nan")),
+            extra={"rehearsal": torch.ones(n, dtype=torch.bool), "rehearsal_logp": lp, "rehearsal_mask": mask.clone(),
+                   "rehearsal_weight": torch.full((n,), 1.0 / float(mask.sum()))})

@@ -126,7 +126,13 @@ class Step:
     def metrics(self, batch: RolloutBatch, info: dict) -> dict:
         """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
-        in the reward (verl ``current_kl``: mean over rows of the per-token mean)."""
+        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not rollouts
+        (``extra['rehearsal']``: pre-sampled completions of the initial policy) are left out."""
+        rehearsal = batch.extra.get("rehearsal")
+        if isinstance(rehearsal, torch.Tensor) and bool(rehearsal.any()):
+            m = self.metrics(batch.select(torch.nonzero(~rehearsal.bool()).flatten()), info)
+            m["rehearsal/rows"] = float(rehearsal.sum())
+            return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate

@@ -55,7 +55,9 @@ class BatchSource:
         self.log = log
         self.stages = step.selection
         by_kind = {k: [s for s in self.stages if s.kind == k] for k in stages.FILTER_KINDS}
-        self.keepers, self.expansions = by_kind["filter"], by_kind["expansion"]
+        self.keepers = by_kind["filter"]
+        self.expansions = [e for e in by_kind["expansion"] if getattr(e.fn, "scored", True)]
+        self.unscored = [e for e in by_kind["expansion"] if not getattr(e.fn, "scored", True)]
         self.selector = by_kind["selector"][0] if by_kind["selector"] else None
         self.plan = by_kind["sampling"][0] if by_kind["sampling"] else None
         self.max_attempts = step.attempts
@@ -178,10 +180,37 @@ class BatchSource:
         batch = kept
         if self.world > 1:
             batch = batch.pad_rows(self.max_over_processes(len(batch)))
+        batch = self._unscored(batch, step)
         if self.keepers:
             self.metrics.update({"filter/attempts": float(attempts), "filter/target_groups": float(target),
                                  "filter/dropped_groups": float(n_dropped), "filter/padded_groups": float(max(short, 0)),
                                  "filter/cap_hit": float(short > 0), "filter/refill_reward_failures": float(failures)})
+        return batch
+
+    def _context(self, e: Any, step: int, attempt: int) -> ExpandContext:
+        ctx = self.ctx
+        return ExpandContext(generate=lambda ids, n, seeds: ctx.generate(ids, n, ctx.sampling, seeds),
+                             decode=lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True),
+                             encode=lambda text: list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]),
+                             group_size=self.rollout_cfg.group_size, pad_id=ctx.pad_id,
+                             seed=derive_seed(self.seed, step, attempt, self.rank, e.name))
+
+    def _unscored(self, batch: RolloutBatch, step: int) -> RolloutBatch:
+        """Append the rows of the expansions that are not rollouts (``scored`` False, e.g. ``rehearsal``), once,
+        after the keep filters and the DDP row padding (every process appends as many): a per-row field they
+        carry is 0 (None) on the batch's own rows."""
+        for e in self.unscored:
+            more = e.fn.expand(batch, self._context(e, step, 0))
+            if more is None or not len(more):
+                continue
+            for k, v in more.extra.items():
+                if k in batch.extra:
+                    continue
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(more):
+                    batch.extra[k] = torch.zeros((len(batch), *v.shape[1:]), dtype=v.dtype)
+                elif isinstance(v, list) and len(v) == len(more):
+                    batch.extra[k] = [None] * len(batch)
+            batch = RolloutBatch.concat([batch, more], self.ctx.pad_id)
         return batch
 
     def _expand(self, batch: RolloutBatch, step: int, attempt: int) -> RolloutBatch:
@@ -189,11 +218,7 @@ class BatchSource:
         ctx = self.ctx
         for e in self.expansions:
             produce(ctx, batch, e)
-            ectx = ExpandContext(generate=lambda ids, n, seeds: ctx.generate(ids, n, ctx.sampling, seeds),
-                                 decode=lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True),
-                                 encode=lambda text: list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]),
-                                 group_size=self.rollout_cfg.group_size, pad_id=ctx.pad_id,
-                                 seed=derive_seed(self.seed, step, attempt, self.rank, e.name))
+            ectx = self._context(e, step, attempt)
             more = e.fn.expand(batch, ectx)
             if more is None or not len(more):
                 continue
