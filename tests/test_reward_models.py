@@ -504,6 +504,22 @@ def test_hf_sampler_and_prm_cli(tmp_path, capsys):
     assert rc == 0
     calib = [json.loads(x) for x in (tmp_path / "calib.jsonl").read_text().splitlines()]
     assert len(calib) == 12 * N_STEPS and {c["condition"] for c in calib} == {"0", "1", "2", "3"}
+    # with the PRM's hidden state at each step end (conditional_ot's features) and one row per held-out prompt
+    rc = cli_main(["prm", "train", "--records", str(tmp_path / "steps.jsonl"), "--backbone", "bag:4",
+                   "--out", str(tmp_path / "prm3"), "--lr", "3e-2", "--epochs", "1",
+                   "--calibration-out", str(tmp_path / "calib2.jsonl"), "--calibration-features",
+                   "--calibration-prompts"])
+    assert rc == 0
+    calib = [json.loads(x) for x in (tmp_path / "calib2.jsonl").read_text().splitlines()]
+    steps_rows = [c for c in calib if c["condition"] != "prompt"]
+    prompt_rows = [c for c in calib if c["condition"] == "prompt"]
+    assert len(steps_rows) == 12 * N_STEPS and 1 <= len(prompt_rows) <= 12
+    width = len(calib[0]["features"])
+    assert width > 0 and all(len(c["features"]) == width for c in calib)
+    assert all(0.0 <= c["outcome"] <= 1.0 for c in prompt_rows)
+    rc = cli_main(["calibrate", str(tmp_path / "calib2.jsonl"), "--method", "conditional_ot", "--features-field",
+                   "features", "--out", str(tmp_path / "cal2.json")])
+    assert rc == 0
 
 
 # ------------------------------------------------------------------------------------------------ in `postrl train`

@@ -1,4 +1,4 @@
-"""``postrl eval``: held-out accuracy, pass@k and length of a model or run."""
+"""``postrl eval``: held-out accuracy, pass@k and length of a model or run; ``--ias``: instance-adaptive Best-of-N."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from postrl.cli.common import add_import_paths, format_metrics, resolve_model_folder
+from postrl.errors import ConfigError
 
 
 def run(args) -> int:
@@ -32,6 +33,24 @@ def run(args) -> int:
                    stop=cfg.rollout.stop, max_prompt_length=cfg.rollout.max_prompt_length,
                    prompt_overflow=cfg.rollout.prompt_overflow,
                    episodes=episode_runner(gen, tokenizer, cfg.environment, cfg.model.chat_template))
+    if args.ias:
+        if cfg.environment is not None:
+            raise ConfigError("eval --ias: instance-adaptive Best-of-N samples single completions; this run names "
+                              "an environment")
+        from postrl.calibration import load_calibrator
+        from postrl.evaluate import evaluate_ias
+        from postrl.reward_models import load_reward_model
+
+        prm = load_reward_model(args.ias)
+        if getattr(prm, "kind", None) != "prm":
+            raise ConfigError(f"eval --ias '{args.ias}': expected a process reward model (postrl prm train)")
+        cal = load_calibrator(args.ias_calibrator) if args.ias_calibrator else None
+        res.update(evaluate_ias(gen, tokenizer, rows, prm, calibrator=cal, target=args.ias_target,
+                                quantile=args.ias_quantile, n_min=args.ias_min, n_max=args.ias_max,
+                                condition=args.ias_condition or None,
+                                max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed,
+                                chat_template=cfg.model.chat_template, stop=cfg.rollout.stop))
     res = {"model": str(model_path), "task": cfg.task.name, **res}
     print(json.dumps(res) if args.json else format_metrics(res))
     return 0
@@ -45,5 +64,17 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=200, help="held-out prompts")
     e.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k")
     e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--ias", metavar="PRM_DIR", help="also run instance-adaptive Best-of-N with this process reward "
+                   "model: samples per problem from its calibrated success bound (postrl.calibration.ias)")
+    e.add_argument("--ias-calibrator", metavar="CAL_JSON", help="calibrator of the PRM's prompt scores (postrl "
+                   "calibrate; conditional_ot gives the quantile bound); none: the raw PRM score")
+    e.add_argument("--ias-target", type=float, default=0.95, help="probability that a problem's samples hold a "
+                   "success (default 0.95)")
+    e.add_argument("--ias-quantile", type=float, default=0.1, help="level of the lower bound (default 0.1)")
+    e.add_argument("--ias-min", type=int, default=1, help="fewest samples per problem (default 1)")
+    e.add_argument("--ias-max", type=int, default=16, help="most samples per problem, and the fixed Best-of-N "
+                   "compared with (default 16)")
+    e.add_argument("--ias-condition", default="prompt", help="the calibrator's condition for a problem (default "
+                   "'prompt', as postrl prm train --calibration-prompts writes; '' for none)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=run)

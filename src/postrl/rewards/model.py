@@ -32,7 +32,8 @@ recent batches)::
 
 **Calibration at reward time.** ``calibrator: cal.json`` (written by ``postrl calibrate``) maps the scalar -- or,
 for a PRM, every step score with the condition ``step_bucket(step index, step_buckets)`` (default 4: steps
-0, 1, 2, 3, 4+) -- to a calibrated probability.
+0, 1, 2, 3, 4+) -- to a calibrated probability; with ``calibrator_features: hidden`` a ``conditional_ot``
+calibrator also reads the PRM's hidden state at each step end.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -105,26 +106,71 @@ def raw_scores(path: str, prompts, completions, *, steps=None, batch_size: int =
     return out
 
 
-def _calibrate_steps(steps: torch.Tensor, cal, step_buckets: int) -> torch.Tensor:
+def step_scores_hidden(path: str, prompts, completions, *, steps=None, batch_size: int = 32, device: str = "cpu"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PRM's ([N, S] step scores, [N, S, hidden] hidden states at the step ends), NaN padded; cached."""
+    model = load_cached(path, device)
+    key = ("hidden", id(model), batch_size, tuple(prompts), tuple(completions),
+           None if steps is None else tuple(tuple(s) for s in steps))
+    with _LOCK:
+        if key in _LAST:
+            _LAST.move_to_end(key)
+            return _LAST[key]
+        out = model.step_scores(list(prompts), list(completions), batch_size, steps=steps, return_hidden=True)
+        _LAST[key] = out
+        while len(_LAST) > _CACHE_SIZE:
+            _LAST.popitem(last=False)
+    return out
+
+
+def _calibrate_steps(steps: torch.Tensor, cal, step_buckets: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
     from postrl.calibration import step_bucket
 
     s = steps.numpy().astype(np.float64)
     ok = ~np.isnan(s)
     if ok.any():
         cond = np.array([[step_bucket(j, step_buckets) for j in range(s.shape[1])]] * s.shape[0])
-        s[ok] = cal.apply(s[ok], cond[ok])
+        extra = {} if hidden is None else {"features": hidden.numpy().astype(np.float64)[ok]}
+        s[ok] = cal.apply(s[ok], cond[ok], **extra)
     return torch.from_numpy(s).float()
 
 
+def _check_feature_calibrator(cal, path: str, calibrator: str, width: int) -> None:
+    """``calibrator_features: hidden`` needs a conditional_ot calibrator fitted on as many features as the PRM's
+    hidden state has."""
+    from postrl.calibration import ConditionalOT
+    from postrl.errors import ConfigError
+
+    if not isinstance(cal, ConditionalOT):
+        raise ConfigError(f"rewards.model.calibrator_features: hidden needs a conditional_ot calibrator (postrl "
+                          f"calibrate --method conditional_ot --features-field features), '{calibrator}' is "
+                          f"{getattr(cal, 'method', type(cal).__name__)}")
+    if cal.n_features != width:
+        raise ConfigError(f"rewards.model.calibrator_features: '{calibrator}' was fitted on {cal.n_features} "
+                          f"features per row, the PRM '{path}' has a hidden state of {width} (write the rows with "
+                          f"postrl prm train --calibration-out ... --calibration-features)")
+
+
 def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, reduce, calibrator, step_buckets,
-           batch_size, device) -> list:
+           batch_size, device, calibrator_features: str = "none") -> list:
     from postrl.reward_models import aggregate_ensemble, reduce_steps
 
     model = load_cached(path, device)
     cal = _calibrator(calibrator)
+    if calibrator_features == "hidden" and (cal is None or getattr(model, "kind", None) != "prm"):
+        from postrl.errors import ConfigError
+
+        raise ConfigError("rewards.model.calibrator_features: hidden needs a PRM (postrl prm train) and a "
+                          "'calibrator'")
     if getattr(model, "kind", None) == "prm":
-        sc = raw_scores(path, prompts, completions, steps=steps, batch_size=batch_size, device=device)
-        if cal is not None:
+        if calibrator_features == "hidden":
+            sc, hid = step_scores_hidden(path, prompts, completions, steps=steps, batch_size=batch_size,
+                                         device=device)
+            _check_feature_calibrator(cal, path, calibrator, hid.shape[-1])
+            sc = _calibrate_steps(sc, cal, step_buckets, hid)
+        else:
+            sc = raw_scores(path, prompts, completions, steps=steps, batch_size=batch_size, device=device)
+        if cal is not None and calibrator_features != "hidden":
             sc = _calibrate_steps(sc, cal, step_buckets)
         if reduce is not None:
             return reduce_steps(sc, reduce).tolist()
@@ -144,16 +190,23 @@ def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, 
 @register("reward", "model", source="a trained reward model (postrl rm train / prm train)")
 def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str = "mean", uwo_lambda: float = UWO_LAMBDA,
                  member: int | None = None, reduce: str | None = None, calibrator: str | None = None,
-                 step_buckets: int = 4, batch_size: int = 32, device: str = "cpu"):
+                 step_buckets: int = 4, batch_size: int = 32, device: str = "cpu",
+                 calibrator_features: Literal["none", "hidden"] = "none"):
     """Score of a trained reward model, ensemble (aggregate mean|min|uwo) or PRM (step scores, or reduce).
 
     See the module docstring for what is returned per model kind. Defaults: aggregate 'mean', uwo_lambda UWO_LAMBDA (0.5),
     member None (aggregate all), reduce None (PRM: step scores), calibrator None, step_buckets 4,
     batch_size 32, device 'cpu' ('auto': CUDA when available).
+    ``calibrator_features: hidden`` (a PRM with a ``conditional_ot`` calibrator): each step score is calibrated
+    conditioned on the PRM's hidden state at that step's end as well as its step bucket, what "Distributional
+    Process Reward Models" conditions its quantile function on (the calibrator must be fitted with those
+    features: ``postrl prm train --calibration-out rows.jsonl --calibration-features`` then ``postrl calibrate
+    rows.jsonl --method conditional_ot --features-field features``); the calibrated value is the conditional
+    mean. Default 'none': score and step bucket only.
     """
     return _score(path, prompts, completions, steps, member=member, aggregate=aggregate, uwo_lambda=uwo_lambda,
                   reduce=reduce, calibrator=calibrator, step_buckets=step_buckets, batch_size=batch_size,
-                  device=device)
+                  device=device, calibrator_features=calibrator_features)
 
 
 def _member_source(k: int):
