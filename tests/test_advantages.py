@@ -539,7 +539,7 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
             # multi-turn: one turn per episode, rewarded with the episode's reward
             "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1),
-            "turn_info_gain": torch.zeros(N, 1)}
+            "turn_info_gain": torch.zeros(N, 1), "turn_scores": torch.rand(N, 1, generator=gen)}
 
 
 def make(name):

@@ -28,7 +28,11 @@ Per-turn records in ``batch.extra`` (K = ``max_turns``): ``turn_ends`` [N, K] lo
 each model turn's last token, -1 padded), ``turn_rewards`` [N, K] float (the environment's reward of each turn,
 0 where it gave none, NaN where it raised, NaN beyond the episode), ``turn_truncated`` [N, K] bool,
 ``num_turns`` [N] long, and per-episode counts ``tool_calls``, ``tool_errors``, ``malformed_calls``,
-``env_errors`` [N] long. The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
+``env_errors`` [N] long. ``turn_scores`` [N, K] float: the step-level process score the environment gave in a
+turn's ``info['process_score']`` (NaN where none; ``code_repair`` gives each attempt's layered score);
+``failure_cause`` (a list of N): ``'env_error'`` when the environment raised, ``'token_limit'`` when the token
+budget ended an episode the environment had not ended, else the last ``info['failure_cause']`` the environment
+reported (None when it reported none, or None: e.g. solved). The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
 feeds the reward source ``environment``. ``truncated`` [N] is True for an episode the environment did not end.
 
 Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
@@ -149,12 +153,18 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     turn_ends = torch.full((N, K), -1, dtype=torch.long)
     turn_rewards = torch.full((N, K), math.nan)
     turn_trunc = torch.zeros((N, K), dtype=torch.bool)
+    turn_scores = torch.full((N, K), math.nan)  # the environment's step-level process score (info), NaN if none
+    causes: list = [None] * N  # the last failure cause the environment reported (info), per episode
+    token_limit = torch.zeros(N, dtype=torch.bool)
     counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
     env_rewards: list[list] = [[] for _ in range(N)]
     finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
     live = list(range(N))
 
     for k in range(K):
+        for r in live:
+            if len(comp[r]) >= max_total_tokens:
+                token_limit[r] = True
         live = [r for r in live if len(comp[r]) < max_total_tokens]
         if not live:
             break
@@ -186,6 +196,11 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
             obs, reward, done, info = out
             for c in COUNTERS:
                 counts[c][r] += int((info or {}).get(c, 0))
+            if isinstance(info, dict):
+                if isinstance(info.get("process_score"), (int, float)) and not isinstance(info["process_score"], bool):
+                    turn_scores[r, k] = float(info["process_score"])
+                if "failure_cause" in info:
+                    causes[r] = None if info["failure_cause"] is None else str(info["failure_cause"])
             env_rewards[r].append(None if reward is None else float(reward))
             turn_rewards[r, k] = 0.0 if reward is None else float(reward)
             if done:
@@ -201,6 +216,8 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
             logp[r] += [0.0] * min(len(o), room)
             if len(o) < room:
                 nxt.append(r)
+            else:  # the observation did not fit: the token budget ended the episode
+                token_limit[r] = True
         live = nxt
 
     width = max(max((len(c) for c in comp), default=0), 1)
@@ -217,8 +234,10 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     columns = {key: [rows[row_of[r]].get(key) for r in range(N)] for key in keys}
     columns["env_turn_rewards"] = env_rewards
     ex = dict(extra or {})
+    failure = ["env_error" if int(counts["env_errors"][r]) else "token_limit" if bool(token_limit[r]) and
+               not bool(finished[r]) else causes[r] for r in range(N)]
     ex.update(turn_ends=turn_ends, turn_rewards=turn_rewards, turn_truncated=turn_trunc,
-              num_turns=(turn_ends >= 0).sum(-1), **counts)
+              num_turns=(turn_ends >= 0).sum(-1), turn_scores=turn_scores, failure_cause=failure, **counts)
     return RolloutBatch(
         prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, group_ids=group_ids,
         sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]]["prompt"] for r in range(N)],

@@ -13,11 +13,13 @@ reward.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from annotated_types import Ge
 
-from postrl.groups import group_moments
+from postrl.errors import ConfigError
+from postrl.groups import group_index, group_moments
 from postrl.registry import register
 
 
@@ -92,3 +94,50 @@ def range_filter(rewards: torch.Tensor, reward_names: list, group_ids: torch.Ten
     return (cnt >= 1) & (mean > low + 1e-6) & (mean < high - 1e-6)
 
 
+
+
+_RESHAPING = "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair"
+GOVERNANCE_EXCLUDE = ("env_error", "no_tests")
+
+
+def _governance_check(params: dict, run, where: str) -> dict:
+    if run is not None and run.environment is None:
+        raise ConfigError(f"{where}: failure_governance reads the failure causes of multi-turn episodes; set "
+                          f"environment (e.g. {{name: code_repair}})")
+    return params
+
+
+@register("filter", "failure_governance", source=_RESHAPING, needs=("groups",), check=_governance_check)
+def failure_governance(group_ids: torch.Tensor, failure_cause: list | None = None, valid: torch.Tensor | None = None,
+                       *, exclude: tuple[str, ...] = GOVERNANCE_EXCLUDE,
+                       min_rows: Annotated[int, Ge(1)] = 2) -> torch.Tensor:
+    """Keep rollouts from the same prompt comparable: drop those whose failure was not the policy's doing, and the
+    groups left too small to compare.
+
+    After "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair" ("failure-cause-aware rollout
+    governance reshapes within-group comparability"; the abstract does not give the rules). Each episode carries
+    the cause of its failure (``failure_cause``, made by the episode rollout: ``env_error`` when the environment
+    raised, e.g. the code sandbox failed; ``token_limit``; else the environment's own, for ``code_repair`` one of
+    ``syntax``, ``compile``, ``runtime``, ``semantic``, ``timeout``, ``memory``, ``output_limit``, ``killed``,
+    ``no_tests``; None when solved). GRPO compares a rollout with the others of its prompt, which is meaningful
+    only when they ran under the same conditions, so:
+        comparable_i = valid_i and cause_i not in ``exclude``   (default: env_error, no_tests: failures of the
+                                                                  environment or the data, not of the policy)
+        keep_i       = comparable_i and #{comparable rows of i's group} >= ``min_rows`` (default 2: one rollout
+                                                                  alone has nothing to be compared with)
+    Dropped rows leave their group (the others keep their group statistics among themselves); a group with fewer
+    than ``min_rows`` comparable rollouts is dropped whole and regenerated as ``dynamic_sampling``'s (the entry's
+    ``max_attempts``; ``max_attempts: 1`` masks it out instead, when episodes are costly). Failures of the policy
+    (compile errors, wrong answers, limits its program hit) stay and are compared. The environment's own control
+    (``code_repair``'s ``timeout_retries``) re-runs an attempt that hit the wall-clock limit before its cause is
+    recorded. Assumed: the causes, the default exclusion and min_rows.
+    Shapes: group_ids [N], failure_cause [N] list, valid [N] -> keep [N] bool.
+    """
+    if failure_cause is None:
+        raise ConfigError("filters.failure_governance: the batch has no failure_cause (it comes from multi-turn "
+                          "episodes: set environment)")
+    bad = torch.tensor([c is not None and str(c) in set(exclude) for c in failure_cause], dtype=torch.bool)
+    ok = ~bad if valid is None else (valid.bool() & ~bad)
+    inv, ng = group_index(group_ids)
+    n = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, ok.long())
+    return ok & (n[inv] >= min_rows)
