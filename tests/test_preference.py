@@ -342,6 +342,36 @@ def test_resume_is_exact(nano, small, tmp_path):
     assert _run(s, train, held, crashed, resume=True)["steps"] == 6
 
 
+def test_sigterm_stops_with_a_checkpoint_and_resumes(nano, small, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from postrl.train import run_state
+    from postrl.train.preference import PreferenceSettings, PreferenceTrainer
+
+    train, held = small
+    s = PreferenceSettings(model=str(nano), data=str(train), lr=1e-3, batch_size=16, chat_template="none",
+                           accel="off")
+    step = PreferenceTrainer.train_step
+
+    def step_then_signal(self, i):
+        out = step(self, i)
+        if i == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the first signal: stop at the end of this step
+        return out
+
+    monkeypatch.setattr(PreferenceTrainer, "train_step", step_then_signal)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        _run(s, train, held, out)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert f"continue with: postrl dpo --resume {out}" in capsys.readouterr().err
+    assert run_state.read_status(out)["state"] == "stopped" and (out / "checkpoints/step-00000001").is_dir()
+    monkeypatch.setattr(PreferenceTrainer, "train_step", step)
+    assert _run(s, train, held, out, resume=True)["steps"] == 4
+    assert run_state.read_status(out) is None and len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+
 def test_lora_reference_and_precompute(nano, small, tmp_path):
     """LoRA: the reference is the policy with its adapter disabled (step 1's implicit rewards are exactly 0, the
     base never changes); a precomputed reference gives the same training; bf16 autocast and gradient
@@ -396,8 +426,12 @@ def test_one_line_errors(nano, data, tmp_path, capsys):
     m = build_model(tok, size="nano")
     m.save_pretrained(other)
     tok.save_pretrained(other)
+    capsys.readouterr()  # (transformers' progress bar of the save)
     err = _error(capsys, ["dpo", str(train), "--model", str(nano), "--out", out, "--ref", str(other), "--accel", "off"])
     assert err.startswith(f"postrl: error: --ref {other}: another vocabulary") and "tokenizer" in err
+    assert "drop --epochs" in _error(capsys, ["dpo", "--resume", out, "--epochs", "3"])
+    assert "--loss-arg gama: not a parameter of loss 'simpo'; valid: beta, gamma, label_smoothing" in _error(
+        capsys, ["dpo", str(train), "--model", str(nano), "--out", out, "--loss", "simpo", "--loss-arg", "gama=1"])
     assert "reference-free" in _error(
         capsys, ["dpo", str(train), "--model", str(nano), "--out", out, "--loss", "simpo", "--ref", str(nano)])
 
@@ -428,8 +462,9 @@ def test_readme_commands_run(nano, data, tmp_path, monkeypatch):
     small = tmp_path / "prefs.jsonl"  # the first 40 pairs: the README's commands as written, quickly
     small.write_text("".join(train.read_text().splitlines(keepends=True)[:40]))
     ran = _run_lines(_bash_blocks(section), {"models/sft": str(nano), "prefs.jsonl": str(small)}, monkeypatch, tmp_path)
-    assert ran.count("dpo") >= 3, ran
+    assert ran.count("dpo") >= 3 and "pairs" in ran, ran
     assert (tmp_path / "runs/dpo/final/model.safetensors").is_file()
+    assert (tmp_path / "self/m1/final/model.safetensors").is_file()
 
 
 def test_help_lists_the_commands(capsys):

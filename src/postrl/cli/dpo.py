@@ -76,7 +76,8 @@ def check_loss(name: str, params: dict) -> None:
             raise ConfigError(f"{flag}: {m.group(2)}") from None
         m = re.match(r"loss: unknown parameter '(\w+)' for preference '\w+'; valid: (.*)", msg)
         if m:
-            raise ConfigError(f"--loss-arg {m.group(1)}: not a parameter of loss '{name}'; valid: {m.group(2)}") from None
+            raise ConfigError(f"--loss-arg {m.group(1)}: not a parameter of loss '{name}'; valid: "
+                              f"{m.group(2)}") from None
         if msg.startswith("unknown preference"):
             raise ConfigError(f"--loss: {msg}") from None
         raise
@@ -86,6 +87,11 @@ def _settings(args):
     from postrl.train.preference import SETTINGS_FILE, PreferenceSettings
 
     if args.resume:
+        given = [d for d, default in getattr(args, "dpo_defaults", {}).items() if getattr(args, d, default) != default]
+        if given:
+            flag = "DATA" if given[0] == "data" else "--" + given[0].replace("_", "-")
+            raise ConfigError(f"--resume {args.resume} continues with the settings in {args.resume}/{SETTINGS_FILE}; "
+                              f"drop {flag}")
         path = Path(args.resume) / SETTINGS_FILE
         try:
             data = json.loads(path.read_text())
@@ -125,8 +131,9 @@ def run_dpo(args) -> int:
     if not train:
         raise ConfigError(f"{settings.data}: {len(pairs)} pairs, all held out by --eval-fraction "
                           f"{settings.eval_fraction}: nothing to train on")
-    log(f"dpo: loss {settings.loss} {settings.loss_params or ''}, {len(train)} pairs ({len(held)} held out), "
-        f"model {settings.model} -> {run_dir}")
+    params = "".join(f" {k}={v}" for k, v in settings.loss_params.items())
+    log(f"dpo: loss {settings.loss}{params}, {len(train)} pairs ({len(held)} held out), model {settings.model} -> "
+        f"{run_dir}")
     summary = PreferenceTrainer(settings, train, held, run_dir, resume=bool(args.resume), log=log).train()
     for tag in ("before", "after"):
         if summary.get(tag):
@@ -146,7 +153,7 @@ def run_pairs(args) -> int:
 
     path, overrides = split_args(args.items)
     add_import_paths(path)
-    cfg = load_config(path, [*overrides, f"model.path={args.model}"])
+    cfg = load_config(path, [*overrides, f"model.path={json.dumps(args.model)}"])  # (a quoted YAML string)
     if args.prompts < 1:
         raise ConfigError(f"--prompts: expected an integer >= 1, got {args.prompts}")
     rows, counts = generate_pairs(cfg, args.prompts, log=log)
@@ -205,7 +212,8 @@ def add_parser(sub) -> None:
     d.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 ...")
     d.add_argument("--resume", default=None, metavar="RUN", help="continue RUN from its latest checkpoint")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
-    d.set_defaults(fn=run_dpo)
+    d.set_defaults(fn=run_dpo, dpo_defaults={a.dest: a.default for a in d._actions
+                                             if a.dest not in ("help", "resume", "json")})
 
     p = sub.add_parser("pairs", help="preference pairs from a policy's own completions, scored by the config's "
                        "rewards (e.g. self_judge)", epilog=PAIRS_EPILOG, formatter_class=argparse.RawTextHelpFormatter)

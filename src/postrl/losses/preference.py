@@ -130,7 +130,8 @@ def robust(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_
     rho_c = chosen_logps - ref_chosen_logps
     rho_r = rejected_logps - ref_rejected_logps
     z = beta * (rho_c - rho_r)
-    loss = (-(1.0 - label_smoothing) * F.logsigmoid(z) + label_smoothing * F.logsigmoid(-z)) / (1.0 - 2.0 * label_smoothing)
+    eps = label_smoothing
+    loss = (-(1.0 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
     return _out(loss, beta * rho_c, beta * rho_r)
 
 

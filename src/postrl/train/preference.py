@@ -144,7 +144,8 @@ class PreferenceSettings:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown or "model" not in data:
-            raise PostrlError(f"{where}: not a postrl dpo settings file ({'unknown key ' + unknown[0] if unknown else 'no model'})")
+            why = f"unknown key {unknown[0]}" if unknown else "no model"
+            raise PostrlError(f"{where}: not a postrl dpo settings file ({why})")
         return cls(**data)
 
 
@@ -296,8 +297,8 @@ class PreferenceTrainer:
                 log(f"warning: {dropped + dropped_held} pairs left out: the prompt alone fills --max-length "
                     f"{settings.max_length}")
             if len(self.train_pairs) == 0:
-                raise DataError(f"{settings.data or 'DATA'}: no pair to train on (every prompt fills --max-length "
-                                f"{settings.max_length})" if dropped else f"{settings.data or 'DATA'}: no pair to train on")
+                why = f" (every prompt fills --max-length {settings.max_length})" if dropped else ""
+                raise DataError(f"{settings.data or 'DATA'}: no pair to train on{why}")
             self.micro = settings.micro_batch_size or settings.batch_size
             self.ctx = ModelContext(self.policy, self.tokenizer, self.device, temperature=1.0,
                                     micro_batch_size=2 * self.micro, chat_template=cfg.model.chat_template,
@@ -368,7 +369,8 @@ class PreferenceTrainer:
             if skipped:
                 raise PostrlError(f"--resume {self.run_dir}: no usable checkpoint: " + "; ".join(
                     f"{p.name}/{problem}" for p, problem in skipped))
-            raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in {self.run_dir / ckpt.CHECKPOINTS_DIR}")
+            raise PostrlError(f"--resume {self.run_dir}: no complete checkpoint in "
+                              f"{self.run_dir / ckpt.CHECKPOINTS_DIR}")
         for path, problem in skipped:
             moved = ckpt.quarantine_checkpoint(path)
             self.log(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
@@ -466,7 +468,8 @@ class PreferenceTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         m = {"step": step + 1, "epoch": (step + 1) / self.steps_per_epoch, "loss": loss_total}
         m.update({k: v / len(idx) for k, v in sums.items() if k != "preference_accuracy"})
-        m.update({"grad_norm": gn, "learning_rate": lr, "num_tokens": tokens, "time/step": time.perf_counter() - t0})
+        m.update({"grad_norm": gn, "learning_rate": lr, "completion_tokens": tokens,
+                  "time/step": time.perf_counter() - t0})
         if skipped:
             m["skipped_step"] = 1
         return m
