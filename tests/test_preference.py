@@ -317,6 +317,7 @@ def _run(settings, train, held, out, resume=False):
 def test_resume_is_exact(nano, small, tmp_path):
     from safetensors.torch import load_file
 
+    from postrl.train import run_state
     from postrl.train.preference import PreferenceSettings
 
     train, held = small
@@ -338,6 +339,8 @@ def test_resume_is_exact(nano, small, tmp_path):
                        for x in p.read_text().splitlines()]
     assert strip(full / "metrics.jsonl") == strip(crashed / "metrics.jsonl")
     assert strip(full / "eval.jsonl") == strip(crashed / "eval.jsonl")
+    notes = [n["message"] for n in run_state.read_notices(crashed)]
+    assert any(m.startswith(f"resuming {crashed} from step-00000003") for m in notes), notes
     # a finished run resumed: nothing to do
     assert _run(s, train, held, crashed, resume=True)["steps"] == 6
 
@@ -430,6 +433,8 @@ def test_one_line_errors(nano, data, tmp_path, capsys):
     err = _error(capsys, ["dpo", str(train), "--model", str(nano), "--out", out, "--ref", str(other), "--accel", "off"])
     assert err.startswith(f"postrl: error: --ref {other}: another vocabulary") and "tokenizer" in err
     assert "drop --epochs" in _error(capsys, ["dpo", "--resume", out, "--epochs", "3"])
+    assert "train.jsonl: no pair to train on (every prompt fills --max-length 4)" in _error(
+        capsys, ["dpo", str(train), "--model", str(nano), "--out", str(tmp_path / "short"), "--max-length", "4"])
     assert "--loss-arg gama: not a parameter of loss 'simpo'; valid: beta, gamma, label_smoothing" in _error(
         capsys, ["dpo", str(train), "--model", str(nano), "--out", out, "--loss", "simpo", "--loss-arg", "gama=1"])
     assert "reference-free" in _error(

@@ -30,7 +30,8 @@ as ``postrl train``); ``precompute_ref`` computes every pair's reference log-pro
 none. LoRA, bf16 (float32 master weights, bf16 autocast) and gradient checkpointing as in ``postrl train``
 (:func:`postrl.train.policy.load_policy`).
 
-The run directory: ``dpo.json`` (the settings), ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/step-N``
+The run directory: ``dpo.json`` (the settings), ``metrics.jsonl``, ``eval.jsonl``, ``notices.jsonl`` (pairs left
+out, checkpoints set aside, resumes: :class:`postrl.train.run_state.Notices`), ``checkpoints/step-N``
 (atomic, :mod:`postrl.train.checkpoint`; weights, optimizer, scheduler, RNG), ``final/`` (a ``from_pretrained``
 folder; with LoRA as ``lora_save`` says), ``summary.json``; the run lock and ``status.json`` of
 :mod:`postrl.train.run_state`. The pair order of epoch e is a permutation seeded by (seed, e), so a run resumed
@@ -281,6 +282,8 @@ class PreferenceTrainer:
         dev = settings.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self._lock = run_state.RunLock(self.run_dir)  # before anything is written into the folder
+        # what changes what the run does: stderr, and RUN/notices.jsonl (postrl doctor lists them)
+        self.notice = run_state.Notices(self.run_dir)
         try:
             model, self.tokenizer, self.model_path = load_policy(cfg, self.device, log)
             self.policy = model.to(self.device)
@@ -293,12 +296,12 @@ class PreferenceTrainer:
                                                      max_length=settings.max_length)
             self.held_pairs, dropped_held = encode_pairs(self.tokenizer, held, chat_template=cfg.model.chat_template,
                                                          max_length=settings.max_length)
-            if dropped or dropped_held:
-                log(f"warning: {dropped + dropped_held} pairs left out: the prompt alone fills --max-length "
-                    f"{settings.max_length}")
             if len(self.train_pairs) == 0:
                 why = f" (every prompt fills --max-length {settings.max_length})" if dropped else ""
                 raise DataError(f"{settings.data or 'DATA'}: no pair to train on{why}")
+            if dropped or dropped_held:
+                self.notice(f"{dropped + dropped_held} pairs left out ({dropped} of training, {dropped_held} held "
+                            f"out): the prompt alone fills --max-length {settings.max_length}", kind="warning")
             self.micro = settings.micro_batch_size or settings.batch_size
             self.ctx = ModelContext(self.policy, self.tokenizer, self.device, temperature=1.0,
                                     micro_batch_size=2 * self.micro, chat_template=cfg.model.chat_template,
@@ -325,6 +328,7 @@ class PreferenceTrainer:
                 self._resume()
             else:
                 self._open()
+            self.notice.start(new=not resume)
             self.ref_train = self.ref_held = None
             if self.needs_ref and settings.precompute_ref and self.finished is None:
                 self.ref_train = self._ref_all(self.train_pairs)
@@ -373,7 +377,8 @@ class PreferenceTrainer:
                               f"{self.run_dir / ckpt.CHECKPOINTS_DIR}")
         for path, problem in skipped:
             moved = ckpt.quarantine_checkpoint(path)
-            self.log(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
+            self.notice(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from "
+                        f"{last.name}")
         state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
         self.start_step = int(state["step"])
         self.eval_before = state.get("eval_before")
@@ -386,7 +391,8 @@ class PreferenceTrainer:
         if self.finished is None:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 run_state.truncate_jsonl(self.run_dir / name, self.start_step)
-        self.log(f"resuming {self.run_dir} from {last.name} (step {self.start_step} of {self.total})")
+        self.notice(f"resuming {self.run_dir} from {last.name} (step {self.start_step} of {self.total})",
+                    step=self.start_step)
 
     # ------------------------------------------------------------------------------------------------ log-probs
     def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
