@@ -62,7 +62,8 @@ def run_train(args) -> int:
         check_margins(pairs, args.data)
     log(f"rm train: {len(train)} pairs ({len(held)} held out), backbone {args.backbone}")
     model = fit_reward_model(args.backbone, train, cfg, kind="odin" if args.odin else "bt", num_heads=args.heads,
-                             seeds=args.seeds, max_length=args.max_length, device=args.device, log=log)
+                             seeds=args.seeds, max_length=args.max_length, chat_template=args.chat_template,
+                             device=args.device, log=log)
     if held:
         m = _pair_metrics(model, held)
         model.meta["eval"] = m
