@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test install clean builtin builtin-calculator
+.PHONY: demo test soak install clean builtin builtin-calculator
 
 install: $(DEV)
 
@@ -32,7 +32,11 @@ demo: $(CORE)
 	$(VENV)/bin/postrl train
 
 test: $(DEV)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# `make soak`: the slow tests (the 1,000-step soak of the demo config, docs/reliability.md), outside `make test`.
+soak: $(DEV)
+	$(PY) -m pytest -q -m slow
 
 builtin: $(CORE)
 	$(PY) -m postrl.train.builtin

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from postrl import registry
+from postrl import registry, stages
+from postrl.errors import ConfigError
 from postrl.batch import RolloutBatch
 from postrl.config import load_config
 from postrl.losses import dr_grpo, seq_mean_token_mean, seq_mean_token_sum, token_mean
@@ -128,8 +129,8 @@ def test_singleton_default_zero_and_raw_matches_verl():
     assert opo(R, G, torch.tensor([3.0, 2, 1, 4, 2, 2]), singleton="raw")[3].item() == pytest.approx(0.7)
     alpha = 6 / 5  # 5 non-zero scores of 6
     assert gpg(R, G, singleton="raw")[3].item() == pytest.approx(alpha * 0.7)
-    with pytest.raises(ValueError, match="advantage.singleton"):
-        grpo(R, G, singleton="verl")
+    with pytest.raises(ConfigError, match="^advantage.singleton: expected 'zero' or 'raw', got 'verl'$"):
+        stages.build("advantage", "grpo", {"singleton": "verl"})
 
 
 def test_reinforce_pp_baseline_raw_singleton_whitens_the_raw_reward_as_verl():

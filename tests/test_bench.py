@@ -373,3 +373,18 @@ def test_load_meter_counts_other_processes_and_refuses_the_ratio_under_load(tmp_
     assert "2.50x" in bench.format_tables([dict(base, load=quiet, refused=None)], peaks)
     table = bench.format_tables([dict(base, load=busy, refused=bench.load_verdict(busy))], peaks)
     assert "2.50x" not in table and "not printed" in table and "rerun on a quiet machine" in table
+
+
+def test_the_trl_side_lives_outside_the_installed_package(monkeypatch):
+    """The TRL worker patches TRL's internals: it is benchmarks/trl_side.py of the source checkout, not a module of
+    postrl; without it `postrl bench` says where it is in one line."""
+    import importlib.util
+
+    from postrl.benchmark import harness
+    from postrl.errors import PostrlError
+
+    assert importlib.util.find_spec("postrl.benchmark.trl_side") is None
+    assert harness.trl_side_path().name == "trl_side.py"
+    monkeypatch.setenv("POSTRL_BENCH_TRL", "/nonexistent/trl_side.py")
+    with pytest.raises(PostrlError, match="not part of the installed package.*POSTRL_BENCH_TRL"):
+        harness.trl_side_path()

@@ -264,13 +264,33 @@ def test_methods_name_shows_the_model_rewards_parameters(capsys):
     params = {p["name"]: p for p in d["parameters"]}
     assert params["path"] == {"name": "path", "type": "str", "default": None, "required": True}
     assert params["aggregate"]["default"] == "mean" and not params["aggregate"]["required"]
-    assert params["calibrator"] == {"name": "calibrator", "type": "str | None", "default": None, "required": False}
+    assert params["calibrator"] == {"name": "calibrator", "type": "null or str", "default": None, "required": False}
+    # the range or the choices, from the annotation (the schema the config is validated against)
+    assert params["aggregate"]["type"] == '"mean" / "min" / "uwo"'
+    assert params["batch_size"]["type"] == "int, >= 1" and params["member"]["type"] == "null or int, >= 0"
     assert list(params)[:3] == ["path", "aggregate", "uwo_lambda"]  # declaration order
     assert d["source"].startswith("a trained reward model") and d["defined_in"] == "postrl.rewards.model:model_reward"
     assert "ensemble" in d["description"]
     assert main(["methods", "model", "--kind", "reward"]) == 0
     text = capsys.readouterr().out
     assert "path" in text and "required" in text and "'mean'" in text and "calibrator" in text
+
+
+def test_methods_name_shows_ranges_and_choices(capsys):
+    from postrl.cli.methods import type_text
+
+    assert main(["methods", "ppo_clip", "--kind", "loss", "--json"]) == 0
+    params = {p["name"]: p["type"] for p in json.loads(capsys.readouterr().out)["parameters"]}
+    assert params == {"eps_low": "float, >= 0 and < 1", "eps_high": "float, >= 0", "dual_clip": "null or float, > 1"}
+    assert main(["methods", "grpo", "--kind", "advantage"]) == 0
+    text = capsys.readouterr().out
+    assert '"group" / "batch" / "none"' in text and "float, >= 0" in text
+    fmt = {p["name"]: p["type"] for p in stage_parameters(registry.get("reward", "format"))}
+    assert fmt["pattern"] == "str, a regular expression (Python re)"
+    assert type_text(registry.get("sampling", "multi_temperature").__init__.__annotations__["temperatures"]) == \
+        "Annotated[tuple[Annotated[float, Ge(0)], ...], MinLen(1)]"  # unresolved (a string): shown as written
+    assert stage_parameters(registry.get("sampling", "multi_temperature"))[0]["type"] == \
+        "list of (float, >= 0), at least 1 item"
 
 
 def test_stage_parameters_of_every_registered_stage_match_its_signature():

@@ -58,8 +58,10 @@ def test_code_reshaped_stages_hand_computed():
     assert got == pytest.approx(want)
     w = dict(w_parse=0.0, w_compile=0.0, w_run=0.5, w_tests=0.5, w_lint=0.0)
     assert code_reshaped(None, comps[:2], [TESTS] * 2, timeout=8.0, **w) == pytest.approx([1.0, 0.5 + 0.25])
-    with pytest.raises(ConfigError, match="'w_run' must be a non-negative number"):
-        code_reshaped(None, comps[:1], [TESTS], w_run=-1.0)
+    with pytest.raises(ConfigError, match=r"^rewards.0.w_run: expected a value >= 0, got -1.0$"):
+        stages.check_params("reward", "code_reshaped", {"w_run": -1.0}, "rewards.0")
+    with pytest.raises(ConfigError, match=r"^rewards.0.w_run: expected a number, got True$"):
+        stages.check_params("reward", "code_reshaped", {"w_run": True}, "rewards.0")
 
 
 def test_verrpo_weights_by_running_difficulty():
@@ -102,10 +104,12 @@ def test_verrpo_ema_and_bad_params():
     assert r.pass_rate("k") == pytest.approx(0.5)
     r._update({"k": [1, 1]})
     assert r.pass_rate("k") == pytest.approx(0.75)
-    with pytest.raises(ConfigError, match="pass_bonus"):
-        VeRPOWeightedTests(pass_bonus=2)
-    with pytest.raises(ConfigError, match="momentum"):
-        VeRPOWeightedTests(momentum=1.0)
+    with pytest.raises(ConfigError, match=r"^reward.pass_bonus: expected a value >= 0 and <= 1, got 2$"):
+        stages.build("reward", "verrpo_weighted_tests", {"pass_bonus": 2})
+    with pytest.raises(ConfigError, match=r"^reward.momentum: expected a value >= 0 and < 1, got 1.0$"):
+        stages.build("reward", "verrpo_weighted_tests", {"momentum": 1.0})
+    with pytest.raises(ConfigError, match=r"^rewards.0.isolation: expected 'auto', 'bwrap', 'namespaces' or "):
+        stages.check_params("reward", "code_tests", {"isolation": "docker"}, "rewards.0")
 
 
 def test_registered_sources_work_through_score_batch():

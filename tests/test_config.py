@@ -176,6 +176,34 @@ FUZZ = [
     # validators' own messages stay one line that starts with the key
     (["rewards=[]"], r"^rewards: at least one reward source is required$"),
     (["kl.controller=adaptive"], r"^kl\.controller=adaptive needs kl\.coef > 0"),
+    # stage parameters: refused from their annotations (or the stage's registered check) when the config is read
+    (["loss.eps_low=-1"], r"^loss\.eps_low: expected a value >= 0 and < 1, got -1$"),
+    (["loss.eps_low=5"], r"^loss\.eps_low: expected a value >= 0 and < 1, got 5$"),
+    (["loss.eps_low=true"], r"^loss\.eps_low: expected a number, got True$"),
+    (["loss.dual_clip=0.5"], r"^loss\.dual_clip: expected a value > 1, got 0\.5$"),
+    (["loss.name=dispo", "loss.mode=nope"], r"^loss\.mode: expected 'mask' or 'clip', got 'nope'$"),
+    (["advantage.scale=sideways"], r"^advantage\.scale: expected 'group', 'batch' or 'none', got 'sideways'$"),
+    (["advantage.eps=-1"], r"^advantage\.eps: expected a value >= 0, got -1$"),
+    (["advantage.singleton=verl"], r"^advantage\.singleton: expected 'zero' or 'raw', got 'verl'$"),
+    (["advantage.name=gae", "advantage.value_epochs=0"], r"^advantage\.value_epochs: expected a value >= 1, got 0$"),
+    (["advantage.name=gae", "advantage.value_epochs=2.5"], r"^advantage\.value_epochs: expected an integer, got 2\.5$"),
+    (["rewards=[{name: format, pattern: '('}]"],
+     r"^rewards\.0\.pattern: expected a valid regular expression \(missing \), unterminated subpattern at "
+     r"position 0\), got '\('$"),
+    (["rewards=[{name: format, pattern: 5}]"], r"^rewards\.0\.pattern: expected a string, got 5$"),
+    (["rewards=[{name: format, tags: think}]"], r"^rewards\.0\.tags: expected a list, got 'think'$"),
+    (["rewards=[{name: exact, extract: nope}]"],
+     r"^rewards\.0\.extract: expected 'none', 'answer_tag', 'boxed', 'last_number' or 'auto', got 'nope'$"),
+    (["task.digits=0"], r"^task\.digits: expected a value >= 1 and <= 1000, got 0$"),
+    (["task.digits=2", "task.min_digits=3"], r"^task\.min_digits: expected a value <= digits \(2\), got 3$"),
+    (["task.ops=/"], r"^task\.ops: expected a non-empty string of '\+', '-', '\*', got '/'$"),
+    (["filters=[{name: range_filter, low: 1, high: 0}]"],
+     r"^filters\.0\.high: expected a value > low \(1\.0\), got 0\.0$"),
+    (["filters=[{name: pcl, epochs: 0}]"], r"^filters\.0\.epochs: expected a value >= 1, got 0$"),
+    (["regularizers=[{name: top_entropy_tokens, q: 0}]"],
+     r"^regularizers\.0\.q: expected a value > 0 and <= 1, got 0$"),
+    (["shaping=[{name: ensemble_brme, lam: 2}, {name: weighted_sum}]"],
+     r"^shaping\.0\.lam: expected a value >= 0 and <= 1, got 2$"),
 ]
 
 
@@ -227,6 +255,37 @@ VALID = [
 @pytest.mark.parametrize("overrides, check", VALID, ids=[" ".join(o) for o, _ in VALID])
 def test_valid_inputs_still_load(overrides, check):
     assert check(load_config(None, overrides))
+
+
+def test_config_show_and_train_refuse_a_stage_parameter_in_the_same_line(tmp_path):
+    """``config show`` accepted what ``train`` then refused with a raw ValueError (issue 26): now both refuse it
+    when the config is read, exit 2, and print the same one line."""
+    lines = []
+    for cmd in (["config", "show"], ["train", "train.steps=1", f"output_dir={tmp_path / 'run'}"]):
+        r = subprocess.run([sys.executable, "-m", "postrl", *cmd, "loss.eps_low=-1"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+        lines.append(r.stderr)
+    assert lines[0] == lines[1] == "postrl: error: loss.eps_low: expected a value >= 0 and < 1, got -1\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_stage_parameter_is_typed_and_its_default_valid():
+    """The annotations are the whole schema: every keyword-only parameter of every registered stage has one that
+    resolves, and its default satisfies it (pydantic does not check defaults)."""
+    import inspect
+    from typing import Any
+
+    from pydantic import ConfigDict, TypeAdapter
+
+    from postrl import stages
+
+    for e in registry.all_entries():
+        for name, (ann, default) in stages.parameters(e.fn).items():
+            assert ann is not Any, f"{e.kind} {e.name}: parameter '{name}' has no resolvable annotation"
+            if default is not inspect.Parameter.empty:
+                TypeAdapter(ann, config=ConfigDict(strict=True, arbitrary_types_allowed=True)).validate_python(default)
 
 
 def test_cli_refuses_the_hang_and_the_silent_exit_at_once():

@@ -120,12 +120,27 @@ def test_eval_rows_small_space_returns_what_exists():
 
 
 def test_task_param_validation():
-    with pytest.raises(ConfigError, match="ops"):
-        ArithmeticTask(ops="/")
-    with pytest.raises(ConfigError, match="min_digits"):
-        ArithmeticTask(digits=2, min_digits=3)
-    with pytest.raises(ConfigError, match="min_target"):
-        CountdownTask(min_target=50, max_target=10)
+    # refused when the task is loaded from its config (annotations and the registered checks), in one line
+    cases = [({"name": "arithmetic", "ops": "/"}, "task.ops: expected a non-empty string of '+', '-', '*', got '/'"),
+             ({"name": "arithmetic", "ops": ""}, "task.ops: expected a non-empty string"),
+             ({"name": "arithmetic", "digits": 0}, "task.digits: expected a value >= 1 and <= 1000, got 0"),
+             ({"name": "arithmetic", "digits": 2.0}, "task.digits: expected an integer, got 2.0"),
+             ({"name": "arithmetic", "digits": 2, "min_digits": 3}, "task.min_digits: expected a value <= digits (2)"),
+             ({"name": "arithmetic", "min_digits": 3}, "task.min_digits: expected a value <= digits (2), got 3"),
+             ({"name": "countdown", "min_target": 50, "max_target": 10},
+              "task.max_target: expected a value >= min_target (50), got 10"),
+             ({"name": "countdown", "numbers": 1}, "task.numbers: expected a value >= 2, got 1"),
+             ({"name": "reasoning_gym", "dataset": "x", "config": {"seed": 1}},
+              "task.config: set 'seed' as a task parameter, not inside config"),
+             ({"name": "reasoning_gym", "dataset": "x", "size": 0}, "task.size: expected a value >= 1, got 0"),
+             ({"name": "file", "path": "x.jsonl", "eval_fraction": 1.0},
+              "task.eval_fraction: expected a value >= 0 and < 1, got 1.0"),
+             ({"name": "file", "path": "x.jsonl", "verifier": "file"},
+              "task.verifier: 'file' is a data source, not a task with a verifier")]
+    for spec, message in cases:
+        with pytest.raises(ConfigError) as e:
+            load_source(spec)
+        assert str(e.value).startswith(message), str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ load_source
@@ -229,8 +244,8 @@ def test_file_source_errors(tmp_path):
         FileSource(path=str(notjson))
     with pytest.raises(DataError, match="unsupported"):
         FileSource(path=str(_write(tmp_path / "x.jsonl", _records(2)).rename(tmp_path / "x.txt")))
-    with pytest.raises(ConfigError, match="arithmetc"):
-        FileSource(path=str(_write(tmp_path / "ok.jsonl", _records(3))), verifier="arithmetc")
+    with pytest.raises(ConfigError, match=r"^task.verifier: unknown task 'arithmetc'; valid: .*arithmetic"):
+        load_source({"name": "file", "path": str(_write(tmp_path / "ok.jsonl", _records(3))), "verifier": "arithmetc"})
 
 
 def test_parquet_without_pyarrow(tmp_path, monkeypatch):
@@ -301,5 +316,5 @@ def test_arithmetic_chatty_teacher_changes_only_the_demonstrations():
         assert ArithmeticTask.verify(r["answer"], r) == 1.0
         assert ArithmeticTask.verify(r["solution"], r) == (1.0 if r["solution"] == r["answer"] else 0.0)
     assert all(r["solution"] == r["answer"] for r in plain)
-    with pytest.raises(ConfigError, match="chatty must be a fraction"):
-        ArithmeticTask(chatty=1.5)
+    with pytest.raises(ConfigError, match=r"^task.chatty: expected a value >= 0 and <= 1, got 1.5$"):
+        load_source({"name": "arithmetic", "chatty": 1.5})

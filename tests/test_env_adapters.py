@@ -142,6 +142,19 @@ def test_trl_adapter_errors():
         make("trl", {"factory": "no_such_module:X"})
     with pytest.raises(ConfigError, match="environment"):
         make("trl", {"factory": f"{__name__}:GuessEnv", "bogus": 1})
+    # parameters are checked from their annotations before the factory is imported
+    with pytest.raises(ConfigError, match=r"^environment.timeout: expected a value > 0, got 0$"):
+        make("trl", {"factory": "no_such_module:X", "timeout": 0})
+    with pytest.raises(ConfigError, match=r"^environment.args: expected a mapping, got list$"):
+        make("verifiers", {"env": "no_such_module:X", "args": [1]})
+    with pytest.raises(ConfigError, match=r"^environment.memory_mb: expected a value >= 1, got 0$"):
+        make("code_repair", {"memory_mb": 0})
+    from postrl.data import load_source
+
+    with pytest.raises(ConfigError, match=r"^task.min_digits: expected a value <= digits \(3\), got 4$"):
+        load_source({"name": "calculator", "min_digits": 4})  # the calculator's own default digits, 3
+    with pytest.raises(ConfigError, match=r"^task.direct: expected a value >= 0 and <= 1, got 2$"):
+        load_source({"name": "calculator", "direct": 2})
 
 
 class HintRubric:

@@ -99,8 +99,12 @@ def test_range_filter_hand_values():
     g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # means 0, 0.5, 1, 0.75
     assert range_filter(r, ["correct"], g).tolist() == [False, False, True, True, False, False, True, True]
     assert range_filter(r, ["correct"], g, low=0.6).tolist() == [False] * 6 + [True, True]
-    with pytest.raises(ValueError, match="low < high"):
-        range_filter(r, ["correct"], g, low=0.5, high=0.5)
+    with pytest.raises(ConfigError, match=r"^filters.0.high: expected a value > low \(0.5\), got 0.5$"):
+        load_config(None, ["filters=[{name: range_filter, low: 0.5, high: 0.5}]"])
+    with pytest.raises(ConfigError, match=r"^filter.high: expected a value > low \(0.0\), got -1.0$"):
+        stages.build("filter", "range_filter", {"high": -1})
+    with pytest.raises(ConfigError, match=r"^filter.max_attempts: expected a value >= 1, got 0$"):
+        stages.build("filter", "range_filter", {"max_attempts": 0})
 
 
 # ----------------------------------------------------------------------------------------------- selectors
@@ -199,6 +203,14 @@ def test_multi_temperature_interleaves_groups():
     assert mt.plan(5) == [0.5, 1.0, 0.5, 1.0, 0.5]
     with pytest.raises(ConfigError, match="group_size=1 is smaller than the 2 temperatures"):
         mt.plan(1)
+    # ... and when the config is read, against rollout.group_size
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures: rollout.group_size=2 is smaller than the 3 "):
+        load_config(None, ["rollout.group_size=2", "filters=[{name: multi_temperature}]"])
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures.1: .*greater than or equal to 0, got -1"):
+        load_config(None, ["filters=[{name: multi_temperature, temperatures: [0.5, -1]}]"])
+    with pytest.raises(ConfigError, match=r"^filters.0.temperatures: .*at least 1 item"):
+        load_config(None, ["filters=[{name: multi_temperature, temperatures: []}]"])
+    assert stages.build("sampling", "multi_temperature", {"temperatures": [1, 0.5]}).fn.temperatures == [1.0, 0.5]
     be = FakeBackend()
     gen, temps = generate_multi_temperature(be.generate, [[5], [6]], SamplingParams(), mt.plan(3), [1, 2])
     assert sorted(be.calls) == [(2, 1, 1.0), (2, 2, 0.5)]

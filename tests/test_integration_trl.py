@@ -213,7 +213,7 @@ def test_reward_faults_are_isolated_and_alarms_logged(model_dir, tmp_path):
     t = _run_postrl(model_dir, tmp_path, {
         "rewards": [{"name": f"{MODULE}:char_score"}, {"name": f"{MODULE}:fails_on_odd"},
                     {"name": f"{MODULE}:always_fails"}],
-        "reward": {"alarm_rate": 0.5}})
+        "reward": {"alarm_rate": 0.5, "on_all_failed": "continue"}})  # (a reward raising everywhere would stop)
     rows = [r for r in t.state.log_history if f"postrl/reward/{MODULE}:fails_on_odd/failures" in r]
     assert len(rows) == 2
     # only the odd-length completions failed: bisection isolated them

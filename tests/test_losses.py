@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from postrl import registry
-from postrl.stages import call_stage
+from postrl.config import load_config
+from postrl.errors import ConfigError
+from postrl.stages import build, call_stage
 from postrl.stages import StepEnd
 from postrl.stages import reads as _reads
 from postrl.losses import (AdaptiveEntropy, EntropySmoothing, KLController, check_aggregation, cispo, clip_cov,
@@ -166,8 +168,8 @@ def test_sapo_hand_values_and_on_policy_gradient():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     loss, _ = sapo(lp, lp.detach(), torch.tensor([1.5]))
     assert torch.allclose(grad_of(loss.sum(), lp), torch.tensor([[-1.5, -1.5]]), atol=1e-6)
-    with pytest.raises(ValueError, match="tau"):
-        sapo(lp, lp.detach(), torch.tensor([1.0]), tau_pos=0.0)
+    with pytest.raises(ConfigError, match=r"^loss.tau_pos: expected a value > 0, got 0.0$"):
+        build("loss", "sapo", {"tau_pos": 0.0})
 
 
 def test_sapo_matches_verl_formula():
@@ -241,8 +243,10 @@ def test_dispo_four_bounds_mask_and_clip():
     loss, _ = dispo(logp, old, adv, mode="clip", **kw)
     wc = torch.tensor([[0.9, 0.95, 1.5, 2.0], [0.5, 0.95, 1.2, 1.2]])
     assert torch.allclose(grad_of(loss.sum(), logp), -wc * adv.unsqueeze(-1), atol=1e-6)
-    with pytest.raises(ValueError, match="mode"):
-        dispo(logp, old, adv, mode="nope")
+    with pytest.raises(ConfigError, match=r"^loss.mode: expected 'mask' or 'clip', got 'nope'$"):
+        build("loss", "dispo", {"mode": "nope"})
+    with pytest.raises(ConfigError, match=r"^loss.eps_neg_low: expected a value >= 0 and < 1, got 1$"):
+        build("loss", "dispo", {"eps_neg_low": 1})
 
 
 # ---------------------------------------------------------------------------------------------- Clip-Cov / KL-Cov
@@ -420,6 +424,8 @@ def test_tis_token_and_sequence_truncate_and_mask():
     assert torch.allclose(seqm, torch.tensor([[0.0] * 3, [3.0] * 3]), atol=1e-5)
     with pytest.raises(ValueError, match="cap"):
         tis_weights(old, sampler, mask, cap=0.0)
+    with pytest.raises(ConfigError, match=r"^loss.tis.cap: "):  # the run's loss.tis section holds cap > 0
+        load_config(None, ["loss.tis.level=token", "loss.tis.cap=0"])
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
@@ -472,6 +478,8 @@ def test_adaptive_kl_controller_matches_ziegler_update():
     assert c2.value == c.value
     with pytest.raises(ValueError):
         KLController(0.1, adaptive=True, target=0.0)
+    with pytest.raises(ConfigError, match=r"^kl.target: "):  # the run's kl section holds target > 0
+        load_config(None, ["kl.controller=adaptive", "kl.coef=0.1", "kl.target=0"])
 
 
 # ---------------------------------------------------------------------------------------------- regularisers
@@ -506,8 +514,8 @@ def test_top_entropy_tokens_matches_trl_quantile_rule():
     assert torch.equal(out.bool(), (ent >= thr) & mask.bool())
     assert top_entropy_tokens(ent, mask, q=1.0)["pg_mask"].sum() == 9
     assert top_entropy_tokens(ent, torch.zeros_like(mask))["pg_mask"].sum() == 0
-    with pytest.raises(ValueError, match="q"):
-        top_entropy_tokens(ent, mask, q=0.0)
+    with pytest.raises(ConfigError, match=r"^regularizer.q: expected a value > 0 and <= 1, got 0.0$"):
+        build("regularizer", "top_entropy_tokens", {"q": 0.0})
 
 
 def test_entropy_band_hand_values():
@@ -588,8 +596,8 @@ def test_f_divergence_unbiased_for_forward_kl_and_js():
         lp = p_ref.log().clone().requires_grad_(True)
         r = f_divergence(lp, lp.detach(), p_ref.log(), divergence=div)
         assert num(r.abs().max()) < 1e-7 and num(grad_of(r.sum(), lp).abs().max()) < 1e-6
-    with pytest.raises(ValueError, match="divergence"):
-        f_divergence(p_th.log(), p_th.log(), p_ref.log(), divergence="tv")
+    with pytest.raises(ConfigError, match=r"^regularizer.divergence: expected 'forward_kl' or 'js', got 'tv'$"):
+        build("regularizer", "f_divergence", {"divergence": "tv"})
 
 
 def test_regularizers_registered_with_fields():
@@ -618,6 +626,13 @@ def test_loss_kl_regularizer_config_validation():
         load_config(None, ["kl.controller=adaptive"])
     with pytest.raises(ConfigError, match="loss.tis.level"):
         load_config(None, ["loss.tis.level=tokens"])
+    # a rule over two parameters, checked when the config is read
+    with pytest.raises(ConfigError, match=r"^regularizers.0.high: expected a value >= low \(0.7\), got 0.5$"):
+        load_config(None, ["regularizers=[{name: entropy_band, high: 0.5}]"])
+    with pytest.raises(ConfigError, match=r"^regularizers.0.max_alpha: expected a value >= init \(0.2\), got 0.1$"):
+        load_config(None, ["regularizers=[{name: adaptive_entropy, init: 0.2}]"])
+    with pytest.raises(ConfigError, match=r"^regularizers.0.window: expected a value >= 1, got 0$"):
+        load_config(None, ["regularizers=[{name: entropy_smoothing, window: 0}]"])
     with pytest.raises(ConfigError, match="unknown aggregation"):
         load_config(None, ["loss.agg=token-mean"])
 

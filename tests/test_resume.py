@@ -18,6 +18,7 @@ import yaml
 
 from postrl.config import load_config
 from postrl.report.doctor import diagnose
+from postrl.train.run_state import read_notices
 from postrl.train.trainer import Trainer
 from test_train import metrics, model_dir, run_inprocess, small  # noqa: F401 - model_dir: the fixture
 
@@ -70,21 +71,44 @@ def ref(model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref, tmp_path):
-    """Truncated weights in the final checkpoint: the resume says so in one line, moves it aside, continues from
-    step 3 and ends exactly as the uninterrupted run."""
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref, tmp_path, capsys):
+    """Truncated weights in the final checkpoint: the resume says so in one line (a notice: stderr and
+    notices.jsonl), moves it aside, continues from step 3 and ends exactly as the uninterrupted run."""
     run = tmp_path / "run"
     shutil.copytree(ref, run)
     weights = run / STEPS_DIR / "step-00000006" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    log = Log()
-    resume(run, log=log)
-    said = [x for x in log.lines if "unusable" in x]
+    resume(run, log=Log())
+    said = [x for x in capsys.readouterr().err.splitlines() if "unusable" in x]
     assert len(said) == 1 and "step-00000006" in said[0] and "model.safetensors" in said[0]
-    assert "resuming from step-00000003" in said[0]
+    assert said[0].startswith("notice: ") and "resuming from step-00000003" in said[0]
+    assert [n["message"] for n in read_notices(run)] == [said[0][len("notice: "):]]
     assert (run / STEPS_DIR / "step-00000006.corrupt").is_dir()
     assert metrics(run) == metrics(ref) and evals(run) == evals(ref)
     assert diagnose(run).status == "finished" and any("corrupt" in n for n in diagnose(run).notes)
+
+
+@pytest.mark.parametrize("broken", ["trainer_state.json", "optimizer.pt"])
+def test_set_aside_checkpoint_is_said_under_quiet_and_kept_for_the_doctor(ref, tmp_path, broken):
+    """--quiet silences progress, not what changes the run: a corrupt trainer_state or optimizer in the newest
+    checkpoint is set aside and step 3 resumed, and that is on stderr, in RUN/notices.jsonl and in `postrl
+    doctor` (before: with --quiet nothing was said anywhere)."""
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    (run / STEPS_DIR / "step-00000006" / broken).write_bytes(b"\x00garbage")
+    r = cli("train", "--quiet", "--resume", str(run))
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [x for x in r.stderr.splitlines() if "unusable" in x]
+    assert len(said) == 1 and said[0].startswith(f"notice: checkpoint {run / STEPS_DIR / 'step-00000006'} is "
+                                                 f"unusable") and broken in said[0]
+    assert "resuming from step-00000003" in said[0] and r.stdout == ""
+    notices = read_notices(run)
+    assert len(notices) == 1 and notices[0]["message"] == said[0][len("notice: "):]
+    assert metrics(run) == metrics(ref)
+    d = cli("doctor", str(run), "--json")
+    assert json.loads(d.stdout)["notices"] == notices
+    text = " ".join(cli("doctor", str(run)).stdout.replace("│", " ").split())  # the panel's lines, unwrapped
+    assert "notice checkpoint" in text and "resuming from step-00000003" in text
 
 
 def test_no_usable_checkpoint_is_one_line_naming_the_files(ref, tmp_path):
@@ -212,10 +236,10 @@ def test_extended_run_keeps_its_steps_and_a_lower_steps_is_refused(model_dir, re
     cfg["train"]["steps"] = 4
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     (run / "summary.json").write_text(json.dumps({**json.loads((run / "summary.json").read_text()), "steps": 4}))
-    log = Log()
-    summary = resume(run, log=log)
+    summary = resume(run, log=Log())
     assert summary["steps"] == 6 and json.loads((run / "summary.json").read_text())["steps"] == 6
-    assert any("config.yaml plans 4 steps but the latest checkpoint is at step 6" in x for x in log.lines)
+    assert any("config.yaml plans 4 steps but the latest checkpoint is at step 6" in n["message"]
+               for n in read_notices(run))
     assert sorted(p.name for p in (run / STEPS_DIR).iterdir()) == ["step-00000004", "step-00000006"]  # no new one
     assert metrics(run) == metrics(ref) and [e["tag"] for e in evals(run)] == ["before", "after", "after"]
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 6

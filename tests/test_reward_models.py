@@ -391,7 +391,9 @@ def test_cli_rm_train_and_eval(tmp_path, capsys):
     edata = write_jsonl(tmp_path / "eval.jsonl", evals)
     odin = tmp_path / "odin"
     assert cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(odin), "--odin",
-                     "--lr", "3e-2", "--max-length", "32"]) == 0
+                     "--lr", "3e-2", "--max-length", "32", "--chat-template", "none"]) == 0
+    assert json.loads((odin / "reward_model.json").read_text())["chat_template"] == "none"  # the option reaches it
+    assert cfg["chat_template"] == "auto"
     capsys.readouterr()
     assert cli_main(["rm", "eval", str(out), str(edata), "--compare", str(out), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)

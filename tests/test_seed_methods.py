@@ -10,6 +10,7 @@ import torch
 from postrl import registry
 from postrl.advantages.entropy import canon_entropy, canon_length, grpo_s, gtpo
 from postrl.shaping.transforms import ensemble_brme
+from postrl.errors import ConfigError
 from postrl.stages import build
 
 nan = float("nan")
@@ -33,8 +34,8 @@ def test_ensemble_brme_mixes_mean_and_min():
     assert out["reward_names"] == ["ensemble", "correct"]
     close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.0)["rewards"][:, 0], [2.0, nan, 3.0])
     close(ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=0.0)["rewards"][:, 0], [1.0, nan, 2.0])
-    with pytest.raises(ValueError, match="ensemble_brme.lam"):
-        ensemble_brme(r, names, w, sources=["rm1", "rm2"], lam=1.5)
+    with pytest.raises(ConfigError, match=r"^shaping.lam: expected a value >= 0 and <= 1, got 1.5$"):
+        build("shaping", "ensemble_brme", {"lam": 1.5})
     assert registry.entry("shaping", "ensemble_brme").source.startswith("Reward-Robust RLHF")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from postrl.config import load_config
 from postrl.errors import ConfigError
 
 from postrl import registry
@@ -177,8 +178,8 @@ def test_min_form_temperature_is_pures_softmin_weighting():
     close(out["rewards"][:, 0], [0.8 * w[0] + 0.3 * w[1], 0.5], 1e-6)
     small = min_form(T([[0.8, 0.3, 0.6]]), T([[0.0]]), ["prm"], "prm", temperature=1e-3)["rewards"][0, 0]
     assert small.item() == pytest.approx(0.3, abs=1e-6)  # -> min as tau -> 0
-    with pytest.raises(ValueError, match="min_form.temperature"):
-        min_form(SR, R2, NAMES, "prm", temperature=-1.0)
+    with pytest.raises(ConfigError, match=r"^shaping.temperature: expected a value >= 0, got -1.0$"):
+        build("shaping", "min_form", {"temperature": -1.0})
 
 
 def test_gated_adds_steps_only_when_outcome_passes():
@@ -222,8 +223,10 @@ def test_overlong_soft_three_regions_and_verl_anchor():
     # verl DAPO reward manager: min(-(L - (Lmax - Lc)) / Lc * factor, 0) for L <= Lmax
     verl = [min(-(x - (10 - 4)) / 4 * 1.0, 0.0) for x in L[:4].tolist()]
     close(out["rewards"][:4, 1], verl)
-    with pytest.raises(ConfigError, match="buffer"):
-        overlong_soft(T([[1.0]]), ["c"], T([1.0]), T([1.0]), max_length=4, buffer=8)
+    with pytest.raises(ConfigError, match=r"^shaping.buffer: expected an integer in \[1, max_length = 4\], got 8$"):
+        build("shaping", "overlong_soft", {"max_length": 4, "buffer": 8})
+    with pytest.raises(ConfigError, match=r"^shaping.buffer: .* = 20480\], got 30000$"):  # against the default
+        build("shaping", "overlong_soft", {"buffer": 30000})
 
 
 def test_truncation_penalty_zeroes_over_cap():
@@ -309,8 +312,11 @@ def test_grpo_lambda_threshold_and_top_fraction():
     close(out, [0.5, 0.0, -0.5, 0.0, 0.0, 0.0])  # group 0 (3/3) penalised; group 1 (1/3) plain 0/1
     out = grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None, top_fraction=1.0)["rewards"][:, 1]
     close(out, [0.5, 0.0, -0.5, 0.0, -0.0, -0.5])
-    with pytest.raises(ValueError, match="exactly one"):
-        grpo_lambda(r, ["correct"], T([1.0]), gids, L, threshold=None)
+    for params in ("threshold: null", "top_fraction: 0.5"):  # neither; both (threshold defaults to 0.8)
+        with pytest.raises(ConfigError, match=r"^shaping.0: set exactly one of shaping.0.threshold and "):
+            load_config(None, [f"shaping=[{{name: grpo_lambda, {params}}}, {{name: weighted_sum}}]"])
+    with pytest.raises(ConfigError, match=r"^shaping.top_fraction: expected a value > 0 and <= 1, got 1.5$"):
+        build("shaping", "grpo_lambda", {"threshold": None, "top_fraction": 1.5})
 
 
 def test_cosine_length_hand_values():
@@ -413,8 +419,8 @@ def test_step_length_regularizer_prefers_shorter_steps():
     assert (r[order].diff() <= 1e-9).all()
     same = reward([5, 5, 5])
     close(same, same[:1].expand(3))  # one length: no preference
-    with pytest.raises(ValueError, match="step_length_regularizer.min_sd"):
-        reward([5, 20], min_sd=0.0)
+    with pytest.raises(ConfigError, match=r"^shaping.min_sd: expected a value > 0, got 0.0$"):
+        build("shaping", "step_length_regularizer", {"min_sd": 0.0})
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -464,7 +470,7 @@ def test_stage_state_helpers_and_call_stage_with_class():
     fresh = [build("shaping", "running_norm", {}), build("shaping", "weighted_sum", {})]
     load_state(fresh, json.loads(json.dumps(st)))
     assert fresh[0].fn.stats == stages[0].fn.stats
-    with pytest.raises(ValueError, match="clip"):
+    with pytest.raises(ConfigError, match=r"^shaping.clip: expected a value > 0, got -1$"):
         build("shaping", "running_norm", {"clip": -1})
     close(weighted_sum(T([[1.0, nan]]), T([1.0, 0.0]))["reward"], [nan])  # failed component is excluded
 
@@ -561,22 +567,22 @@ def test_trainer_scores_steps_shapes_and_checkpoints_state(nano_dir, tmp_path):
     assert tr2.step.scorer.shaping[1].fn.stats["correct"] == pytest.approx(saved)
 
 
-@registry.register("reward", "half_none", source="test: fails on every other completion")
-def half_none(prompts, completions, **kw):
-    return [None if i % 2 else 1.0 for i in range(len(completions))]
+@registry.register("reward", "half_nan", source="test: fails on every other completion")
+def half_nan(prompts, completions, **kw):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]  # NaN fails (None: does not apply)
 
 
 def test_trainer_failure_rate_metric_and_alarm(nano_dir, tmp_path, caplog):
     from postrl.train.trainer import Trainer
 
     out = tmp_path / "run"
-    tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_none}]", "reward.alarm_rate=0.25"), out)
+    tr = Trainer(_cfg(nano_dir, out, "rewards=[{name: correct}, {name: half_nan}]", "reward.alarm_rate=0.25"), out)
     batch = tr.batches.rollout(0)
     with caplog.at_level("WARNING", logger="postrl.rewards"):
         info = tr.step.score(batch)
-    assert info["failure_rate"] == {"correct": 0.0, "half_none": 0.5}
+    assert info["failure_rate"] == {"correct": 0.0, "half_nan": 0.5}
     assert batch.valid.tolist() == [i % 2 == 0 for i in range(len(batch))]  # failed entries excluded, not 0
-    alarms = [r.getMessage() for r in caplog.records if "half_none" in r.getMessage()]
-    assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned None" in alarms[0]
+    alarms = [r.getMessage() for r in caplog.records if "half_nan" in r.getMessage()]
+    assert len(alarms) == 1 and "failed on 50% of the batch" in alarms[0] and "returned nan" in alarms[0]
     m = tr.step.metrics(batch, info)
-    assert m["reward/half_none/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0
+    assert m["reward/half_nan/failure_rate"] == 0.5 and m["reward/correct/failure_rate"] == 0.0

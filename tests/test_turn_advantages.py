@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from postrl.advantages.turns import turn_mapo, turn_of_token
+from postrl.errors import ConfigError
 from postrl.stages import build
 
 # two episodes of one prompt, two turns each; completion: turn 0 = tokens 0-1, observation 2, turn 1 = tokens 3-4
@@ -55,5 +56,5 @@ def test_group_scale_mix_and_validity():
 def test_registered_and_reads_batch_extra_fields():
     st = build("advantage", "turn_mapo", {"mix": 0.5})
     assert {"turn_rewards", "turn_ends"} <= set(st.reads)
-    with pytest.raises(ValueError, match="mix"):
-        turn_mapo(torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.long), GIDS[:1], MASK[:1], torch.zeros(1), mix=2.0)
+    with pytest.raises(ConfigError, match=r"^advantage.mix: expected a value >= 0 and <= 1, got 2.0$"):
+        build("advantage", "turn_mapo", {"mix": 2.0})

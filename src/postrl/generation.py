@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from postrl.errors import PostrlError
+
 
 @dataclass
 class SamplingParams:
@@ -113,16 +115,36 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def encode_prompt(tokenizer, text: str, chat_template: str = "auto") -> list[int]:
+def encode_prompt(tokenizer, text: str | list[dict], chat_template: str = "auto") -> list[int]:
     """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
-    and ``chat_template='auto'``; the plain text otherwise. SFT, RL and eval all encode prompts here."""
-    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+    and ``chat_template='auto'``; the plain text otherwise. A conversation (a list of ``{role, content}``
+    messages, TRL's conversational format) is rendered with the chat template, which it needs. SFT, RL and eval
+    all encode prompts here."""
+    has_template = chat_template == "auto" and getattr(tokenizer, "chat_template", None)
+    if isinstance(text, list):
+        if not has_template:
+            why = "model.chat_template is none" if chat_template != "auto" else "the tokenizer has no chat template"
+            raise PostrlError(f"a conversational prompt (a list of messages) needs a chat template, but {why}; "
+                              "give the prompt as a string, or use a model whose tokenizer has a chat template")
+        ids = tokenizer.apply_chat_template(text, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return _nonempty(list(ids), text)
+    if has_template:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return _nonempty(list(ids), text)
+    return _nonempty(list(tokenizer(text, add_special_tokens=True)["input_ids"]), text)
+
+
+def _nonempty(ids: list[int], prompt) -> list[int]:
+    """``ids``; a prompt with text that encodes to no token (generation needs one) is one error line."""
+    if not ids and prompt:
+        shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
+        raise PostrlError(f"prompt {shown} encodes to no tokens; every prompt needs at least one token")
+    return ids
 
 
 def fit_prompts(prompts: list[list[int]], max_length: int | None) -> tuple[list[list[int]], list[bool]]:

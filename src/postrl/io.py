@@ -32,16 +32,18 @@ def read_jsonl(path: str | os.PathLike, *, strict: bool = False) -> list[dict]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         if strict:
-            raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSON lines") from None
+            raise DataError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it "
+                            f"as UTF-8 JSON lines") from None
         text = data.decode("utf-8", errors="replace")
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, an int over Python's digit limit
             if strict:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                    e, RecursionError) else str(e).split(";")[0].split(":")[0]
                 raise DataError(f"{p}: line {lineno} is not valid JSON ({msg})") from None
             continue  # a line cut by a crash or still being written
         if isinstance(obj, dict):

@@ -24,7 +24,7 @@ from postrl.errors import ConfigError
 from postrl.io import load_object
 
 KINDS = ("reward", "shaping", "filter", "selector", "sampling", "expansion", "advantage", "loss", "regularizer",
-         "aggregation", "kl", "task", "environment", "field")
+         "aggregation", "kl", "preference", "task", "environment", "field")
 
 
 @dataclass(frozen=True)

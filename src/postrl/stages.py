@@ -27,8 +27,9 @@ parameters of the producers of the fields it reads.
 
 Kinds (``registry.KINDS``): reward, shaping, filter (keep mask), selector (prompt choice), sampling (a plan of
 per-completion sampling temperatures), expansion (new groups from existing completions), advantage, loss,
-regularizer, aggregation, task, environment, field (a producer of a batch field). The config's ``filters`` list
-names stages of the four batch-selection kinds (:data:`FILTER_KINDS`).
+regularizer, aggregation, kl, preference (an offline pairwise loss of ``postrl dpo``), task, environment, field (a
+producer of a batch field). The config's ``filters`` list names stages of the four batch-selection kinds
+(:data:`FILTER_KINDS`).
 """
 
 from __future__ import annotations

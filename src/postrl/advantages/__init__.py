@@ -24,7 +24,10 @@ process step rewards, PURE).
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import torch
+from annotated_types import Ge
 
 from postrl.groups import group_stats
 from postrl.registry import register
@@ -65,18 +68,13 @@ def token_whiten(x: torch.Tensor, lengths: torch.Tensor, v: torch.Tensor) -> tor
     return torch.where(v, d * torch.rsqrt(var + 1e-8), torch.zeros_like(d))
 
 
-SINGLETON = ("zero", "raw")
+Singleton = Literal["zero", "raw"]  # a group of one valid completion: advantage 0, or verl's raw reward
+Eps = Annotated[float, Ge(0)]  # an ``eps`` added to a std (0 allowed: exact arithmetic in tests)
 
 
-def check_singleton(singleton: str) -> None:
-    if singleton not in SINGLETON:
-        raise ValueError(f"advantage.singleton: expected zero or raw, got '{singleton}'")
-
-
-def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, singleton: str):
+def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, singleton: Singleton):
     """(mean, std) with verl's group-of-one convention applied when ``singleton='raw'``: mean 0, std 1 where the
     group has one valid row (verl ``compute_grpo_outcome_advantage``: ``id2mean = 0, id2std = 1``)."""
-    check_singleton(singleton)
     if singleton == "zero":
         return mean, std
     one = n == 1
@@ -85,7 +83,8 @@ def singleton_stats(mean: torch.Tensor, std: torch.Tensor, n: torch.Tensor, sing
 
 @register("advantage", "grpo", source="DeepSeekMath (GRPO); verl adv_estimator=grpo; TRL scale_rewards", needs=("groups",))
 def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-         scale: str = "group", eps: float = 1e-6, singleton: str = "zero") -> torch.Tensor:
+         scale: Literal["group", "batch", "none"] = "group", eps: Eps = 1e-6,
+         singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), with the unbiased std of the completion's group g.
 
     scale='group' (default; verl ``norm_adv_by_std_in_grpo=True``, TRL ``scale_rewards='group'``);
@@ -96,8 +95,6 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
     scale='group', r with 'none', r / (std_B + eps) with 'batch').
     Shapes: reward [N], group_ids [N], valid [N] bool -> [N].
     """
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"advantage.scale: expected group, batch or none, got '{scale}'")
     v = torch.isfinite(reward) if valid is None else (valid.bool() & torch.isfinite(reward))
     mean, std, n = group_stats(reward, group_ids, v)
     mean, std = singleton_stats(mean, std, n, singleton)

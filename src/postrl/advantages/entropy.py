@@ -7,10 +7,13 @@ temperature) when an estimator names it.
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import torch
+from annotated_types import Ge
 
 from postrl.groups import group_index, group_stats, group_sum, valid_mask
-from postrl.advantages import grpo
+from postrl.advantages import Eps, grpo
 from postrl.registry import register
 
 
@@ -25,12 +28,9 @@ _CANON_SRC = "Conditional Advantage Estimation for Reinforcement Learning in Lar
 
 
 def canon(reward: torch.Tensor, group_ids: torch.Tensor, metric: torch.Tensor, valid: torch.Tensor | None = None,
-          *, between: float = 1.0, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+          *, between: Annotated[float, Ge(0)] = 1.0, scale: Literal["group", "none"] = "group",
+          eps: Eps = 1e-6) -> torch.Tensor:
     """CANON on a per-completion ``metric`` [N] (see :func:`canon_entropy`, :func:`canon_length`)."""
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
-    if between < 0:
-        raise ValueError(f"advantage.between: expected a value >= 0, got {between}")
     v = valid_mask(reward, valid) & torch.isfinite(metric)
     m_mean, _, _ = group_stats(metric, group_ids, v)
     high = metric.to(torch.float64) > m_mean
@@ -70,15 +70,16 @@ _CANON_DOC = """
 
 
 def canon_entropy(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Tensor,
-                  completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *, between: float = 1.0,
-                  scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+                  completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *,
+                  between: Annotated[float, Ge(0)] = 1.0, scale: Literal["group", "none"] = "group",
+                  eps: Eps = 1e-6) -> torch.Tensor:
     return canon(reward, group_ids, _row_mean(token_entropy, completion_mask), valid, between=between,
                  scale=scale, eps=eps)
 
 
 def canon_length(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
-                 valid: torch.Tensor | None = None, *, between: float = 1.0, scale: str = "group",
-                 eps: float = 1e-6) -> torch.Tensor:
+                 valid: torch.Tensor | None = None, *, between: Annotated[float, Ge(0)] = 1.0,
+                 scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
     return canon(reward, group_ids, lengths.to(torch.float64), valid, between=between, scale=scale, eps=eps)
 
 
@@ -110,7 +111,7 @@ def _signs(reward: torch.Tensor, group_ids: torch.Tensor, v: torch.Tensor) -> to
 
 @register("advantage", "gtpo", source=_GTPO_SRC + " (GTPO)", needs=("groups",))
 def gtpo(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Tensor, completion_mask: torch.Tensor,
-         valid: torch.Tensor | None = None, *, alpha: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+         valid: torch.Tensor | None = None, *, alpha: Annotated[float, Ge(0)] = 0.1, eps: Eps = 1e-6) -> torch.Tensor:
     """Group Token Policy Optimization: each token gets an entropy-weighted reward, then group-normalised.
 
     After "GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with Policy Entropy" (Dynamic Entropy
@@ -127,8 +128,6 @@ def gtpo(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Ten
     A group whose rewards are all equal gets 0. Rows with ``valid`` False or a NaN reward get 0.
     Shapes: reward [N], group_ids [N], token_entropy [N, T], completion_mask [N, T], valid [N] -> [N, T].
     """
-    if alpha < 0:
-        raise ValueError(f"advantage.alpha: expected a value >= 0, got {alpha}")
     v = valid_mask(reward, valid)
     sign = _signs(reward, group_ids, v)
     inv, ng = group_index(group_ids)
@@ -151,7 +150,7 @@ def gtpo(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Ten
 
 @register("advantage", "grpo_s", source=_GTPO_SRC + " (GRPO-S)", needs=("groups",))
 def grpo_s(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.Tensor, completion_mask: torch.Tensor,
-           valid: torch.Tensor | None = None, *, alpha: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+           valid: torch.Tensor | None = None, *, alpha: Annotated[float, Ge(0)] = 0.1, eps: Eps = 1e-6) -> torch.Tensor:
     """Sequence-level GRPO (GRPO-S): each completion's reward gets an entropy-weighted bonus, then GRPO.
 
     After "GTPO and GRPO-S" (the sequence-level analogue of ``gtpo``): with Hbar_i the completion's mean token
@@ -163,8 +162,6 @@ def grpo_s(reward: torch.Tensor, group_ids: torch.Tensor, token_entropy: torch.T
     negatives. A group whose rewards are all equal gets 0.
     Shapes: reward [N], group_ids [N], token_entropy [N, T], completion_mask [N, T], valid [N] -> [N].
     """
-    if alpha < 0:
-        raise ValueError(f"advantage.alpha: expected a value >= 0, got {alpha}")
     v = valid_mask(reward, valid)
     sign = _signs(reward, group_ids, v)
     hbar = _row_mean(token_entropy, completion_mask).clamp(min=0.0)

@@ -12,9 +12,10 @@ Head weights and optimizer state are saved in the checkpoint through ``state_dic
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
+from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
 from postrl.groups import valid_mask
@@ -76,18 +77,9 @@ class GAE(Stateful):
     values [N, T] in place of the hidden states). The head is fitted once per step, in ``end_step``.
     """
 
-    def __init__(self, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, value_lr: float = 1e-3,
-                 value_epochs: int = 4, value_clip: float | None = 0.5):
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"advantage.lam: expected a value in [0, 1], got {lam}")
-        if value_lr <= 0:
-            raise ValueError(f"advantage.value_lr: expected a value > 0, got {value_lr}")
-        if value_epochs < 1:
-            raise ValueError(f"advantage.value_epochs: expected an integer >= 1, got {value_epochs}")
-        if value_clip is not None and value_clip <= 0:
-            raise ValueError(f"advantage.value_clip: expected a value > 0 or null, got {value_clip}")
+    def __init__(self, *, gamma: Annotated[float, Ge(0), Le(1)] = 1.0, lam: Annotated[float, Ge(0), Le(1)] = 0.95,
+                 whiten: bool = True, value_lr: Annotated[float, Gt(0)] = 1e-3, value_epochs: Annotated[int, Ge(1)] = 4,
+                 value_clip: Annotated[float, Gt(0)] | None = 0.5):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
         self.head: torch.nn.Linear | None = None

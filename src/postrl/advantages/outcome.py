@@ -10,9 +10,12 @@ match its verl function for any group size.
 
 from __future__ import annotations
 
-import torch
+from typing import Annotated, Literal
 
-from postrl.advantages import check_singleton, grpo, masked_whiten, singleton_stats, token_whiten
+import torch
+from annotated_types import Ge, Gt, Le
+
+from postrl.advantages import Eps, Singleton, grpo, masked_whiten, singleton_stats, token_whiten
 from postrl.groups import group_index, group_stats, group_sum, valid_mask
 from postrl.registry import register
 
@@ -26,7 +29,7 @@ def _out(adv: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @register("advantage", "dr_grpo", source="Understanding R1-Zero-Like Training (Dr. GRPO); verl "
           "norm_adv_by_std_in_grpo=False; TRL scale_rewards='none'", needs=("groups",))
 def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-            singleton: str = "zero") -> torch.Tensor:
+            singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = r_i - mean_g r (no division by the group std); a group of one: 0, or r with ``singleton='raw'`` (verl).
 
     "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO): removing the std removes the
@@ -40,7 +43,7 @@ def dr_grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor |
 @register("advantage", "rloo", source="Back to Basics: REINFORCE-style optimization (RLOO, Ahmadian et al. 2024); "
           "verl adv_estimator=rloo", needs=("groups",))
 def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-         singleton: str = "zero") -> torch.Tensor:
+         singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = r_i - (sum_{j != i} r_j) / (n - 1) = n / (n - 1) * (r_i - mean_g r), n = valid rows of the group.
 
     Leave-one-out baseline (Kool et al. 2019; "Back to Basics: Revisiting REINFORCE Style Optimization for
@@ -49,7 +52,6 @@ def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
     group of one's score unchanged). Sums to zero within every group of n >= 2.
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    check_singleton(singleton)
     v = valid_mask(reward, valid)
     mean, _, n = group_stats(reward, group_ids, v)
     r = reward.to(torch.float64)
@@ -59,7 +61,7 @@ def rloo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 @register("advantage", "reinforce_pp", source="REINFORCE++ (Hu et al. 2025); verl adv_estimator=reinforce_plus_plus")
 def reinforce_pp(reward: torch.Tensor, completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *,
-                 gamma: float = 1.0) -> torch.Tensor:
+                 gamma: Annotated[float, Ge(0), Le(1)] = 1.0) -> torch.Tensor:
     """Token returns G_{i,t} = gamma^(l_i - t) r_i (t <= l_i, l_i = last completion token), whitened over all
     valid tokens of the batch: A_{i,t} = (G_{i,t} - mean) / sqrt(var + 1e-8), unbiased var.
 
@@ -70,8 +72,6 @@ def reinforce_pp(reward: torch.Tensor, completion_mask: torch.Tensor, valid: tor
     ``kl`` section (in the loss). Works with any group size (G = 1 included).
     Shapes: reward [N], completion_mask [N, T], valid [N] -> [N, T].
     """
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
     v = valid_mask(reward, valid)
     mask = completion_mask.to(torch.float32) * v.unsqueeze(-1)
     r = torch.where(v, reward.to(torch.float32), torch.zeros_like(reward, dtype=torch.float32))
@@ -96,7 +96,7 @@ def reinforce_pp(reward: torch.Tensor, completion_mask: torch.Tensor, valid: tor
 @register("advantage", "reinforce_pp_baseline", source="REINFORCE++ (Hu et al. 2025), group-baseline variant; "
           "verl adv_estimator=reinforce_plus_plus_baseline", needs=("groups",))
 def reinforce_pp_baseline(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
-                          valid: torch.Tensor | None = None, *, singleton: str = "zero") -> torch.Tensor:
+                          valid: torch.Tensor | None = None, *, singleton: Singleton = "zero") -> torch.Tensor:
     """c_i = r_i - mean_g r, then whitened over all valid tokens of the batch (each row weighs its length):
     A_i = (c_i - mu) / sqrt(var + 1e-8), mu and the unbiased var over tokens.
 
@@ -135,7 +135,7 @@ def remax(reward: torch.Tensor, greedy_reward: torch.Tensor, valid: torch.Tensor
 @register("advantage", "opo", source="On-Policy RL with Optimal Reward Baseline (OPO, Hao et al. 2025); "
           "verl adv_estimator=opo", needs=("groups",))
 def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
-        valid: torch.Tensor | None = None, *, singleton: str = "zero") -> torch.Tensor:
+        valid: torch.Tensor | None = None, *, singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = r_i - b_g, b_g = sum_j |o_j| r_j / sum_j |o_j| over the valid completions of the group.
 
     "On-Policy RL with Optimal Reward Baseline": the length-weighted mean is the variance-minimising baseline
@@ -143,7 +143,6 @@ def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
     for n >= 2 (lengths = completion-mask row sums). n = 1: b = r, so A = 0; ``singleton='raw'``: b = 0, A = r
     (verl). Shapes: reward [N], group_ids [N], lengths [N], valid [N] -> [N].
     """
-    check_singleton(singleton)
     v = valid_mask(reward, valid)
     inv, ng = group_index(group_ids)
     L = torch.where(v, lengths.to(torch.float64), torch.zeros_like(lengths, dtype=torch.float64))
@@ -158,7 +157,8 @@ def opo(reward: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
 @register("advantage", "gpg", source="GPG: A Simple and Strong Reinforcement Learning Baseline (Chu et al. 2025); "
           "verl adv_estimator=gpg", needs=("groups",))
 def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-        f_norm: float = 1.0, count: str = "nonzero_reward", singleton: str = "zero") -> torch.Tensor:
+        f_norm: Annotated[float, Gt(0)] = 1.0, count: Literal["nonzero_reward", "informative"] = "nonzero_reward",
+        singleton: Singleton = "zero") -> torch.Tensor:
     """A_i = alpha * (r_i - mean_g r) / f_norm, alpha = B / max(1, M).
 
     "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning": a group-mean advantage
@@ -169,10 +169,6 @@ def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
     f_norm default 1.0 (verl). Singleton groups get 0, or alpha * r / f_norm with ``singleton='raw'`` (verl).
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if count not in ("nonzero_reward", "informative"):
-        raise ValueError(f"advantage.count: expected nonzero_reward or informative, got '{count}'")
-    if f_norm <= 0:
-        raise ValueError(f"advantage.f_norm: expected a value > 0, got {f_norm}")
     v = valid_mask(reward, valid)
     mean, std, n = group_stats(reward, group_ids, v)
     B = v.sum().to(torch.float64)
@@ -189,7 +185,7 @@ def gpg(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
 @register("advantage", "pass_at_k", source="Pass@k Training (Chen et al. 2025, arXiv:2503.19595); "
           "verl adv_estimator=grpo_passk", needs=("groups",))
 def pass_at_k(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
-              scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+              scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
     """Only the best completion of each group gets a non-zero advantage: A_best = (r_max - r_second) / (std_g + eps)
     (scale='group', default; verl ``norm_adv_by_std_in_grpo=True``) or r_max - r_second (scale='none').
 
@@ -199,8 +195,6 @@ def pass_at_k(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor
     gives them 0 (no ``singleton`` option: verl has no value to reproduce). eps 1e-6 (verl).
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
     v = valid_mask(reward, valid)
     inv, ng = group_index(group_ids)
     _, std, n = group_stats(reward, group_ids, v)

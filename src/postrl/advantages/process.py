@@ -17,7 +17,7 @@ from annotated_types import Interval
 
 from postrl.errors import ConfigError
 from postrl.groups import group_index, group_sum, valid_mask
-from postrl.advantages import grpo, masked_whiten
+from postrl.advantages import Eps, grpo, masked_whiten
 from postrl.advantages.turns import turn_of_token
 from postrl.registry import register
 
@@ -36,7 +36,8 @@ def _loo_mean(x: torch.Tensor, inv: torch.Tensor, ng: int, v: torch.Tensor) -> t
 def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: torch.Tensor, reward_names: list,
                 reward_weights: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
                 step_reward_source: str | None = None, valid: torch.Tensor | None = None, *,
-                source: str | None = None, baseline: str = "token", whiten: bool = False) -> torch.Tensor:
+                source: str | None = None, baseline: Literal["token", "step"] = "token",
+                whiten: bool = False) -> torch.Tensor:
     """Token advantages [N, T]: the return of the token's step minus a leave-one-out baseline, plus the outcome's.
 
     Usable with every policy loss.
@@ -63,8 +64,6 @@ def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: to
     Shapes: step_rewards [N, S] (NaN padded), step_ends [N, S] (-1 padded), rewards [N, K], reward_weights [K],
     group_ids [N], completion_mask [N, T], valid [N] -> [N, T].
     """
-    if baseline not in ("token", "step"):
-        raise ValueError(f"advantage.baseline: expected token or step, got '{baseline}'")
     name = source or step_reward_source
     if name is None or name not in reward_names:
         raise ValueError(f"advantage.source: expected the process reward column (one of {', '.join(reward_names)}),"
@@ -127,7 +126,7 @@ def process_weighted(reward: torch.Tensor, group_ids: torch.Tensor, completion_m
                      turn_ends: torch.Tensor | None = None, step_rewards: torch.Tensor | None = None,
                      step_ends: torch.Tensor | None = None, *, steps: Literal["turns", "steps"] = "turns",
                      beta: Annotated[float, Interval(ge=0, le=1)] = 0.5, normalize: bool = True,
-                     scale: Literal["group", "none"] = "group", eps: float = 1e-6) -> torch.Tensor:
+                     scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO's group-normalised outcome advantage, spread over a trajectory's steps by their process scores.
 
     "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair": GRPO's group-normalised advantage is left

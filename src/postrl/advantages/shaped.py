@@ -6,12 +6,12 @@ Where an abstract leaves the formula open, the docstring says "after <paper>" an
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from annotated_types import Ge, Interval
+from annotated_types import Ge, Gt, Interval, Le
 
-from postrl.advantages import grpo, singleton_stats, token_whiten
+from postrl.advantages import Eps, Singleton, grpo, singleton_stats, token_whiten
 from postrl.groups import group_first_rows, group_index, group_stats, group_sum, valid_mask
 from postrl.errors import ConfigError
 from postrl.registry import register
@@ -28,8 +28,8 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
           "TRL multi_objective_aggregation='normalize_then_sum'; verl adv_estimator=gdpo (token_weighted, "
           "singleton=raw, eps=1e-6)", needs=("groups",))
 def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.Tensor,
-         valid: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None, *, eps: float = 1e-4,
-         batch_norm: bool = True, token_weighted: bool = False, singleton: str = "zero") -> torch.Tensor:
+         valid: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None, *, eps: Eps = 1e-4,
+         batch_norm: bool = True, token_weighted: bool = False, singleton: Singleton = "zero") -> torch.Tensor:
     """z-score every reward component within its group, sum with the weights, then normalise over the batch.
 
     "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization": GRPO on the
@@ -77,7 +77,7 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
 @register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning", needs=("groups",))
 def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
                columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
-               role_weights: dict | None = None, eps: float = 1e-6) -> torch.Tensor:
+               role_weights: dict[Any, dict[str, float]] | None = None, eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO with statistics and reward weights taken per (group, role label).
 
     After "Structured Role-Aware Policy Optimization for Multimodal Reasoning" (the abstract: the policy is
@@ -95,8 +95,6 @@ def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.
     names = list(reward_names)
     W = reward_weights.to(torch.float64).unsqueeze(0).repeat(len(labels), 1)
     for role, weights in (role_weights or {}).items():
-        if not isinstance(weights, dict):
-            raise ValueError(f"advantage.role_weights.{role}: expected a mapping reward name -> weight")
         rows = torch.tensor([lab == str(role) for lab in labels], dtype=torch.bool)
         for name, w in weights.items():
             if name not in names:
@@ -112,8 +110,8 @@ def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.
 
 # ------------------------------------------------------------------------------------------------------ MAPO
 @register("advantage", "mapo", source="MAPO: Mixed Advantage Policy Optimization for Long-Horizon Multi-Turn Dialogue")
-def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, mix: float = 0.5,
-         eps: float = 1e-6) -> torch.Tensor:
+def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+         mix: Annotated[float, Ge(0), Le(1)] = 0.5, eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = mix * (r_i - mean_g r)/(std_g r + eps) + (1 - mix) * (r_i - mean_B r)/(std_B r + eps).
 
     After "MAPO: Mixed Advantage Policy Optimization": a mixed estimator combining turn-level normalisation (over
@@ -124,8 +122,6 @@ def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
     row keeps it (its group term is 0).
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if not 0.0 <= mix <= 1.0:
-        raise ValueError(f"advantage.mix: expected a value in [0, 1], got {mix}")
     v = valid_mask(reward, valid)
     turn = grpo(reward, group_ids, v, scale="group", eps=eps).to(torch.float64)
     rv = reward[v].to(torch.float64)
@@ -140,8 +136,8 @@ def mapo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 @register("advantage", "rl_zvp", source="No Prompt Left Behind: Exploiting Zero-Variance Prompts in LLM RL via "
           "Entropy-Guided Advantage Shaping (RL-ZVP)", needs=("groups",))
 def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor, token_entropy: torch.Tensor,
-           valid: torch.Tensor | None = None, *, alpha: float = 0.1, threshold: float = 0.5,
-           eps: float = 1e-6) -> torch.Tensor:
+           valid: torch.Tensor | None = None, *, alpha: Annotated[float, Ge(0)] = 0.1,
+           threshold: float = 0.5, eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO on groups with reward variance; token advantages +- alpha * normalised entropy on zero-variance groups.
 
     "No Prompt Left Behind" (RL-ZVP): a group whose valid rewards are all equal (n >= 2) gets
@@ -153,8 +149,6 @@ def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch
     group's mean token entropy, alpha 0.1, threshold 0.5 (rewards in [0, 1]).
     Shapes: reward [N], group_ids [N], completion_mask [N, T], token_entropy [N, T], valid [N] -> [N, T].
     """
-    if alpha < 0:
-        raise ValueError(f"advantage.alpha: expected a value >= 0, got {alpha}")
     v = valid_mask(reward, valid)
     mean, std, n = group_stats(reward, group_ids, v)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
@@ -174,7 +168,8 @@ def rl_zvp(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch
           "via Generative Probabilities (ProGRPO / ARM)", needs=("groups",))
 def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor,
                       completion_mask: torch.Tensor, prompt_logprob: torch.Tensor, valid: torch.Tensor | None = None,
-                      *, gamma: float = 1.0, min_scale: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+                      *, gamma: Annotated[float, Ge(0)] = 1.0, min_scale: Annotated[float, Gt(0), Le(1)] = 0.1,
+                      eps: Eps = 1e-6) -> torch.Tensor:
     """GRPO advantages; positive ones are scaled down for answers more confident than their prompt is familiar.
 
     After "Back to Basics: Revisiting Exploration in RL for LLM Reasoning via Generative Probabilities" (ARM:
@@ -186,8 +181,6 @@ def confidence_scaled(reward: torch.Tensor, group_ids: torch.Tensor, sampler_log
     GRPO advantage. Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T],
     prompt_logprob [N], valid [N] -> [N].
     """
-    if gamma < 0 or not 0 < min_scale <= 1:
-        raise ValueError(f"advantage: expected gamma >= 0 and 0 < min_scale <= 1, got {gamma}, {min_scale}")
     v = valid_mask(reward, valid) & torch.isfinite(prompt_logprob)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
     conf_log = _seq_mean(sampler_logprobs, completion_mask)
@@ -273,8 +266,9 @@ def _riskpo_check(params: dict, run, where: str) -> dict:
 
 @register("advantage", "riskpo", source="RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM "
           "Post-Training", needs=("groups",), check=_riskpo_check)
-def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *, alpha: float = 0.25,
-           omega: float = 0.5, scale: str = "group", eps: float = 1e-6,
+def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+           alpha: Annotated[float, Gt(0), Le(1)] = 0.25, omega: Annotated[float, Ge(0), Le(1)] = 0.5,
+           scale: Literal["group", "none"] = "group", eps: Eps = 1e-6,
            form: Literal["mean_cvar", "rvar_cvar"] = "mean_cvar", beta: Annotated[float, Interval(gt=0, le=1)] = 0.9,
            mix: Annotated[float, Ge(0)] = 1.5, bundle_size: Annotated[int, Ge(1)] = 1,
            credit: Literal["uniform", "std"] = "uniform") -> torch.Tensor:
@@ -310,10 +304,6 @@ def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
     Unbiased stds; rows with ``valid`` False or a NaN reward take no part and get 0.
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
-    if not 0 < alpha <= 1 or not 0 <= omega <= 1:
-        raise ValueError(f"advantage: expected 0 < alpha <= 1 and 0 <= omega <= 1, got {alpha}, {omega}")
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
     v = valid_mask(reward, valid)
     paper, S, pb = _papers(reward, group_ids, v, bundle_size)
     if len(S) == 0:
@@ -342,7 +332,8 @@ def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | 
 # ------------------------------------------------------------------------------------------------------ AEM
 @register("advantage", "aem", source="AEM: Adaptive Entropy Modulation for Multi-Turn Agentic Reinforcement Learning", needs=("groups",))
 def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
-        valid: torch.Tensor | None = None, *, beta: float = 0.2, eps: float = 1e-6) -> torch.Tensor:
+        valid: torch.Tensor | None = None, *, beta: Annotated[float, Ge(0)] = 0.2,
+        eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = A_i^GRPO * max(0, 1 + beta * sign(A_i^GRPO) * z_i), z_i = relative response surprisal in the group.
 
     After "AEM: Adaptive Entropy Modulation" (entropy drift is governed by the product of a response's advantage
@@ -354,8 +345,6 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
     clipped at 0 so a sign never flips. Assumed: this linear form and beta 0.2.
     Shapes: reward [N], group_ids [N], sampler_logprobs [N, T], completion_mask [N, T], valid [N] -> [N].
     """
-    if beta < 0:
-        raise ValueError(f"advantage.beta: expected a value >= 0, got {beta}")
     v = valid_mask(reward, valid)
     base = grpo(reward, group_ids, v, eps=eps).to(torch.float64)
     s = -_seq_mean(sampler_logprobs, completion_mask)
@@ -370,7 +359,7 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
           "Exploration, Pivotal Credit, and Positive Amplification (Positive Amplification)", needs=("groups",))
 def r3l(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
         alpha: Annotated[float, Ge(1)] = 3.0, success: float | None = 1.0,
-        singleton: Literal["zero", "raw"] = "zero") -> torch.Tensor:
+        singleton: Singleton = "zero") -> torch.Tensor:
     """R^3L's Positive Amplification: successes get a fixed positive advantage, other above-baseline completions
     are scaled up by alpha, below-baseline ones are left as they are.
 
@@ -404,7 +393,7 @@ def r3l(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | Non
 @register("advantage", "information_gain", source="Information Gain-based Policy Optimization (IGPO)", needs=("groups",))
 def information_gain(reward: torch.Tensor, group_ids: torch.Tensor, info_gain: torch.Tensor,
                      valid: torch.Tensor | None = None, *, ig_weight: float = 1.0,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: Eps = 1e-6) -> torch.Tensor:
     """A_i = GRPO(r_i + ig_weight * IG_i), IG_i = log pi(a* | q, o_i) - log pi(a* | q); single turn, see below.
 
     What is computed: ``info_gain`` (a no-grad forward of the current policy, ``postrl.fields.info_gain``) is

@@ -7,18 +7,19 @@ reward is not read (the reward model's redistributed score replaces it).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
+from annotated_types import Ge, Le
 
 from postrl.advantages import masked_whiten
 from postrl.registry import register
 
 
 def token_return_advantage(token_rewards: torch.Tensor, completion_mask: torch.Tensor, valid: torch.Tensor,
-                           gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
+                           gamma: Annotated[float, Ge(0), Le(1)] = 1.0, whiten: bool = True) -> torch.Tensor:
     """G_{i,t} = sum_{s >= t} gamma^(s - t) r_{i,s} over the completion's tokens, whitened over the valid tokens
     of the batch (``masked_whiten``: unbiased var, eps 1e-8) when ``whiten``; 0 on padding and invalid rows."""
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
     m = completion_mask.to(torch.float64) * valid.to(torch.float64).unsqueeze(-1)
     r = torch.nan_to_num(token_rewards.to(torch.float64)) * m
     if gamma == 1.0:
@@ -41,7 +42,7 @@ _OPTS = """
 
 
 def red(red_token_reward: torch.Tensor, completion_mask: torch.Tensor, valid: torch.Tensor | None = None, *,
-        gamma: float = 1.0, whiten: bool = True) -> torch.Tensor:
+        gamma: Annotated[float, Ge(0), Le(1)] = 1.0, whiten: bool = True) -> torch.Tensor:
     v = torch.ones(completion_mask.shape[0], dtype=torch.bool) if valid is None else valid.bool()
     return token_return_advantage(red_token_reward, completion_mask, v, gamma, whiten)
 
@@ -63,7 +64,7 @@ register("advantage", "red", source="RED: Unleashing Token-Level Rewards from Ho
 
 
 def attention_credit(attention_token_reward: torch.Tensor, completion_mask: torch.Tensor,
-                     valid: torch.Tensor | None = None, *, gamma: float = 1.0,
+                     valid: torch.Tensor | None = None, *, gamma: Annotated[float, Ge(0), Le(1)] = 1.0,
                      whiten: bool = True) -> torch.Tensor:
     v = torch.ones(completion_mask.shape[0], dtype=torch.bool) if valid is None else valid.bool()
     return token_return_advantage(attention_token_reward, completion_mask, v, gamma, whiten)

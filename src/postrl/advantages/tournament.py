@@ -10,7 +10,7 @@ from annotated_types import Ge
 
 from postrl.errors import ConfigError
 from postrl.groups import group_index, valid_mask
-from postrl.advantages import grpo
+from postrl.advantages import Eps, grpo
 from postrl.io import load_object
 from postrl.registry import register
 
@@ -58,12 +58,19 @@ def rubric_judge(X: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor, margin: fl
     return torch.where(has, torch.where(dd > 0, 1.0, 0.0), torch.full_like(dd, 0.5)).to(torch.float64)
 
 
+def _rubric_with_judge(params: dict, run, where: str) -> dict:
+    """``rank_tournament``: ``rubric`` only with ``judge: rubric``."""
+    if params.get("rubric") is not None and params.get("judge") != "rubric":
+        raise ConfigError(f"{where}.rubric: only used with judge: rubric, got judge={params.get('judge')!r}")
+    return params
+
+
 @register("advantage", "rank_tournament", source="ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based "
-          "Relative Ranking", needs=("groups",))
+          "Relative Ranking", needs=("groups",), check=_rubric_with_judge)
 def rank_tournament(reward: torch.Tensor, group_ids: torch.Tensor, prompts: list, completions: list,
                     valid: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
                     reward_names: list | None = None, *, judge: str | None = None, rubric: list[str] | None = None,
-                    margin: Annotated[float, Ge(0)] = 0.0, seed: int = 0, eps: float = 1e-6) -> torch.Tensor:
+                    margin: Annotated[float, Ge(0)] = 0.0, seed: int = 0, eps: Eps = 1e-6) -> torch.Tensor:
     """Seeded single-elimination tournament inside each group; the round reached is ranked, then GRPO-normalised.
 
     "ArenaRL: Scaling RL for Open-Ended Agents via Tournament-based Relative Ranking": pairwise comparisons in a

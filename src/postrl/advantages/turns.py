@@ -3,8 +3,12 @@ advantage of that turn's return, normalised among the episodes of the same promp
 
 from __future__ import annotations
 
-import torch
+from typing import Annotated, Literal
 
+import torch
+from annotated_types import Ge, Le
+
+from postrl.advantages import Eps
 from postrl.groups import group_index, group_stats, valid_mask
 from postrl.registry import register
 
@@ -17,13 +21,6 @@ def turn_of_token(turn_ends: torch.Tensor, T: int) -> torch.Tensor:
     return before.sum(-1).clamp(max=max(turn_ends.shape[1] - 1, 0))
 
 
-def _check(scale: str, gamma: float) -> None:
-    if scale not in ("group", "none"):
-        raise ValueError(f"advantage.scale: expected group or none, got '{scale}'")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"advantage.gamma: expected a value in [0, 1], got {gamma}")
-
-
 def _last_turn(has: torch.Tensor) -> torch.Tensor:
     """[N, K] bool: the episode's last turn (``has``: the turns the episode has)."""
     return has & ~torch.cat([has[:, 1:], torch.zeros((has.shape[0], 1), dtype=torch.bool)], 1)
@@ -33,8 +30,8 @@ def _last_turn(has: torch.Tensor) -> torch.Tensor:
           "Dialogue (turn level); G-RA: Stabilizing Long-term Multi-turn RL with Gated Rewards", needs=("groups",))
 def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: torch.Tensor,
               completion_mask: torch.Tensor, reward: torch.Tensor, valid: torch.Tensor | None = None, *,
-              gamma: float = 1.0, mix: float = 1.0, gate: float | None = None, scale: str = "group",
-              eps: float = 1e-6) -> torch.Tensor:
+              gamma: Annotated[float, Ge(0), Le(1)] = 1.0, mix: Annotated[float, Ge(0), Le(1)] = 1.0,
+              gate: float | None = None, scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
     """Token advantages [N, T] from per-turn returns: A_{i,t} = A_{i,k(t)} on model tokens.
 
     For episode i with turns k = 0..K_i-1 (``turn_ends`` >= 0) and environment rewards r_{i,k} (``turn_rewards``,
@@ -50,9 +47,6 @@ def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: to
     non-finite ``reward`` get 0; observation tokens are 0 (``completion_mask``).
     Shapes: turn_rewards [N, K], turn_ends [N, K], group_ids [N], completion_mask [N, T], reward [N] -> [N, T].
     """
-    if not 0.0 <= mix <= 1.0:
-        raise ValueError(f"advantage.mix: expected a value in [0, 1], got {mix}")
-    _check(scale, gamma)
     N, K = turn_ends.shape
     v = valid_mask(reward, valid)
     has = turn_ends >= 0
@@ -86,7 +80,8 @@ def turn_mapo(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, group_ids: to
           "Approach for Multi-Turn LLM Agents (IGPO)", needs=("groups",))
 def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: torch.Tensor,
               completion_mask: torch.Tensor, reward: torch.Tensor, valid: torch.Tensor | None = None, *,
-              gamma: float = 1.0, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+              gamma: Annotated[float, Ge(0), Le(1)] = 1.0, scale: Literal["group", "none"] = "group",
+              eps: Eps = 1e-6) -> torch.Tensor:
     """IGPO token advantages [N, T]: dense turn rewards (information gain, outcome on the last turn), group
     normalised, discounted returns per turn, broadcast to the turn's model tokens.
 
@@ -102,7 +97,6 @@ def turn_igpo(turn_info_gain: torch.Tensor, turn_ends: torch.Tensor, group_ids: 
     producer's parameters. Rows with ``valid`` False or a non-finite ``reward`` get 0; observation tokens get 0.
     Shapes: turn_info_gain [N, K], turn_ends [N, K], group_ids [N], completion_mask [N, T], reward [N] -> [N, T].
     """
-    _check(scale, gamma)
     N, K = turn_ends.shape
     v = valid_mask(reward, valid)
     has = turn_ends >= 0

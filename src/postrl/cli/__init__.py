@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from postrl.cli import (calibrate, compare, config, doctor, export, merge, methods, presample, prm, probe_reward, report,
-                        rm, samples, sandbox, sft, train)
+from postrl.cli import (calibrate, compare, config, doctor, dpo, export, merge, methods, presample, prm, probe_reward,
+                        report, rm, samples, sandbox, sft, train)
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -30,14 +30,15 @@ EPILOG = """examples:
   postrl train --resume runs/arithmetic-...     continue a run from its latest checkpoint
   postrl config show run.yaml train.steps=10    print the resolved config
   postrl methods --kind advantage               list registered stages
-  postrl methods overlong_soft                  one stage: description, source, parameters and defaults
+  postrl methods overlong_soft                  one stage: description, source, parameters (type, range, default)
   postrl eval runs/arithmetic-... --task arithmetic
   postrl merge models/a models/b --out models/ab  the weighted average of two models (docs/merge.md)
+  postrl dpo prefs.jsonl --model models/sft --out runs/dpo   offline preference optimisation (docs/preference.md)
 """
 
 # in the order `postrl --help` lists them (bench between config and samples: added below)
 _BEFORE_BENCH = (train, sft, presample, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export, merge, sandbox)
+_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, dpo, export, merge, sandbox)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,6 +75,27 @@ def holdout_split(items: list, fraction: float, seed: int, flag: str = "--eval-f
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
+def check_option(flag: str, value, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> None:
+    """A command-line number in range, else one ConfigError line naming ``flag``: finite, >= ``low`` (> with
+    ``low_open``), <= ``high``; None (an option left out) passes."""
+    if value is None:
+        return
+    import math
+
+    bad = not math.isfinite(float(value)) if isinstance(value, float) else False
+    if low is not None:
+        bad = bad or (value <= low if low_open else value < low)
+    if high is not None:
+        bad = bad or value > high
+    if bad:
+        lo = "" if low is None else (f"> {low:g}" if low_open else f">= {low:g}")
+        hi = "" if high is None else f"<= {high:g}"
+        want = " and ".join(x for x in (lo, hi) if x) or "finite"
+        kind = "a finite number" if isinstance(value, float) else "an integer"
+        raise ConfigError(f"{flag} must be {kind} {want}, got {value}")
+
+
 def format_metrics(res: dict) -> str:
     """``k=v`` pairs on one line, floats with 4 decimals (the commands' plain output)."""
     return "  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())

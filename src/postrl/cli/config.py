@@ -11,7 +11,16 @@ def run_show(args) -> int:
 
     path, overrides = split_args(args.items)
     add_import_paths(path)
-    print(dump_yaml(load_config(path, overrides)), end="")
+    cfg = load_config(path, overrides)
+    if cfg.model.path != "builtin":  # what train would refuse when it loads the model, said here too
+        from postrl.models import check_model_folder
+
+        check_model_folder(cfg.model.path)
+    if cfg.output_dir is not None:
+        from postrl.train.run_state import check_run_dir
+
+        check_run_dir(cfg.output_dir)
+    print(dump_yaml(cfg), end="")
     return 0
 
 

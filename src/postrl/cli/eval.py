@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from postrl.cli.common import add_import_paths, format_metrics, resolve_model_folder
+from postrl.cli.common import add_import_paths, check_option, format_metrics, resolve_model_folder
 from postrl.errors import ConfigError
 
 
@@ -16,6 +16,17 @@ def run(args) -> int:
     from postrl.models import load_model_and_tokenizer
     from postrl import accel
 
+    from postrl.config import MAX_NEW_TOKENS, MAX_ROWS_PER_STEP
+
+    check_option("--n", args.n, low=1, high=MAX_ROWS_PER_STEP)
+    check_option("--k", args.k, low=1, high=MAX_ROWS_PER_STEP)
+    check_option("--max-new-tokens", args.max_new_tokens, low=1, high=MAX_NEW_TOKENS)
+    if args.ias:
+        for flag, v in (("--ias-target", args.ias_target), ("--ias-quantile", args.ias_quantile)):
+            if not 0.0 < v < 1.0:  # NaN fails too
+                raise ConfigError(f"{flag} must be a number in (0, 1), got {v}")
+        check_option("--ias-min", args.ias_min, low=1, high=MAX_ROWS_PER_STEP)
+        check_option("--ias-max", args.ias_max, low=args.ias_min, high=MAX_ROWS_PER_STEP)
     add_import_paths()
     model_path = resolve_model_folder(args.target, "")
     base = read_yaml(Path(args.target) / "config.yaml") if (Path(args.target) / "config.yaml").is_file() else None
@@ -28,7 +39,8 @@ def run(args) -> int:
     rows = source.eval_rows(args.n, cfg.seed)
     gen = accel.prepare(model, cfg.accel).generator(model, tokenizer)
     res = evaluate(gen, tokenizer, source, rows,
-                   max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, k=args.k,
+                   max_new_tokens=args.max_new_tokens if args.max_new_tokens is not None
+                   else cfg.rollout.max_new_tokens, k=args.k,
                    temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed, chat_template=cfg.model.chat_template,
                    stop=cfg.rollout.stop, max_prompt_length=cfg.rollout.max_prompt_length,
                    prompt_overflow=cfg.rollout.prompt_overflow,
@@ -61,9 +73,10 @@ def add_parser(sub) -> None:
     e.add_argument("target", metavar="MODEL_OR_RUN")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     e.add_argument("--task", help="task name (default: the run's task, or arithmetic)")
-    e.add_argument("--n", type=int, default=200, help="held-out prompts")
-    e.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k")
-    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--n", type=int, default=200, help="held-out prompts (>= 1)")
+    e.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k (>= 1)")
+    e.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit (>= 1; default: "
+                   "the config's rollout.max_new_tokens)")
     e.add_argument("--ias", metavar="PRM_DIR", help="also run instance-adaptive Best-of-N with this process reward "
                    "model: samples per problem from its calibrated success bound (postrl.calibration.ias)")
     e.add_argument("--ias-calibrator", metavar="CAL_JSON", help="calibrator of the PRM's prompt scores (postrl "

@@ -1,30 +1,90 @@
 """``postrl methods [NAME]``: the registered stages; with NAME, one stage's description, source and parameters.
 
 A stage's parameters are its keyword-only arguments (after ``*``; a class stage: those of ``__init__``), the
-whole schema that ``registry.check_params`` validates a config against; each is listed with its annotation and
-default (``required`` when it has none).
+whole schema that ``stages.check_params`` validates a config against; each is listed with its type, range or
+choices (from its annotation: ``float, >= 0 and < 1``, ``"group" / "none"``) and default (``required`` when it has
+none).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import types
+import typing
+from typing import Any
 
 from postrl.cli.common import add_import_paths
 from postrl.errors import PostrlError
 
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def _num(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def type_text(ann: Any) -> str:
+    """A parameter's annotation in words: ``float, >= 0 and < 1``, ``"group" / "none"``, ``list of str``,
+    ``null or int, >= 1``, ``str, a valid regular expression`` (an ``AfterValidator``'s docstring)."""
+    if ann is Any or ann is inspect.Parameter.empty:
+        return "any"
+    if isinstance(ann, str):
+        return ann
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:
+        base, notes = type_text(args[0]), []
+        bounds = []
+        for meta in ann.__metadata__:
+            for attr, op in _BOUNDS:
+                v = getattr(meta, attr, None)
+                if v is not None and not callable(v):
+                    bounds.append(f"{op} {_num(v)}")
+            n = getattr(meta, "min_length", None)
+            if n is not None:
+                notes.append(("non-empty" if n == 1 else f"at least {n} characters") if args[0] is str
+                             else f"at least {n} item{'s' if n != 1 else ''}")
+            func = getattr(meta, "func", None)
+            if callable(func) and inspect.getdoc(func):
+                notes.append(inspect.getdoc(func).splitlines()[0].rstrip("."))
+        return ", ".join([base, *([" and ".join(bounds)] if bounds else []), *notes])
+    if origin is typing.Literal:
+        return " / ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        inner = " or ".join(type_text(a) for a in rest)
+        return f"null or {inner}" if len(rest) < len(args) else inner
+    if origin in (list, tuple, set, frozenset):
+        items = [a for a in args if a is not Ellipsis]
+        if origin is tuple and len(items) > 1 and Ellipsis not in args:
+            return "list of " + ", ".join(_item(a) for a in items)
+        return f"list of {_item(items[0])}" if items else "list"
+    if origin is dict or ann is dict:
+        return f"mapping of {_item(args[0])} to {_item(args[1])}" if args else "mapping"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _item(ann: Any) -> str:
+    """The words for an item of a list or mapping, in parentheses when they hold a comma."""
+    t = type_text(ann)
+    return f"({t})" if ", " in t else t
+
 
 def stage_parameters(fn) -> list[dict]:
-    """[{name, type, default, required}] of the stage ``fn``'s keyword-only parameters, in declaration order;
-    a ``**kwargs`` catch-all is listed as ``**name`` with type ``any keyword``."""
+    """[{name, type, default, required}] of the stage ``fn``'s keyword-only parameters, in declaration order, the
+    type in words with its range or choices (:func:`type_text`); a ``**kwargs`` catch-all is listed as ``**name``
+    with type ``any keyword``."""
+    from postrl import stages
+
     target = fn.__init__ if inspect.isclass(fn) else fn
+    resolved = stages.parameters(fn)
     out = []
     for p in inspect.signature(target).parameters.values():
         if p.kind is p.VAR_KEYWORD:
             out.append({"name": f"**{p.name}", "type": "any keyword", "default": None, "required": False})
         elif p.kind is p.KEYWORD_ONLY:
-            ann = p.annotation
-            typ = "" if ann is p.empty else ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+            ann = resolved.get(p.name, (Any,))[0]
+            typ = type_text(p.annotation if ann is Any and p.annotation is not p.empty else ann)
             req = p.default is p.empty
             out.append({"name": p.name, "type": typ, "default": None if req else p.default, "required": req})
     return out
@@ -106,10 +166,12 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    m = sub.add_parser("methods", help="list registered stages; NAME: one stage's parameters, types and defaults",
+    m = sub.add_parser("methods",
+                       help="list registered stages; NAME: one stage's parameters, types, ranges and defaults",
                        description="Without NAME: every registered stage with its description and source. With "
                        "NAME (a registered name, or an import path module:function): its full description, source, "
-                       "and each parameter (the keys of its 'params' in a config) with type and default.")
+                       "and each parameter (the keys of its 'params' in a config) with type, range or choices, and "
+                       "default.")
     m.add_argument("name", nargs="?", metavar="NAME", help="one stage (all kinds that have it, unless --kind)")
     m.add_argument("--kind", help="only this stage kind")
     m.add_argument("--json", action="store_true")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from postrl.cli.common import add_import_paths, log, split_args
+from postrl.cli.common import add_import_paths, check_option, log, split_args
 from postrl.errors import DataError
 
 
@@ -49,7 +49,10 @@ def run(args) -> int:
     from postrl.data import load_source
     from postrl.models import load_model_and_tokenizer
     from postrl.models.tiny import build_model, build_tokenizer
+    from postrl.config import MAX_ROWS_PER_STEP
 
+    check_option("--prompts", args.prompts, low=1, high=MAX_ROWS_PER_STEP)
+    check_option("--samples", args.samples, low=1, high=MAX_ROWS_PER_STEP)
     path, overrides = split_args(args.items)
     add_import_paths(path)
     cfg = load_config(path, overrides)
@@ -83,7 +86,7 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
     p.add_argument("items", nargs="*", metavar="[CONFIG] [KEY=VALUE]", help="the run's config and overrides")
     p.add_argument("--out", required=True, help="JSON-lines file to write")
-    p.add_argument("--prompts", type=int, default=64, help="training prompts to sample (default 64)")
-    p.add_argument("--samples", type=int, default=4, help="completions per prompt (default 4)")
+    p.add_argument("--prompts", type=int, default=64, help="training prompts to sample (>= 1; default 64)")
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt (>= 1; default 4)")
     p.add_argument("--only-correct", action="store_true", help="keep only the completions the verifier scores 1")
     p.set_defaults(fn=run)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from postrl.cli.common import holdout_split, log, resolve_model_folder
+from postrl.cli.common import check_option, holdout_split, log, resolve_model_folder
 from postrl.cli.rm import train_options
 from postrl.errors import ConfigError, DataError
 
@@ -35,6 +35,8 @@ def run_train(args) -> int:
     from postrl.reward_models import RMTrainConfig, fit_prm, hf_sampler, mc_step_labels
     from postrl.reward_models.prm import read_step_records
 
+    check_option("--max-length", args.max_length, low=1)
+    RMTrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed).check()  # at once
     if args.records:
         records = read_step_records(args.records)
     else:

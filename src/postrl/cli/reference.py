@@ -10,8 +10,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
 
-from postrl.config import (MAX_GROUP_SIZE, MAX_NEW_TOKENS, MAX_ROWS_PER_STEP, MAX_TOKENS_PER_STEP, Config,
-                           StageSpec)
+from postrl.config import (MAX_GROUP_SIZE, MAX_LR, MAX_NEW_TOKENS, MAX_REWARD_WEIGHT, MAX_ROWS_PER_STEP,
+                           MAX_TOKENS_PER_STEP, Config, StageSpec)
 
 
 def _type_text(ann: Any) -> str:
@@ -57,7 +57,11 @@ Every mistake below stops the run before it starts with one line naming the key 
   `reward_kwargs`).
 - **Ranges** are in the tables' range column. Besides: `optim.betas` each in [0, 1); `optim.warmup_steps` and
   `optim.warmup_ratio` are exclusive (the ratio gives ceil(ratio x train.steps x train.epochs x
-  train.mini_batches) warmup steps, as transformers' `warmup_ratio`); `train.mini_batches` at most the rows per step.
+  train.mini_batches) warmup steps, as transformers' `warmup_ratio`); `train.mini_batches` at most the rows per step;
+  `optim.lr` and `sft.lr` at most {MAX_LR:g} (an AdamW step moves each weight by about lr: beyond it a run only
+  diverges); every reward weight (`rewards.N.weight`, `reward.weights`) in [-{MAX_REWARD_WEIGHT:g},
+  {MAX_REWARD_WEIGHT:g}] (the weighted sum is float32: a larger weight is a unit mistake, scale the reward itself);
+  `seed` in [0, 2^63 - 1] (torch's generators take 64 bits); `rollout.stop` strings non-empty.
 - **Limits** on what would exhaust memory or never end: `rollout.group_size` <= {MAX_GROUP_SIZE}; rows per step
   (`train.prompts_per_step` x `rollout.group_size`) <= {MAX_ROWS_PER_STEP}; `rollout.max_new_tokens` <=
   {MAX_NEW_TOKENS}; tokens per step (rows per step x `rollout.max_new_tokens`) <= {MAX_TOKENS_PER_STEP:,};
@@ -75,9 +79,13 @@ Every mistake below stops the run before it starts with one line naming the key 
 and after training: by default the last 10% (`eval_fraction: 0.1`) of a fixed permutation of the rows, the same
 for every seed, so no run trains on them (at least one row when the file has two or more, and never all of them).
 `eval_path: held.jsonl` (`eval_split` for a dataset) evaluates on that file's rows instead and trains on every row
-of `path`; `eval_fraction: 0` holds no row out. `prompt_column` (default `prompt`) names the prompt; the other
-columns reach the rewards as keyword arguments (`columns` keeps a subset); `verifier` names a task whose verifier
-scores the rows (e.g. `arithmetic`, reading `answer`).
+of `path`; `eval_fraction: 0` holds no row out. `prompt_column` (default `prompt`) names the prompt: a non-empty
+string, or a conversation (TRL's conversational format: a list of `{{role, content}}` messages, rendered with the
+tokenizer's chat template; a user's reward function then gets prompts as message lists and each completion as
+`[{{role: assistant, content: ...}}]`, as in TRL). The other columns reach the rewards as keyword arguments
+(`columns` keeps a subset); `verifier` names a task whose verifier scores the rows (e.g. `arithmetic`, reading
+`answer`). Files are read as UTF-8; a file in another encoding, a lone surrogate (`\\ud800`) or an empty prompt is
+one error line naming the file and row.
 """
 
 

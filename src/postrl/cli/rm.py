@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from postrl.cli.common import format_metrics, holdout_split, log
+from postrl.cli.common import check_option, format_metrics, holdout_split, log
 from postrl.errors import ConfigError
 
 RM_EPILOG = """examples:
@@ -41,7 +41,11 @@ def _pair_metrics(model, pairs, batch_size: int = 32) -> dict:
 
 def run_train(args) -> int:
     from postrl.reward_models import RMTrainConfig, fit_reward_model, read_preferences
+    from postrl.reward_models.train import check_margins
 
+    check_option("--max-length", args.max_length, low=1)
+    check_option("--heads", args.heads, low=1)
+    check_option("--seeds", args.seeds, low=1)
     pairs = read_preferences(args.data)
     if args.eval:
         train, held = pairs, read_preferences(args.eval)
@@ -54,9 +58,12 @@ def run_train(args) -> int:
                         odin_length_weight=args.odin_length_weight, odin_ortho_weight=args.odin_ortho_weight,
                         smoothing=args.smoothing, seed=args.seed)
     cfg.check()
+    if args.margin:
+        check_margins(pairs, args.data)
     log(f"rm train: {len(train)} pairs ({len(held)} held out), backbone {args.backbone}")
     model = fit_reward_model(args.backbone, train, cfg, kind="odin" if args.odin else "bt", num_heads=args.heads,
-                             seeds=args.seeds, max_length=args.max_length, device=args.device, log=log)
+                             seeds=args.seeds, max_length=args.max_length, chat_template=args.chat_template,
+                             device=args.device, log=log)
     if held:
         m = _pair_metrics(model, held)
         model.meta["eval"] = m

@@ -34,6 +34,9 @@ def run(args) -> int:
         run_dir = Path(cfg.output_dir) if cfg.output_dir else _default_run_dir(cfg)
         if cfg.output_dir is None:
             cfg.output_dir = str(run_dir)
+    from postrl.train.run_state import check_run_dir
+
+    check_run_dir(run_dir, "--resume" if args.resume else "output_dir")  # before minutes of model loading
     reporter = ConsoleReporter([r.name for r in cfg.rewards], enabled=not args.quiet)
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), reporter=reporter)
     reporter.enabled = reporter.enabled and trainer.main

@@ -47,6 +47,10 @@ MAX_GROUP_SIZE = 1024  # rollout.group_size
 MAX_ROWS_PER_STEP = 65536  # train.prompts_per_step x rollout.group_size; train.eval_size x train.eval_k; sft.batch_size
 MAX_NEW_TOKENS = 131072  # rollout.max_new_tokens
 MAX_TOKENS_PER_STEP = 2**28  # rows per step x rollout.max_new_tokens (268,435,456: 2 GiB of int64 token ids)
+MAX_LR = 1.0  # optim.lr, sft.lr: an AdamW step moves each weight by about lr; 1.0 per step is already no training
+MAX_REWARD_WEIGHT = 1e6  # |rewards.N.weight|, |reward.weights[N]|: the weighted sum is float32 (max 3.4e38); a weight
+# beyond a million is a unit mistake (scale the reward itself), and far beyond it the sum is inf / NaN for the row
+MAX_SEED = 2**63 - 1  # seed: torch's generators take a 64-bit seed
 
 # Strict types: a count is an int (not a bool, float or string), a switch is a bool (YAML's true/false/yes/no/on/off,
 # not 1 or "true"), a float may be given as an int. Command-line overrides are parsed as YAML first, so
@@ -70,7 +74,7 @@ class StageSpec(BaseModel):
 
 
 class RewardSpec(StageSpec):
-    weight: float = 1.0
+    weight: float = Field(1.0, description="weight of the source in weighted_sum, in [-1e6, 1e6]")
 
 
 class FilterSpec(StageSpec):
@@ -140,7 +144,8 @@ class RolloutConfig(_Strict):
     logprobs: Literal["full", "filtered"] = Field(
         "full", description="log-probs of sampler and trainer with top_p / top_k: full (unfiltered softmax, TRL / "
         "verl; the ratio is off by the log of the kept mass) or filtered (the renormalised distribution sampled)")
-    stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops)")
+    stop: list[str] = Field(default_factory=list, description="stop strings (cut from the text; EOS always stops); "
+                            "each non-empty")
     batch_size: int | None = Field(None, ge=1, description="rows per generation batch (None: all at once)")
     ignore_eos: bool = Field(False, description="EOS does not end a completion: every completion runs to "
                              "max_new_tokens unless a stop string ends it (equal work per row, for benchmarks)")
@@ -150,6 +155,14 @@ class RolloutConfig(_Strict):
         "truncate", description="a prompt over max_prompt_length: truncate (keep its last max_prompt_length tokens, "
         "TRL's left truncation) or drop (training: its group is masked out of the update; evaluation: the row is "
         "left out); counted as prompts/truncated or prompts/dropped")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError(f"rollout.stop: an empty stop string ends every completion before its first token "
+                             f"(got {v!r}); give non-empty strings or []")
+        return v
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -182,8 +195,12 @@ class RewardConfig(_Strict):
                                    "end at group boundaries")
     alarm_rate: float = Field(0.1, ge=0.0, le=1.0, description="a source failing on more than this fraction of a "
                               "batch logs a warning (metric reward/<name>/failure_rate)")
+    on_all_failed: Literal["stop", "continue"] = Field(
+        "stop", description="a source that raises on every completion of the run's first scored batch is a bug in "
+        "the reward, not a data fault: stop (one line naming the reward and the exception) or continue (a notice; "
+        "its entries are excluded while it fails)")
     weights: list[float] | None = Field(None, description="weight per reward source, in order (TRL reward_weights); "
-                                        "overrides rewards.N.weight; one per source")
+                                        "overrides rewards.N.weight; one per source; each in [-1e6, 1e6]")
     step_delimiter: str = Field("\n\n", min_length=1, description="text that ends a reasoning step (process "
                                 "rewards, step_ends)")
 
@@ -234,7 +251,7 @@ class KLConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(3e-4, gt=0.0, description="peak learning rate")
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate, at most 1")
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1)")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
@@ -324,13 +341,14 @@ class SFTConfig(_Strict):
 
     steps: int = Field(800, ge=1, description="SFT steps (the built-in model trains this many on first use)")
     batch_size: int = Field(64, ge=1, le=MAX_ROWS_PER_STEP, description="demonstrations per SFT step")
-    lr: float = Field(3e-3, gt=0.0, description="peak lr (warmup, then cosine to 10%)")
+    lr: float = Field(3e-3, gt=0.0, description="peak lr (warmup, then cosine to 10%), at most 1")
     warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
 
 
 class Config(_Strict):
-    seed: int = Field(0, description="seeds prompts, sampling, shuffling and init; same seed + config = same metrics")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds prompts, sampling, shuffling and init; same seed + "
+                      "config = same metrics")
     output_dir: str | None = Field(None, description="run directory (default: runs/<task>-<time>)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy")
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(name="arithmetic", chatty=0.6),
@@ -369,6 +387,17 @@ class Config(_Strict):
             raise ValueError(f"{bad[0]}: expected a finite number, got {bad[1]}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward source is required")
+        # (after the finite check, so NaN and inf keep its message; the bounds: MAX_LR, MAX_REWARD_WEIGHT)
+        weights = [(f"rewards.{i}.weight", r.weight) for i, r in enumerate(self.rewards)]
+        weights += [(f"reward.weights.{i}", w) for i, w in enumerate(self.reward.weights or [])]
+        for key, w in weights:
+            if not -MAX_REWARD_WEIGHT <= w <= MAX_REWARD_WEIGHT:
+                raise ValueError(f"{key}: {w:g} is outside [-{MAX_REWARD_WEIGHT:g}, {MAX_REWARD_WEIGHT:g}] (the "
+                                 f"weighted sum is float32; scale the reward itself, not its weight)")
+        for key, lr in (("optim.lr", self.optim.lr), ("sft.lr", self.sft.lr)):
+            if lr > MAX_LR:
+                raise ValueError(f"{key}: {lr:g} is above {MAX_LR:g} (an AdamW step moves each weight by about "
+                                 f"lr: the run would diverge to NaN); typical RL values are 1e-6 to 1e-4")
         rows = self.train.prompts_per_step * self.rollout.group_size
         if rows > MAX_ROWS_PER_STEP:
             raise ValueError(f"train.prompts_per_step: {self.train.prompts_per_step} prompts x rollout.group_size "
@@ -408,6 +437,19 @@ def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
 # loading
 
 
+def _unreadable_yaml(e: BaseException) -> str | None:
+    """Why YAML that parses cannot be read into values (one line), or None for an error that is not that: an
+    integer over Python's limit of digits (``sys.get_int_max_str_digits``), nesting deeper than the parser's
+    recursion."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply (more levels of lists / mappings than the YAML reader allows)"
+    if isinstance(e, ValueError) and "integer string conversion" in str(e):
+        import sys
+
+        return f"an integer with more than {sys.get_int_max_str_digits()} digits (Python's limit)"
+    return None
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}': expected KEY=VALUE (e.g. optim.lr=1e-5)")
@@ -419,6 +461,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except (ValueError, RecursionError) as e:
+        why = _unreadable_yaml(e)
+        if why is None:
+            raise
+        raise ConfigError(f"override {key}: {why}") from None
     return key.split("."), value
 
 
@@ -459,8 +506,16 @@ def _format_error(err: ValidationError) -> str:
         text = str(e["ctx"]["error"])
         return text if not e["loc"] or text.startswith(loc) else f"{loc}: {text}"
     got = e.get("input")
-    got_s = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    got_s = _short_repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return f"{loc}: {e['msg'].lower()} (got {got_s})"
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an integer of thousands of digits stays one short line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def default_dict() -> dict:
@@ -472,11 +527,23 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist")
     try:
-        data = yaml_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}': not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{p}': cannot read it ({e.strerror or e})") from None
+    try:
+        data = yaml_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file '{p}'{where}: invalid YAML") from None
+    except (ValueError, RecursionError) as e:
+        why = _unreadable_yaml(e)
+        if why is None:
+            raise
+        raise ConfigError(f"config file '{p}': {why}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{p}': expected a mapping of keys at the top level")
     return data
@@ -515,6 +582,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = Config.model_validate(data, strict=True)  # strict in every section, the ones defined elsewhere too
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+    except RecursionError:
+        raise ConfigError("config: a value nested too deeply (more levels of lists / mappings than can be "
+                          "checked)") from None
     check_stages(cfg)
     return cfg
 

@@ -46,8 +46,7 @@ def load_source(spec: dict[str, Any]) -> PromptSource:
     name = params.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"task: missing 'name' (one of: {', '.join(registry.names('task'))})")
-    cls = registry.get("task", name)
-    return cls(**stages.check_params("task", name, params, where="task"))
+    return stages.build("task", name, params, where="task").fn
 
 
 def verify_row(completion: str, row: dict) -> float | None:

@@ -18,7 +18,10 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Lt
+from pydantic import AfterValidator
 
 from postrl.data.base import PromptSource
 from postrl.seeding import stable_hash
@@ -39,6 +42,10 @@ def _read_json(path: Path) -> list[dict]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise  # read_rows says: not UTF-8
+    except ValueError as e:  # an integer over Python's limit of digits
+        raise DataError(f"{path}: not valid JSON ({str(e).split(';')[0].split(':')[0]})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
     for i, obj in enumerate(data, 1):
@@ -73,32 +80,83 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if p.is_dir():
         raise DataError(f"{p}: is a directory, expected a {', '.join(SUFFIXES)} file")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        rows = read_jsonl(p, strict=True)
-    elif suffix == ".json":
-        rows = _read_json(p)
-    elif suffix == ".csv":
-        rows = _read_csv(p)
-    elif suffix == ".parquet":
-        rows = _read_parquet(p)
-    else:
+    jsonl = lambda path: read_jsonl(path, strict=True)  # noqa: E731
+    readers = {".jsonl": jsonl, ".ndjson": jsonl, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
+    if suffix not in readers:
         raise DataError(f"{p}: unsupported file type '{p.suffix}'; expected one of {', '.join(SUFFIXES)}")
+    try:
+        rows = readers[suffix](p)
+    except UnicodeDecodeError as e:  # Latin-1, UTF-16 or a binary file
+        raise DataError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as "
+                        f"UTF-8") from None
+    except RecursionError:
+        raise DataError(f"{p}: a value nested too deeply to read") from None
+    except csv.Error as e:
+        raise DataError(f"{p}: not a readable CSV file ({e})") from None
+    except OSError as e:
+        raise DataError(f"{p}: cannot read it ({e.strerror or e})") from None
     if not rows:
         raise DataError(f"{p}: no rows (empty file)")
     return rows
 
 
+# --------------------------------------------------------------------------------------------- prompts
+
+
+def _unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g. JSON's unpaired ``\\ud800``), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds {text[e.start:e.end].encode('unicode_escape').decode()} at character {e.start}, a lone " \
+               f"surrogate that is not valid Unicode text"
+    return None
+
+
+def check_prompt(prompt: Any, where: str) -> str | list[dict]:
+    """A prompt as a prompt source keeps it: a non-empty string, or a conversation (TRL's conversational format:
+    a non-empty list of ``{"role": str, "content": str}`` messages, encoded with the chat template); else one
+    DataError line starting with ``where``."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where} is empty; every prompt needs some text")
+        bad = _unicode_problem(prompt)
+        if bad:
+            raise DataError(f"{where} {bad}")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        for j, m in enumerate(prompt):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: message {j} needs a string 'role' and a string 'content' (a "
+                                f"conversation is a list of {{role, content}} messages), got keys {sorted(m)}")
+            bad = _unicode_problem(m["role"] + m["content"])
+            if bad:
+                raise DataError(f"{where}: message {j} {bad}")
+        if not any(m["content"] for m in prompt):
+            raise DataError(f"{where} is a conversation whose messages are all empty")
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DataError(f"{where} is a {type(prompt).__name__}, expected a string or a conversation (a list of "
+                    f"{{role, content}} messages)")
+
+
 # --------------------------------------------------------------------------------------------- sources
 
 
-def _check_verifier(verifier: str | None) -> None:
-    if verifier is None:
-        return
+def _verifier(verifier: str) -> str:
+    """a registered task with a verifier (not a data source)"""
     from postrl import registry
 
-    cls = registry.get("task", verifier)  # unknown name -> ConfigError listing the valid ones
+    try:
+        cls = registry.get("task", verifier)
+    except ConfigError as e:  # unknown name: the registry's message lists the valid ones
+        raise ValueError(str(e)) from None
     if isinstance(cls, type) and issubclass(cls, RowsSource):
-        raise ConfigError(f"task: verifier '{verifier}' is a data source, not a task with a verifier")
+        raise ValueError(f"'{verifier}' is a data source, not a task with a verifier")
+    return verifier
+
+
+Verifier = Annotated[str, AfterValidator(_verifier)]
+EvalFraction = Annotated[float, Ge(0), Lt(1)]  # the share of rows held out for evaluation
 
 
 class RowsSource(PromptSource):
@@ -117,13 +175,6 @@ class RowsSource(PromptSource):
         eval_fraction: float,
         verifier: str | None,
     ) -> None:
-        if not isinstance(eval_fraction, (int, float)) or not 0.0 <= eval_fraction < 1.0:
-            raise ConfigError(f"task: eval_fraction must be a number in [0, 1), got {eval_fraction!r}")
-        if columns is not None and (
-            not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns)
-        ):
-            raise ConfigError(f"task: columns must be a list of column names, got {columns!r}")
-        _check_verifier(verifier)
         self.label = label
         self.prompt_column = prompt_column
         self.columns = list(columns) if columns is not None else None
@@ -148,11 +199,7 @@ class RowsSource(PromptSource):
         if self.prompt_column not in row:
             cols = ", ".join(map(str, row)) or "(none)"
             raise DataError(f"{label}: row {rownum} has no prompt column '{self.prompt_column}' (columns: {cols})")
-        prompt = row[self.prompt_column]
-        if not isinstance(prompt, str):
-            raise DataError(
-                f"{label}: row {rownum} column '{self.prompt_column}' is a {type(prompt).__name__}, expected a string"
-            )
+        prompt = check_prompt(row[self.prompt_column], f"{label}: row {rownum} column '{self.prompt_column}'")
         if self.columns is None:
             out = {k: v for k, v in row.items() if k != self.prompt_column}
         else:
@@ -162,6 +209,10 @@ class RowsSource(PromptSource):
                     cols = ", ".join(map(str, row))
                     raise DataError(f"{label}: row {rownum} has no column '{c}' (columns: {cols})")
                 out[c] = row[c]
+        for k, v in out.items():  # what is tokenized (a demonstration) or compared must be valid text too
+            bad = _unicode_problem(v) if isinstance(v, str) else None
+            if bad:
+                raise DataError(f"{label}: row {rownum} column '{k}' {bad}")
         out["prompt"] = prompt
         if self.verifier is not None:
             out["task"] = self.verifier
@@ -211,12 +262,10 @@ class FileSource(RowsSource):
         path: str,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_path: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"task 'file': path must be a file path, got {path!r}")
         self.path = str(path)
         rows = read_rows(path)
         eval_rows = read_rows(eval_path) if eval_path is not None else None
@@ -272,9 +321,9 @@ class DatasetSource(RowsSource):
         config_name: str | None = None,
         prompt_column: str = "prompt",
         columns: list[str] | None = None,
-        eval_fraction: float = 0.1,
+        eval_fraction: EvalFraction = 0.1,
         eval_split: str | None = None,
-        verifier: str | None = None,
+        verifier: Verifier | None = None,
     ):
         self.name_or_path = str(name_or_path)
         rows = _load_split(self.name_or_path, split, config_name)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import functools
 import json
 import random
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, MinLen
+from pydantic import AfterValidator
 
 from postrl.data.base import PromptSource
 from postrl.seeding import stable_hash
@@ -100,23 +103,23 @@ def _score_fn(dataset: str, config_json: str) -> Any:
     return _create(dataset, json.loads(config_json), size=1, seed=0).score_answer
 
 
+def _dataset_options(config: dict) -> dict:
+    """the dataset's options, without size and seed (task parameters)"""
+    for key in ("size", "seed"):
+        if key in config:
+            raise ValueError(f"set '{key}' as a task parameter, not inside config")
+    return config
+
+
 @register("task", "reasoning_gym", source="reasoning-gym (Stojanovski et al. 2025)")
 class ReasoningGymSource(PromptSource):
     """Problems from a reasoning-gym dataset, scored by that dataset's score_answer."""
 
     name = "reasoning_gym"
 
-    def __init__(self, *, dataset: str, size: int = 1000, seed_offset: int = 0, config: dict | None = None):
-        if not isinstance(dataset, str) or not dataset:
-            raise ConfigError(f"task 'reasoning_gym': dataset must be a reasoning-gym dataset name, got {dataset!r}")
-        if not isinstance(size, int) or size < 1:
-            raise ConfigError(f"task 'reasoning_gym': size must be an integer >= 1, got {size!r}")
-        if config is not None and not isinstance(config, dict):
-            raise ConfigError(f"task 'reasoning_gym': config must be a mapping of dataset options, got {config!r}")
+    def __init__(self, *, dataset: Annotated[str, MinLen(1)], size: Annotated[int, Ge(1)] = 1000, seed_offset: int = 0,
+                 config: Annotated[dict[str, Any], AfterValidator(_dataset_options)] | None = None):
         config = dict(config or {})
-        for key in ("size", "seed"):
-            if key in config:
-                raise ConfigError(f"task 'reasoning_gym': set '{key}' as a task parameter, not inside config")
         self.dataset, self.size, self.seed_offset, self.config = dataset, size, seed_offset, config
         self._config_json = json.dumps(config, sort_keys=True)
         _create(dataset, config, size=1, seed=0)  # fail early on unknown datasets / bad config

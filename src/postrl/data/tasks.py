@@ -16,14 +16,19 @@ import random
 import re
 from abc import abstractmethod
 from collections import Counter
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Le
+from pydantic import AfterValidator
 
 from postrl.data.base import PromptSource
 from postrl.seeding import stable_hash
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.stages import parameters
 
 HELD_OUT_MOD = 10
+MAX_DIGITS = 1000  # arithmetic operands: a product has up to 2000 digits, within Python's int <-> str limit (4300)
 
 
 def is_held_out(prompt: str) -> bool:
@@ -96,7 +101,32 @@ def parse_int(text: str) -> int | None:
     return int(s)
 
 
-@register("task", "arithmetic", source="procedural (TinyStories-scale sanity task)")
+def _ops(ops: str) -> str:
+    """a non-empty string of '+', '-', '*'"""
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"expected a non-empty string of '+', '-', '*', got {ops!r}")
+    return ops
+
+
+Ops = Annotated[str, AfterValidator(_ops)]
+
+
+def digit_range(task: str) -> Any:
+    """The registered check of an ``arithmetic``-like task (registered as ``task``): ``min_digits`` <= ``digits``,
+    each defaulting to the task's own default."""
+
+    def check(params: dict, run: Any, where: str) -> dict:
+        from postrl import registry
+
+        p = {**{k: d for k, (_, d) in parameters(registry.get("task", task)).items()}, **params}
+        if p["min_digits"] > p["digits"]:
+            raise ConfigError(f"{where}.min_digits: expected a value <= digits ({p['digits']}), got {p['min_digits']}")
+        return params
+
+    return check
+
+
+@register("task", "arithmetic", source="procedural (TinyStories-scale sanity task)", check=digit_range("arithmetic"))
 class ArithmeticTask(ProceduralTask):
     """Integer arithmetic ``a<op>b=`` with operands of min_digits..digits digits; answer is the integer.
 
@@ -108,18 +138,9 @@ class ArithmeticTask(ProceduralTask):
 
     name = "arithmetic"
 
-    def __init__(self, *, digits: int = 2, ops: str = "+", min_digits: int = 1, chatty: float = 0.0):
-        if not isinstance(chatty, (int, float)) or not 0.0 <= chatty <= 1.0:
-            raise ConfigError(f"task 'arithmetic': chatty must be a fraction in [0, 1], got {chatty!r}")
+    def __init__(self, *, digits: Annotated[int, Ge(1), Le(MAX_DIGITS)] = 2, ops: Ops = "+", min_digits: Annotated[int, Ge(1)] = 1,
+                 chatty: Annotated[float, Ge(0), Le(1)] = 0.0):
         self.chatty = float(chatty)
-        if not isinstance(digits, int) or digits < 1:
-            raise ConfigError(f"task 'arithmetic': digits must be an integer >= 1, got {digits!r}")
-        if not isinstance(min_digits, int) or not 1 <= min_digits <= digits:
-            raise ConfigError(
-                f"task 'arithmetic': min_digits must be an integer in 1..digits ({digits}), got {min_digits!r}"
-            )
-        if not isinstance(ops, str) or not ops or set(ops) - set("+-*"):
-            raise ConfigError(f"task 'arithmetic': ops must be a non-empty string of '+', '-', '*', got {ops!r}")
         self.digits, self.min_digits = digits, min_digits
         self.ops = "".join(sorted(set(ops), key=ops.index))
         self.params = {"digits": digits, "ops": self.ops, "min_digits": min_digits}
@@ -214,23 +235,24 @@ def eval_countdown_expr(text: str) -> tuple[int, list[int]] | None:
     return value, used
 
 
-@register("task", "countdown", source="Countdown numbers game (TinyZero, Pan et al. 2025)")
+def _target_range(params: dict, run: Any, where: str) -> dict:
+    """``countdown``: ``min_target`` <= ``max_target``."""
+    p = {**{k: d for k, (_, d) in parameters(CountdownTask).items()}, **params}
+    if p["min_target"] > p["max_target"]:
+        raise ConfigError(f"{where}.max_target: expected a value >= min_target ({p['min_target']}), "
+                          f"got {p['max_target']}")
+    return params
+
+
+@register("task", "countdown", source="Countdown numbers game (TinyZero, Pan et al. 2025)", check=_target_range)
 class CountdownTask(ProceduralTask):
     """Reach the target with + - * and parentheses, each given number used at most once."""
 
     name = "countdown"
     _MAX_SAMPLE_TRIES = 10_000
 
-    def __init__(self, *, numbers: int = 3, max_number: int = 9, min_target: int = 1, max_target: int = 100):
-        if not isinstance(numbers, int) or numbers < 2:
-            raise ConfigError(f"task 'countdown': numbers must be an integer >= 2, got {numbers!r}")
-        if not isinstance(max_number, int) or max_number < 1:
-            raise ConfigError(f"task 'countdown': max_number must be an integer >= 1, got {max_number!r}")
-        if not isinstance(min_target, int) or not isinstance(max_target, int) or min_target > max_target:
-            raise ConfigError(
-                f"task 'countdown': min_target/max_target must be integers with min_target <= max_target, "
-                f"got {min_target!r}, {max_target!r}"
-            )
+    def __init__(self, *, numbers: Annotated[int, Ge(2)] = 3, max_number: Annotated[int, Ge(1)] = 9,
+                 min_target: int = 1, max_target: int = 100):
         self.numbers, self.max_number = numbers, max_number
         self.min_target, self.max_target = min_target, max_target
         self.params = {"numbers": numbers, "max_number": max_number, "min_target": min_target, "max_target": max_target}

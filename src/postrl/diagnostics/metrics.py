@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import torch
 
+from postrl.groups import group_index
+
 from postrl.evaluate import pass_at_k
 
 _NAN = float("nan")
@@ -33,9 +35,9 @@ def _np(x: torch.Tensor | np.ndarray, dtype=np.float64) -> np.ndarray:
 
 
 def _group_index(group_ids) -> tuple[np.ndarray, int]:
-    _, inv = np.unique(_np(group_ids, None), return_inverse=True)
-    inv = inv.reshape(-1)
-    return inv, (int(inv.max()) + 1 if inv.size else 0)
+    """``postrl.groups.group_index`` as numpy (the metrics are computed in numpy)."""
+    inv, ng = group_index(torch.as_tensor(_np(group_ids, None)))
+    return inv.numpy(), ng
 
 
 def _mean(x: np.ndarray) -> float:
@@ -300,6 +302,8 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         m[f"reward/{name}/mean"] = _mean(col)
         m[f"reward/{name}/std"] = _std(col)
         m[f"reward/{name}/failures"] = float(reward_info.get("failures", {}).get(name, 0))
+        if name in reward_info.get("skipped_rate", {}):  # the fraction of rows it returned None for (TRL: n/a)
+            m[f"reward/{name}/skipped"] = float(reward_info["skipped_rate"][name])
     if "correct" in batch.reward_names:
         correct = rewards[:, batch.reward_names.index("correct")]
         m["accuracy"] = _mean((correct[np.isfinite(correct)] >= 1.0).astype(np.float64))
@@ -312,6 +316,8 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         m.update(kept_mass_metrics(batch.extra["sampler_kept_logmass"], batch.completion_mask))
     m["tokens/completion"] = float(_np(batch.completion_mask).sum())
     m["tokens/prompt"] = float(_np(batch.prompt_mask).sum())
+    for name, value in (reward_info.get("metrics") or {}).items():  # a reward's TRL log_metric: postrl's win
+        m.setdefault(name, float(value))
     extra = getattr(batch, "extra", None) or {}  # a RolloutBatch has it; tests' stand-in batches may not
     if "num_turns" in extra:
         m.update(turn_metrics(extra, batch.completion_mask))

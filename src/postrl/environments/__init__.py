@@ -66,13 +66,12 @@ async def _await(aw: Any) -> Any:
 
 
 def make(name: str, params: dict | None = None) -> Any:
-    """One instance of the environment registered as ``name`` (or ``module:Class``) with ``params``."""
-    from postrl import registry, stages
+    """One instance of the environment registered as ``name`` (or ``module:Class``) with ``params``
+    (``postrl.stages.build``: the parameters validated, the class instantiated)."""
+    from postrl import stages
 
-    entry = registry.find("environment", name)
-    params = stages.check_params("environment", name, dict(params or {}), where="environment")
     try:
-        return entry.fn(**dict(params or {}))
+        return stages.build("environment", name, dict(params or {}), where="environment").fn
     except (TypeError, ValueError) as e:
         raise ConfigError(f"environment '{name}': {e}") from None
 

@@ -34,7 +34,9 @@ import asyncio
 import functools
 import inspect
 import json
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from annotated_types import Ge, Gt
 
 from postrl.environments import Environment, call
 from postrl.environments.tools import ToolEnvironment
@@ -74,7 +76,7 @@ class TRLEnvironment(ToolEnvironment):
     (``<result>{}</result>``).
     """
 
-    def __init__(self, *, factory: str, timeout: float = 5.0, max_calls: int = 8,
+    def __init__(self, *, factory: str, timeout: Annotated[float, Gt(0)] = 5.0, max_calls: Annotated[int, Ge(0)] = 8,
                  result_format: str = "<result>{}</result>"):
         make = resolve(factory, "factory")
         if not callable(make):
@@ -145,9 +147,7 @@ class VerifiersEnvironment(Environment):
     arguments; ``observation_role``: the chat role the environment's messages are rendered with (``user``).
     """
 
-    def __init__(self, *, env: str, args: dict | None = None, observation_role: str = "user"):
-        if args is not None and not isinstance(args, dict):
-            raise ConfigError(f"environment.args: expected a mapping of keyword arguments, got {args!r}")
+    def __init__(self, *, env: str, args: dict[str, Any] | None = None, observation_role: str = "user"):
         self.vf = load_verifiers_env(env, dict(args or {}))
         self.observation_role = observation_role
         self.messages: list[dict] = []

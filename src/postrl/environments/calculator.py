@@ -11,9 +11,11 @@ from __future__ import annotations
 import ast
 import operator
 import random
+from typing import Annotated
 
-from postrl.data.tasks import ArithmeticTask, parse_int
-from postrl.errors import ConfigError
+from annotated_types import Ge, Gt, Le
+
+from postrl.data.tasks import ArithmeticTask, Ops, digit_range, parse_int
 from postrl.environments.tools import ToolEnvironment
 from postrl.registry import register
 
@@ -49,7 +51,7 @@ class CalculatorEnv(ToolEnvironment):
     ``timeout``: seconds per tool call (5); ``max_calls``: tool calls per episode (4).
     """
 
-    def __init__(self, *, timeout: float = 5.0, max_calls: int = 4):
+    def __init__(self, *, timeout: Annotated[float, Gt(0)] = 5.0, max_calls: Annotated[int, Ge(0)] = 4):
         super().__init__([calc], timeout=timeout, max_calls=max_calls)
 
     def verify(self, answer: str, row: dict) -> float | None:
@@ -61,7 +63,8 @@ class CalculatorEnv(ToolEnvironment):
         return 1.0 if value is not None and value == expected else 0.0
 
 
-@register("task", "calculator", source="issue 20: calculator-tool arithmetic (demonstrations of tool use)")
+@register("task", "calculator", source="issue 20: calculator-tool arithmetic (demonstrations of tool use)",
+          check=digit_range("calculator"))
 class CalculatorTask(ArithmeticTask):
     """The ``arithmetic`` problems (``a<op>b=``, default 3-digit products) with demonstrations of tool use.
 
@@ -74,10 +77,9 @@ class CalculatorTask(ArithmeticTask):
 
     name = "calculator"
 
-    def __init__(self, *, digits: int = 3, ops: str = "*", min_digits: int = 2, direct: float = 0.0):
+    def __init__(self, *, digits: Annotated[int, Ge(1)] = 3, ops: Ops = "*", min_digits: Annotated[int, Ge(1)] = 2,
+                 direct: Annotated[float, Ge(0), Le(1)] = 0.0):
         super().__init__(digits=digits, ops=ops, min_digits=min_digits)
-        if not isinstance(direct, (int, float)) or not 0.0 <= direct <= 1.0:
-            raise ConfigError(f"task 'calculator': direct must be a fraction in [0, 1], got {direct!r}")
         self.direct = float(direct)
         self.params["direct"] = self.direct
 

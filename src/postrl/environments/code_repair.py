@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from annotated_types import Ge
+from annotated_types import Ge, Gt
 
 from postrl.environments import Environment
 from postrl.rewards.code import sandbox_errors
@@ -67,11 +67,9 @@ class CodeRepairEnv(Environment):
 
     observation_role = "user"
 
-    def __init__(self, *, timeout: float = 10.0, memory_mb: int = 512, reshaped: bool = True,
-                 feedback_format: str = "tests: {passed}/{total} passed; {reason}",
+    def __init__(self, *, timeout: Annotated[float, Gt(0)] = 10.0, memory_mb: Annotated[int, Ge(1)] = 512,
+                 reshaped: bool = True, feedback_format: str = "tests: {passed}/{total} passed; {reason}",
                  timeout_retries: Annotated[int, Ge(0)] = 0):
-        if timeout <= 0 or memory_mb <= 0:
-            raise ValueError(f"timeout and memory_mb must be > 0, got {timeout}, {memory_mb}")
         self.timeout, self.memory_mb = timeout, memory_mb
         self.reshaped, self.feedback_format = reshaped, feedback_format
         self.timeout_retries = int(timeout_retries)

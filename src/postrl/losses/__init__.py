@@ -14,6 +14,8 @@ Stages read per-token fields by positional parameter name: ``logp`` (trainer log
 ([N] or [N, T]), ``mask`` (completion mask x valid rows), ``entropy`` (per-token, differentiable; computed only
 when a stage asks for it, otherwise a no-grad diagnostic), ``logits`` ([N, T, V], only when a stage asks),
 ``sampler_logp``, ``ref_logp`` (a reference model is loaded when a stage asks), ``lengths`` ([N]).
+Offline preference losses (kind ``preference``: DPO, IPO, hinge, rDPO, RPO, SimPO, AlphaPO; one value per
+chosen/rejected pair, driven by ``postrl dpo``) are in :mod:`postrl.losses.preference`.
 The aggregation table (postrl / verl ``loss_agg_mode`` / TRL ``loss_type``) is in
 :mod:`postrl.losses.aggregation` and ``docs/losses.md``.
 """
@@ -26,6 +28,7 @@ from postrl.losses.aggregation import (SEQUENCE_AGGREGATIONS, dr_grpo, seq_mean_
                                        token_mean)
 from postrl.losses.kl import (KLController, kl_abs, kl_abs_st, kl_k1, kl_k1_st, kl_k2, kl_k3, kl_k3_st,
                               kl_low_var_kl, kl_low_var_kl_st, kl_reward_penalty, straight_through)
+from postrl.losses import preference  # noqa: F401  (registers the preference losses of postrl dpo)
 from postrl.losses.policy import clip_cov, cispo, dispo, gmpo, gpg, gspo, kl_cov, ppo_clip, sapo
 from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, entropy_band, entropy_bonus, f_divergence,
                                         lp_reg, top_entropy_tokens)

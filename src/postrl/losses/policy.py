@@ -16,7 +16,10 @@ Under a token-level aggregation each sequence is weighted by its length instead:
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import torch
+from annotated_types import Ge, Gt, Lt
 
 from postrl.registry import register
 
@@ -32,10 +35,9 @@ def _ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def _check_eps(name: str, value: float | None, upper: float | None = None) -> None:
-    if value is not None and (value < 0 or (upper is not None and value >= upper)):
-        bound = f" and < {upper}" if upper is not None else ""
-        raise ValueError(f"loss.{name}: expected a value >= 0{bound}, got {value}")
+ClipLow = Annotated[float, Ge(0), Lt(1)]  # a lower clip 1 - eps_low of a ratio: the bound stays positive
+ClipHigh = Annotated[float, Ge(0)]
+Positive = Annotated[float, Gt(0)]
 
 
 # ---------------------------------------------------------------------------------------------- PPO family
@@ -43,7 +45,7 @@ def _check_eps(name: str, value: float | None, upper: float | None = None) -> No
 
 @register("loss", "ppo_clip", source="PPO (Schulman et al. 2017); clip-higher from DAPO; verl vanilla; TRL grpo")
 def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-             eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None):
+             eps_low: ClipLow = 0.2, eps_high: ClipHigh = 0.2, dual_clip: Annotated[float, Gt(1)] | None = None):
     """L_t = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high)), rho_t = exp(logp_t - old_logp_t).
 
     Clip-higher (DAPO): eps_high > eps_low, e.g. 0.2 / 0.28 (verl ``clip_ratio_low/high``, TRL ``epsilon`` /
@@ -51,8 +53,6 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     verl's ``vanilla`` loss applies c = 3 by default (``clip_ratio_c``), TRL none; postrl default: none.
     Shapes: logp, old_logp [N, T]; advantages [N] or [N, T] -> ([N, T] loss, diagnostics of [N, T] bools).
     """
-    _check_eps("eps_low", eps_low, 1.0)
-    _check_eps("eps_high", eps_high)
     adv = _adv(advantages)
     ratio = _ratio(logp, old_logp)
     pg1 = -adv * ratio
@@ -64,8 +64,6 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         "clip_high": ((ratio > 1.0 + eps_high) & (adv > 0)).detach(),
     }
     if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"loss.dual_clip: expected a value > 1, got {dual_clip}")
         pg3 = -adv * dual_clip
         info["clip_dual"] = ((loss > pg3) & (adv < 0)).detach()
         loss = torch.where(adv < 0, torch.minimum(loss, pg3), loss)
@@ -75,7 +73,7 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
 @register("loss", "gspo", source="Group Sequence Policy Optimization (Zheng et al. 2025); verl gspo; "
           "TRL importance_sampling_level='sequence'")
 def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         eps_low: float = 3e-4, eps_high: float = 4e-4):
+         eps_low: ClipLow = 3e-4, eps_high: ClipHigh = 4e-4):
     """Sequence-level ratio s_i = exp((1/|o_i|) sum_t m_it (logp_it - old_logp_it)), clipped at sequence level.
 
     GSPO-token form (verl ``gspo``): s_it = sg(s_i) * pi_theta(o_it) / sg(pi_theta(o_it)), so the value of s_it is
@@ -90,8 +88,6 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     default token-mean weights each sequence by its length; postrl honours ``loss.agg`` and warns when it is a
     token-level one).
     """
-    _check_eps("eps_low", eps_low, 1.0)
-    _check_eps("eps_high", eps_high)
     adv = _adv(advantages)
     lens = mask.sum(-1).clamp(min=1.0)
     log_s = ((logp - old_logp) * mask).sum(-1) / lens  # [N]
@@ -114,7 +110,7 @@ gspo.sequence_level = True
 
 @register("loss", "gmpo", source="Geometric-Mean Policy Optimization (Zhao et al. 2025); verl geo_mean")
 def gmpo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         eps_low: float = 0.4, eps_high: float = 0.4):
+         eps_low: ClipHigh = 0.4, eps_high: ClipHigh = 0.4):
     """Geometric mean of the token ratios, clipped in log space (verl ``geo_mean``).
 
     d_t = logp_t - old_logp_t (clamped to [-20, 20]); c_t = clip(d_t, -eps_low, eps_high);
@@ -125,8 +121,6 @@ def gmpo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, m
     read in log space). verl forces seq-mean-token-mean for geo_mean whatever ``loss_agg_mode`` says: mean_i l_i
     over all rows, which postrl's ``sequence`` aggregation gives (``loss.agg_rows=all``, the default).
     """
-    _check_eps("eps_low", eps_low)
-    _check_eps("eps_high", eps_high)
     adv = _adv(advantages).expand_as(logp)
     d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sgn = torch.sign(adv)
@@ -160,7 +154,7 @@ def gpg(logp: torch.Tensor, advantages: torch.Tensor):
 
 @register("loss", "cispo", source="MiniMax-M1 (CISPO); verl cispo; TRL loss_type='cispo'")
 def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-          eps_high: float = 4.0, eps_low: float | None = None):
+          eps_high: ClipHigh = 4.0, eps_low: ClipLow | None = None):
     """L_t = -sg(min(rho_t, 1 + eps_high)) A_t logp_t: the IS weight is clipped and detached, so the gradient
     flows through log pi only (d L / d logp_t = -sg(min(rho_t, 1 + eps_high)) A_t) and no token is dropped.
 
@@ -170,8 +164,6 @@ def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, 
     (TRL ``epsilon_high = 1 + eps_high``, no lower bound); verl ``cispo`` clamps to
     [1 - clip_ratio_low, 1 + clip_ratio_high] (set ``eps_low`` to match).
     """
-    _check_eps("eps_high", eps_high)
-    _check_eps("eps_low", eps_low, 1.0)
     adv = _adv(advantages)
     ratio = _ratio(logp, old_logp).detach()
     w = ratio.clamp(max=1.0 + eps_high) if eps_low is None else ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -185,8 +177,8 @@ def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, 
 @register("loss", "dispo", source="DISPO: Enhancing Training Efficiency and Stability in Reinforcement Learning "
           "for Large Language Model Mathematical Reasoning")
 def dispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-          eps_pos_low: float = 0.2, eps_pos_high: float = 0.28, eps_neg_low: float = 0.2, eps_neg_high: float = 0.28,
-          mode: str = "mask"):
+          eps_pos_low: ClipLow = 0.2, eps_pos_high: ClipHigh = 0.28, eps_neg_low: ClipLow = 0.2,
+          eps_neg_high: ClipHigh = 0.28, mode: Literal["mask", "clip"] = "mask"):
     """REINFORCE with IS-weight clipping and four bounds (after DISPO): L_t = -sg(w_t) A_t logp_t.
 
     Correct responses (A > 0) use the region [1 - eps_pos_low, 1 + eps_pos_high], incorrect ones (A < 0)
@@ -198,12 +190,6 @@ def dispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, 
     normalisation); the exact bound values are not in the abstract, so the defaults are postrl's (DAPO's
     0.2 / 0.28 for both signs).
     """
-    if mode not in ("mask", "clip"):
-        raise ValueError(f"loss.mode: expected 'mask' or 'clip', got {mode!r}")
-    for k, v in (("eps_pos_low", eps_pos_low), ("eps_neg_low", eps_neg_low)):
-        _check_eps(k, v, 1.0)
-    for k, v in (("eps_pos_high", eps_pos_high), ("eps_neg_high", eps_neg_high)):
-        _check_eps(k, v)
     adv = _adv(advantages)
     ratio = _ratio(logp, old_logp).detach()
     pos = adv > 0
@@ -223,7 +209,7 @@ def dispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, 
 
 @register("loss", "sapo", source="Soft Adaptive Policy Optimization (SAPO); verl sapo; TRL loss_type='sapo'")
 def sapo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-         tau_pos: float = 1.0, tau_neg: float = 1.05):
+         tau_pos: Positive = 1.0, tau_neg: Positive = 1.05):
     """L_t = -f_t(rho_t) A_t with the soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)) in place of hard clipping;
     tau = tau_pos where A_t > 0, tau_neg otherwise.
 
@@ -232,8 +218,6 @@ def sapo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *
     ``sapo_temperature_pos/neg``). verl forces seq-mean-token-mean for sapo and TRL's ``loss_type='sapo'``
     aggregates the same way (postrl: ``loss.agg=seq_mean_token_mean``; postrl honours whatever ``loss.agg`` says).
     """
-    if tau_pos <= 0 or tau_neg <= 0:
-        raise ValueError(f"loss.tau_pos / tau_neg: expected values > 0, got {tau_pos} / {tau_neg}")
     adv = _adv(advantages)
     ratio = _ratio(logp, old_logp)
     tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
@@ -251,7 +235,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @register("loss", "clip_cov", source="The Entropy Mechanism of Reinforcement Learning for Reasoning Language "
           "Models (Clip-Cov); verl clip_cov")
 def clip_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-             eps_low: float = 0.2, eps_high: float = 0.2, clip_cov_ratio: float = 2e-4,
+             eps_low: ClipLow = 0.2, eps_high: ClipHigh = 0.2, clip_cov_ratio: Positive = 2e-4,
              clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0):
     """PPO-clip, except that a few tokens with high logp-advantage covariance get no gradient (Clip-Cov).
 
@@ -264,10 +248,6 @@ def clip_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     ``clip_ratio``). As in verl the selection is made per forward pass (micro-batch).
     Difference: postrl clamps the log-ratio to [-20, 20] before the exp (verl does not for clip_cov).
     """
-    _check_eps("eps_low", eps_low, 1.0)
-    _check_eps("eps_high", eps_high)
-    if clip_cov_ratio <= 0:
-        raise ValueError(f"loss.clip_cov_ratio: expected a value > 0, got {clip_cov_ratio}")
     adv = _adv(advantages).expand_as(logp)
     ratio = _ratio(logp, old_logp)
     pg1 = -adv * ratio
@@ -298,7 +278,7 @@ def clip_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
 @register("loss", "kl_cov", source="The Entropy Mechanism of Reinforcement Learning for Reasoning Language "
           "Models (KL-Cov); verl kl_cov")
 def kl_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-           kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 0.1):
+           kl_cov_ratio: Positive = 2e-4, ppo_kl_coef: float = 0.1):
     """Unclipped policy gradient, plus a KL penalty on the tokens with the highest logp-advantage covariance.
 
     L_t = -A_t rho_t, and for the top-k tokens by cov_t = (A_t - mean A)(logp_t - mean logp) (means over the
@@ -307,8 +287,6 @@ def kl_cov(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
     Defaults = verl's shipped config (``actor.policy_loss.kl_cov_ratio`` 2e-4, ``ppo_kl_coef`` 0.1; verl's code
     falls back to 1.0 only when the config value is None). Per forward pass (micro-batch), like verl.
     """
-    if kl_cov_ratio <= 0:
-        raise ValueError(f"loss.kl_cov_ratio: expected a value > 0, got {kl_cov_ratio}")
     adv = _adv(advantages).expand_as(logp)
     d = logp - old_logp
     ratio = _ratio(logp, old_logp)

@@ -18,20 +18,26 @@ gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from annotated_types import Ge
+from annotated_types import Ge, Gt, Le, Lt
 
 from postrl.errors import ConfigError
 from postrl.registry import register
-from postrl.stages import StepEnd, Stateful
+from postrl.stages import StepEnd, Stateful, parameters
+
+Quantile = Annotated[float, Gt(0), Le(1)]  # the top-q fraction of tokens
+NonNegative = Annotated[float, Ge(0)]
 
 
-def _top_quantile_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float, what: str) -> torch.Tensor:
-    """1[H_t >= quantile_{1-q}(H over valid tokens)] on valid tokens (TRL ``get_high_entropy_mask``)."""
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"regularizers.{what}.q: expected 0 < q <= 1, got {q}")
+def _with_defaults(stage: Any, params: dict) -> dict:
+    """``params`` completed with the stage's defaults (for a registered ``check``)."""
+    return {**{k: d for k, (_, d) in parameters(stage).items()}, **params}
+
+
+def _top_quantile_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """1[H_t >= quantile_{1-q}(H over valid tokens)] on valid tokens (TRL ``get_high_entropy_mask``), 0 < q <= 1."""
     valid = mask > 0
     h = entropy.detach()
     if not bool(valid.any()):
@@ -51,7 +57,16 @@ def entropy_bonus(entropy: torch.Tensor) -> torch.Tensor:
     return -entropy
 
 
-@register("regularizer", "adaptive_entropy", source="Skywork Open Reasoner 1 (adaptive entropy control)")
+def _alpha_range(params: dict, run: Any, where: str) -> dict:
+    """``adaptive_entropy``: alpha starts within its range, ``init`` <= ``max_alpha``."""
+    p = _with_defaults(AdaptiveEntropy, params)
+    if p["max_alpha"] < p["init"]:
+        raise ConfigError(f"{where}.max_alpha: expected a value >= init ({p['init']}), got {p['max_alpha']}")
+    return params
+
+
+@register("regularizer", "adaptive_entropy", source="Skywork Open Reasoner 1 (adaptive entropy control)",
+          check=_alpha_range)
 class AdaptiveEntropy(Stateful):
     """R_t = -alpha H_t with alpha adapted toward a target entropy (after Skywork-OR1's adaptive entropy control).
 
@@ -59,12 +74,11 @@ class AdaptiveEntropy(Stateful):
     alpha <- clip(alpha + delta * sgn(target - H), 0, max_alpha) (H == target: unchanged).
     Defaults target = 0.2 nats, delta = 0.005, init = 0.0, max_alpha = 0.1 (postrl's; target and step follow the
     Skywork-OR1 report's scale). alpha is saved in the checkpoint. ``coef`` multiplies the term (default 1).
+    target, delta, init >= 0 and max_alpha >= init.
     """
 
-    def __init__(self, *, target: float = 0.2, delta: float = 0.005, init: float = 0.0, max_alpha: float = 0.1):
-        if target < 0 or delta < 0 or init < 0 or max_alpha < init:
-            raise ValueError("regularizers.adaptive_entropy: expected target, delta, init >= 0 and max_alpha >= init "
-                             f"(got {target}, {delta}, {init}, {max_alpha})")
+    def __init__(self, *, target: NonNegative = 0.2, delta: NonNegative = 0.005, init: NonNegative = 0.0,
+                 max_alpha: NonNegative = 0.1):
         self.target, self.delta, self.max_alpha = float(target), float(delta), float(max_alpha)
         self.alpha = float(init)
 
@@ -89,20 +103,28 @@ class AdaptiveEntropy(Stateful):
 
 @register("regularizer", "top_entropy_tokens", source="Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive "
           "Effective RLVR (Wang et al. 2025); TRL top_entropy_quantile")
-def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2) -> dict:
+def top_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, *, q: Quantile = 0.2) -> dict:
     """Update only the top-q fraction of tokens by entropy ("forking tokens"): pg_mask_t = 1[H_t >= tau],
     tau = torch.quantile(H over the valid tokens, 1 - q) (linear interpolation); the policy-loss matrix is
     multiplied by the mask, the aggregation's normaliser is unchanged (TRL ``top_entropy_quantile=q``, which
     multiplies ``per_token_loss`` by the same mask). Default q = 0.2 (the paper's top 20%). ``coef`` unused."""
-    return {"pg_mask": _top_quantile_mask(entropy, mask, q, "top_entropy_tokens").to(entropy.dtype)}
+    return {"pg_mask": _top_quantile_mask(entropy, mask, q).to(entropy.dtype)}
 
 
 top_entropy_tokens.no_grad_fields = ("entropy",)  # selection only: the trainer need not differentiate the entropy
 
 
+def _band(params: dict, run: Any, where: str) -> dict:
+    """``entropy_band``: ``low`` <= ``high``."""
+    p = _with_defaults(entropy_band, params)
+    if p["high"] < p["low"]:
+        raise ConfigError(f"{where}.high: expected a value >= low ({p['low']}), got {p['high']}")
+    return params
+
+
 @register("regularizer", "entropy_band", source="SPINE: Token-Selective Test-Time Reinforcement Learning with "
-          "Entropy-Band Regularization")
-def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2, low: float = 0.7,
+          "Entropy-Band Regularization", check=_band)
+def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: Quantile = 0.2, low: float = 0.7,
                  high: float = 2.0) -> torch.Tensor:
     """Entropy-band regulariser on forking tokens (after SPINE):
     R_t = f_t * (relu(low - H_t) + relu(H_t - high)), f_t = 1[H_t in the top-q by entropy] (as
@@ -110,10 +132,8 @@ def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: float = 0.2, l
     (suppress noisy updates), untouched inside. SPINE also updates only forking tokens: combine with
     ``top_entropy_tokens``. Assumed where the abstract is open: a hinge (linear) penalty and an absolute band in
     nats; defaults q = 0.2, low = 0.7 (about the 80th-percentile token entropy reported by the 80/20 paper),
-    high = 2.0 are postrl's, to tune per model."""
-    if not low <= high:
-        raise ValueError(f"regularizers.entropy_band: expected low <= high, got {low} > {high}")
-    fork = _top_quantile_mask(entropy, mask, q, "entropy_band").to(entropy.dtype)
+    high = 2.0 are postrl's, to tune per model; low <= high."""
+    fork = _top_quantile_mask(entropy, mask, q).to(entropy.dtype)
     return fork * (torch.relu(low - entropy) + torch.relu(entropy - high))
 
 
@@ -144,11 +164,9 @@ class EntropySmoothing(Stateful):
     Not reproduced: the code applies smoothing only to turns past half of an episode's step budget.
     """
 
-    def __init__(self, *, window: int = 10, band: float = 0.1,
+    def __init__(self, *, window: Annotated[int, Ge(1)] = 10, band: NonNegative = 0.1,
                  phase_steps: Annotated[int, Ge(1)] | None = None,
-                 phase_slow: Annotated[float, Ge(0)] = 2.0, phase_fast: Annotated[float, Ge(0)] = 3.0):
-        if window < 1 or band < 0:
-            raise ValueError(f"regularizers.entropy_smoothing: expected window >= 1, band >= 0 (got {window}, {band})")
+                 phase_slow: NonNegative = 2.0, phase_fast: NonNegative = 3.0):
         self.window, self.band = int(window), float(band)
         self.phase_steps, self.phase_slow, self.phase_fast = phase_steps, float(phase_slow), float(phase_fast)
         self.history: list[float] = []
@@ -206,7 +224,7 @@ def phase_weight(k: int, total: int | None, slow: float = 2.0, fast: float = 3.0
 
 @register("regularizer", "lp_reg", source="Low-probability Tokens Sustain Exploration in Reinforcement Learning with "
           "Verifiable Reward (Lp-Reg)")
-def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.02,
+def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: Annotated[float, Ge(0), Lt(1)] = 0.02,
            negative_only: bool = False) -> torch.Tensor:
     """KL toward a proxy that drops presumed-noise tokens and renormalises (after Lp-Reg):
 
@@ -218,8 +236,6 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.0
     Assumed where the abstract is open: a min-p style relative threshold (default min_p = 0.02, postrl's) and
     KL(proxy || policy) direction. Needs the full logits [N, T, V] (memory: N T V floats).
     """
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"regularizers.lp_reg.min_p: expected 0 <= min_p < 1, got {min_p}")
     logq = torch.log_softmax(logits.float(), dim=-1)
     with torch.no_grad():
         p = logq.exp()
@@ -237,7 +253,8 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: float = 0.0
 @register("regularizer", "f_divergence", source="The Choice of Divergence: A Neglected Key to Mitigating Diversity "
           "Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)")
 def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
-                 divergence: str = "forward_kl", importance_weight: bool = True, cap: float = 2.0) -> torch.Tensor:
+                 divergence: Literal["forward_kl", "js"] = "forward_kl", importance_weight: bool = True,
+                 cap: Annotated[float, Gt(0)] = 2.0) -> torch.Tensor:
     """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's form: f_divergence_rehearsal).
 
     After DPH-RL; unlike DPH-RL it needs an online reference model (see below; ``f_divergence_rehearsal`` is the
@@ -259,10 +276,6 @@ def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Ten
     rollout is needed and a reference model is loaded and run every step (one extra forward per step), and
     DPH-RL's choice of prompts for the term (those the initial model already solves) is not part of this stage.
     """
-    if divergence not in ("forward_kl", "js"):
-        raise ValueError(f"regularizers.f_divergence.divergence: expected 'forward_kl' or 'js', got {divergence!r}")
-    if cap <= 0:
-        raise ValueError(f"regularizers.f_divergence.cap: expected a value > 0, got {cap}")
     f = f_generator(logp - ref_logp, divergence)
     if not importance_weight:
         return f

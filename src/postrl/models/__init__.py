@@ -11,17 +11,27 @@ from postrl.errors import PostrlError
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_model_folder(path: str | Path, what: str = "model.path") -> Path:
+    """``path`` when it is a model folder (``config.json`` in it); else one PostrlError line naming ``what``, the
+    same whether ``postrl config show`` or ``postrl train`` checks it."""
+    p = Path(path)
+    expected = "expected a folder written by save_pretrained"
+    if not p.exists():
+        raise PostrlError(f"{what} '{p}': no such folder ({expected})")
+    if not p.is_dir():
+        raise PostrlError(f"{what} '{p}': a file, not a folder ({expected})")
+    if not (p / "config.json").is_file():
+        raise PostrlError(f"{what} '{p}': no config.json in it ({expected})")
+    return p
+
+
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32", quantization_config=None):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder written by ``save_pretrained``
     (``quantization_config``: QLoRA's 4-bit base, :func:`postrl.models.lora.quantization_config`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    p = Path(path)
-    if not p.is_dir():
-        raise PostrlError(f"model.path '{p}': no such folder (expected a folder written by save_pretrained)")
-    if not (p / "config.json").is_file():
-        raise PostrlError(f"model.path '{p}': no config.json in it (expected a folder written by save_pretrained)")
+    p = check_model_folder(path)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:

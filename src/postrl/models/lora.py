@@ -36,9 +36,9 @@ def _peft():
     return peft
 
 
-def enabled(cfg: Any) -> bool:
-    """Whether the config's ``model.lora`` asks for adapters (a rank is given)."""
-    return cfg.model.lora.r is not None
+def enabled(lora_cfg: Any) -> bool:
+    """Whether the config's ``model.lora`` section asks for adapters (a rank is given)."""
+    return lora_cfg.r is not None
 
 
 def is_lora(model: Any) -> bool:

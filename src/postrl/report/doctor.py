@@ -5,7 +5,8 @@ Where a run stands comes from the files the trainer keeps (``postrl.train.run_st
 checkpoint of its last step) or failed; a lock file left by a dead process is a run killed without clean-up. A
 run directory without these (another host, an older postrl) falls back on how recently metrics.jsonl changed.
 
-The diagnosis lists where the run stands (steps done / planned, last checkpoint, evaluation before / after) and
+The diagnosis lists where the run stands (steps done / planned, last checkpoint, evaluation before / after), the
+notices the trainer recorded (``notices.jsonl``: a checkpoint set aside, a reward failing, a start-up warning) and
 every alarm the monitors raise over its logged metrics, most likely problem first: alarms are ranked by
 severity, then by causal order (a non-finite loss, a sampler that is not the trainer and truncated completions
 explain the other symptoms, e.g. groups with identical rewards), then by how long they lasted.
@@ -29,6 +30,7 @@ class Diagnosis:
     alarms: list[dict]  # ranked, most likely problem first
     notes: list[str] = field(default_factory=list)
     detail: str | None = None  # how it is running / how it stopped, when the run directory says
+    notices: list[dict] = field(default_factory=list)  # RUN/notices.jsonl: what changed what the run does
 
     @property
     def primary(self) -> dict | None:
@@ -41,7 +43,7 @@ class Diagnosis:
                 "steps_planned": r.steps_planned, "last_checkpoint": str(ck[-1][1]) if ck else None,
                 "eval_before": _eval(r, first=True), "eval_latest": _eval(r, first=False),
                 "alarms": self.alarms, "primary": self.primary["name"] if self.primary else None,
-                "notes": self.notes}
+                "notes": self.notes, "notices": self.notices}
 
 
 def _eval(run: Run, first: bool) -> dict | None:
@@ -69,7 +71,9 @@ def diagnose(path: str | Path) -> Diagnosis:
         notes.append(f"training reward {a:.3f} -> {b:.3f} (mean of the first / last {k} steps)")
     for q in run.quarantined():
         notes.append(f"checkpoint {q.name} was unusable on resume and moved aside")
-    return Diagnosis(run, status, ranked, notes, detail)
+    from postrl.train.run_state import read_notices
+
+    return Diagnosis(run, status, ranked, notes, detail, read_notices(run.path))
 
 
 def _where(run: Run) -> tuple[str, str | None]:
@@ -128,6 +132,9 @@ def render(d: Diagnosis, console=None) -> None:
                          f"({el['accuracy'] - eb['accuracy']:+.3f})")
     for n in d.notes:
         lines.append(f"note       {n}")
+    for rec in d.notices:  # what changed what the run does (RUN/notices.jsonl), said in every mode
+        at = f"step {rec['step']}: " if rec.get("step") is not None else ""
+        lines.append(f"{rec.get('kind', 'notice'):<10} {escape(at + rec['message'])}")
     con.print(Panel("\n".join(lines), title="postrl doctor", expand=False))
     if not d.alarms:
         con.print("[green]no alarm:[/] no monitor found a problem in the logged metrics.")

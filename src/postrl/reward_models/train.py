@@ -53,6 +53,19 @@ __all__ = ["RMTrainConfig", "bt_loss", "pearson", "odin_penalties", "train_rewar
 RATIONALITY = (None, "global", "annotator", "context")
 
 
+MAX_LR = 1.0  # as the config's optim.lr: an AdamW step moves each weight by about lr
+
+
+def check_margins(pairs: Sequence[PreferencePair], source: str = "preferences") -> None:
+    """The margin loss (``margin=True``) needs each pair's preference strength m >= 0 (Llama 2's margin: a
+    negative one asks the chosen completion to score below the rejected one); else one DataError line naming
+    the row."""
+    for p in pairs:
+        if p.margin < 0:
+            raise DataError(f"{source}: row {p.row}: field 'margin' is {p.margin:g}; the margin loss (--margin) "
+                            f"needs a preference strength >= 0")
+
+
 @dataclass
 class RMTrainConfig:
     """Settings of :func:`train_reward_model` (defaults in brackets): epochs [1], batch_size [32] pairs, lr [1e-5],
@@ -78,8 +91,18 @@ class RMTrainConfig:
             raise ConfigError(f"rm train: epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
             raise ConfigError(f"rm train: batch_size must be >= 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ConfigError(f"rm train: lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_LR):
+            raise ConfigError(f"rm train: lr must be a finite number in (0, {MAX_LR:g}], got {self.lr}")
+        for key, v in (("weight_decay", self.weight_decay), ("odin_length_weight", self.odin_length_weight),
+                       ("odin_ortho_weight", self.odin_ortho_weight)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"rm train: {key} must be a finite number >= 0, got {v}")
+        if not (math.isfinite(self.rationality_lr) and self.rationality_lr > 0):
+            raise ConfigError(f"rm train: rationality_lr must be a finite number > 0, got {self.rationality_lr}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ConfigError(f"rm train: max_grad_norm must be a finite number > 0 or None, got {self.max_grad_norm}")
+        if not 0 <= self.seed <= 2**63 - 1:
+            raise ConfigError(f"rm train: seed must be in [0, 2^63 - 1], got {self.seed}")
         if self.rationality not in RATIONALITY:
             raise ConfigError(f"rm train: rationality '{self.rationality}': valid: global, annotator, context")
         if self.smoothing is not None and not 0.0 < self.smoothing <= 1.0:
@@ -147,6 +170,8 @@ def train_reward_model(model: RewardModel, pairs: Sequence[PreferencePair], cfg:
         raise ConfigError("rm train: a PRM trains on step labels (postrl prm train), not on preference pairs")
     if not pairs:
         raise DataError("rm train: no preference pairs")
+    if cfg.margin:
+        check_margins(pairs)
     groups, gidx = preference_groups(pairs, cfg.rationality)
     if cfg.rationality is not None and model.groups != groups:
         model.set_groups(groups)

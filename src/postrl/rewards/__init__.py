@@ -8,7 +8,7 @@ their configuration as keyword-only arguments. :func:`score_batch` builds the na
 
 Built-in sources: ``correct`` (task verifier), ``format`` (regex / strict tags), ``exact``, ``numeric``, ``math``
 (math-verify), ``reasoning_gym`` (builtin.py); ``majority_vote``, ``novelty``, ``co_reward`` (label_free.py);
-``likelihood`` (likelihood.py); ``judge`` (judge.py).
+``likelihood`` (likelihood.py); ``judge``, ``self_judge`` (judge.py).
 """
 
 from postrl.rewards.core import RewardContext, RewardOutcome, columns_in_kwargs, score_batch  # noqa: F401

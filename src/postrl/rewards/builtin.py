@@ -23,11 +23,36 @@ import math
 import re
 import threading
 from fractions import Fraction
+from typing import Annotated, Literal
+
+from annotated_types import Ge, MinLen
+from pydantic import AfterValidator
 
 from postrl.errors import PostrlError
 from postrl.registry import register
 
 EXTRACT_MODES = ("none", "answer_tag", "boxed", "last_number", "auto")
+Extract = Literal["none", "answer_tag", "boxed", "last_number", "auto"]  # where the answer is (module docstring)
+
+
+def _compiles(pattern: str) -> str:
+    """a regular expression (Python re)"""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"expected a valid regular expression ({e}), got {pattern!r}") from None
+    return pattern
+
+
+def _tag_name(tag: str) -> str:
+    """a tag name (letters, digits, _ or -)"""
+    if not re.fullmatch(r"[\w-]+", tag):
+        raise ValueError(f"expected a tag name (letters, digits, _ or -) like 'think', got {tag!r}")
+    return tag
+
+
+Regex = Annotated[str, AfterValidator(_compiles)]  # a regular expression (Python ``re`` syntax)
+TagName = Annotated[str, AfterValidator(_tag_name)]
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -106,11 +131,12 @@ def correct(prompts, completions, task=None, **columns):
     """1.0 when the row's task verifier accepts the completion, else 0.0 (None where a row has no verifier).
 
     The verifier is the ``verify`` of the prompt source registered under the row's ``task`` column; the row holds
-    the per-completion columns (``trainer_state``, one dict for the batch, is not one).
+    the per-completion columns (not ``trainer_state``, ``log_extra``, ``log_metric``: one for the whole call).
+    A row without a verifier does not apply to this reward (None, TRL's semantics: the other sources score it).
     """
     from postrl.data import verify_row
 
-    keys = [k for k in columns if k != "trainer_state"]
+    keys = [k for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)]
     out = []
     for i, c in enumerate(completions):
         row = {k: columns[k][i] for k in keys}
@@ -142,8 +168,8 @@ def _tag_format(text: str, tags: list[str], allow_empty: bool) -> float:
 
 
 @register("reward", "format", source="strict format check; open-r1 issue #359 (tag spam must not score)")
-def format_reward(prompts, completions, *, pattern: str = r"\s*[-+]?\d+\s*", tags: list[str] | None = None,
-                  allow_empty: bool = False):
+def format_reward(prompts, completions, *, pattern: Regex = r"\s*[-+]?\d+\s*",
+                  tags: Annotated[list[TagName], MinLen(1)] | None = None, allow_empty: bool = False):
     """1.0 when the completion has exactly the required format, else 0.0.
 
     With ``tags`` (e.g. ``["think", "answer"]``): the completion must be exactly one block ``<t>...</t>`` of each
@@ -155,16 +181,13 @@ def format_reward(prompts, completions, *, pattern: str = r"\s*[-+]?\d+\s*", tag
     optionally surrounded by whitespace (the built-in tasks' answer format).
     """
     if tags is not None:
-        if isinstance(tags, str) or not tags or not all(isinstance(t, str) and re.fullmatch(r"[\w-]+", t)
-                                                         for t in tags):
-            raise ValueError(f"format.tags: expected a list of tag names like ['think', 'answer'], got {tags!r}")
         return [_tag_format(c, list(tags), allow_empty) for c in completions]
     rx = re.compile(pattern, re.DOTALL)
     return [1.0 if rx.fullmatch(c) else 0.0 for c in completions]
 
 
 @register("reward", "exact", source="exact match after normalisation (TRL/open-r1 style string verifier)")
-def exact(prompts, completions, answer=None, *, extract: str = "auto", case_sensitive: bool = False):
+def exact(prompts, completions, answer=None, *, extract: Extract = "auto", case_sensitive: bool = False):
     """1.0 when normalize(extracted answer) == normalize(reference ``answer``), else 0.0.
 
     normalize: strip, drop surrounding ``$...$``, trailing periods, collapse runs of whitespace, casefold (unless
@@ -184,8 +207,8 @@ def exact(prompts, completions, answer=None, *, extract: str = "auto", case_sens
 
 
 @register("reward", "numeric", source="numeric match with tolerance (math.isclose)")
-def numeric(prompts, completions, answer=None, *, extract: str = "auto", rel_tol: float = 1e-6,
-            abs_tol: float = 1e-6):
+def numeric(prompts, completions, answer=None, *, extract: Extract = "auto", rel_tol: Annotated[float, Ge(0)] = 1e-6,
+            abs_tol: Annotated[float, Ge(0)] = 1e-6):
     """1.0 when |x - y| <= max(rel_tol * max(|x|, |y|), abs_tol) (``math.isclose``), else 0.0.
 
     x = the number of the extracted answer (none if it holds several, see the module docstring; commas as thousands separators, ``a/b`` fractions, exponents),
@@ -253,7 +276,7 @@ def math_reward(prompts, completions, answer=None, *, float_rounding: int = 6):
 
 @register("reward", "reasoning_gym", source="reasoning-gym score_answer (Stojanovski et al. 2025)")
 def reasoning_gym_reward(prompts, completions, rg_dataset=None, rg_entry=None, rg_config=None, *,
-                         extract: str = "none"):
+                         extract: Extract = "none"):
     """The dataset's own ``score_answer(answer, entry)`` in [0, 1], for any row that carries reasoning-gym columns.
 
     Rows need ``rg_dataset`` and ``rg_entry`` (as written by the ``reasoning_gym`` task or a file of such rows);

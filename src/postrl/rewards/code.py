@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import math
 import re
 import threading
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt, Le, Lt
 
 from postrl.errors import ConfigError, DataError, PostrlError
 from postrl.sandbox.errors import SandboxConfigError, SandboxDataError, SandboxError
@@ -77,6 +78,13 @@ def last_results() -> list[SandboxResult | None]:
     return list(getattr(_LAST, "results", []))
 
 
+Timeout = Annotated[float, Gt(0)]  # seconds
+MemoryMB = Annotated[int, Ge(1)]
+Isolation = Literal["auto", "bwrap", "namespaces", "fallback"] | None  # None: the sandbox's default (auto)
+Weight = Annotated[float, Ge(0)]
+Unit = Annotated[float, Ge(0), Le(1)]
+
+
 def _limits(timeout: float, memory_mb: int, test_timeout: float | None) -> Limits:
     with sandbox_errors():
         return Limits(timeout=timeout, memory_mb=memory_mb, test_timeout=test_timeout)
@@ -107,8 +115,8 @@ def run_completions(completions: list[str], tests: list | None, limits: Limits,
 
 @register("reward", "code_tests", source="unit-test pass rate in a sandbox (TRL/open-r1 code reward)",
           needs=("sandbox",))
-def code_tests(prompts, completions, tests=None, *, timeout: float = 10.0, memory_mb: int = 512,
-               test_timeout: float | None = None, isolation: str | None = None):
+def code_tests(prompts, completions, tests=None, *, timeout: Timeout = 10.0, memory_mb: MemoryMB = 512,
+               test_timeout: Timeout | None = None, isolation: Isolation = None):
     """Fraction of the row's unit tests the completion's program passes in the sandbox.
 
     r_i = passed_i / total_i, total_i counted from the tests before the program runs (never by the program);
@@ -189,9 +197,9 @@ def reshaped_score(r: SandboxResult, code: str, *, w_parse: float, w_compile: fl
 
 @register("reward", "code_reshaped", source="Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair",
           needs=("sandbox",))
-def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_compile: float = 0.05,
-                  w_run: float = 0.1, w_tests: float = 0.75, w_lint: float = 0.05, timeout: float = 10.0,
-                  memory_mb: int = 512, test_timeout: float | None = None, isolation: str | None = None):
+def code_reshaped(prompts, completions, tests=None, *, w_parse: Weight = 0.05, w_compile: Weight = 0.05,
+                  w_run: Weight = 0.1, w_tests: Weight = 0.75, w_lint: Weight = 0.05, timeout: Timeout = 10.0,
+                  memory_mb: MemoryMB = 512, test_timeout: Timeout | None = None, isolation: Isolation = None):
     """Staged partial credit for code: parses, loads, runs without error, passes tests, lints clean.
 
     After "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair", whose outcome reward is layered:
@@ -214,9 +222,6 @@ def code_reshaped(prompts, completions, tests=None, *, w_parse: float = 0.05, w_
     abuse earns no partial credit). None for a row without tests.
     """
     ws = {"w_parse": w_parse, "w_compile": w_compile, "w_run": w_run, "w_tests": w_tests, "w_lint": w_lint}
-    for k, v in ws.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ConfigError(f"code_reshaped: '{k}' must be a non-negative number, got {v!r}")
     limits = _limits(timeout, memory_mb, test_timeout)
     results = run_completions(completions, tests, limits, isolation)
     return [None if r is None else reshaped_score(r, extract_code(c), **ws) for r, c in zip(results, completions)]
@@ -253,18 +258,9 @@ class VeRPOWeightedTests(Stateful):
     statistics (plain JSON data).
     """
 
-    def __init__(self, *, pass_bonus: float = 0.5, momentum: float | None = None, prior_pass: float = 0.5,
-                 prior_weight: float = 1.0, min_weight: float = 0.05, timeout: float = 10.0, memory_mb: int = 512,
-                 test_timeout: float | None = None, isolation: str | None = None):
-        for k, v, lo, hi in (("pass_bonus", pass_bonus, 0, 1), ("prior_pass", prior_pass, 0, 1),
-                             ("min_weight", min_weight, 0, 1)):
-            if not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise ConfigError(f"verrpo_weighted_tests: '{k}' must be in [{lo}, {hi}], got {v!r}")
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ConfigError(f"verrpo_weighted_tests: 'momentum' must be in [0, 1) or None, got {momentum!r}")
-        if not isinstance(prior_weight, (int, float)) or prior_weight < 0:
-            raise ConfigError(f"verrpo_weighted_tests: 'prior_weight' must be >= 0, got {prior_weight!r}")
-        _check_isolation(isolation)
+    def __init__(self, *, pass_bonus: Unit = 0.5, momentum: Annotated[float, Ge(0), Lt(1)] | None = None,
+                 prior_pass: Unit = 0.5, prior_weight: Weight = 1.0, min_weight: Unit = 0.05, timeout: Timeout = 10.0,
+                 memory_mb: MemoryMB = 512, test_timeout: Timeout | None = None, isolation: Isolation = None):
         self.pass_bonus, self.momentum = float(pass_bonus), momentum
         self.prior_pass, self.prior_weight, self.min_weight = float(prior_pass), float(prior_weight), float(min_weight)
         self.limits = _limits(timeout, memory_mb, test_timeout)

@@ -2,12 +2,19 @@
 
 Calling conventions (detected from the signature, user functions work unchanged):
 
-- TRL: ``f(prompts, completions, **columns) -> list[float | None]``, once per batch (or per chunk). Columns the
-  function names (or all of them when it takes ``**kwargs``) are passed as keyword lists; ``group_ids`` is always
-  one of them (completions of the same prompt share an id), ``steps`` (the completion split into reasoning
-  steps) only to a function that names it. As in TRL's GRPOTrainer, ``completion_ids`` (the completion's token
-  ids, a list of ints per completion) and ``trainer_state`` (one dict for the whole batch) are passed when the
-  caller of :func:`score_batch` gives them, to a function that names them or takes ``**kwargs``.
+- TRL: ``f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=..., log_extra=...,
+  log_metric=...) -> list[float | None]``, once per batch (or per chunk), by keyword as TRL's
+  ``GRPOTrainer._calculate_rewards`` calls it. ``completion_ids`` (each completion's token ids, a list of ints,
+  when the caller of :func:`score_batch` gives them), every column of the prompt rows (``group_ids`` among them:
+  completions of the same prompt share an id), ``trainer_state`` (a ``transformers.TrainerState``:
+  ``global_step``, ``max_steps``; it also reads as a dict), ``log_extra(column, values)`` (a column of the
+  completions table: ``samples.jsonl``) and ``log_metric(name, value)`` (a scalar metric: the step's mean in
+  ``metrics.jsonl``) go to a function that names them or takes ``**kwargs``; ``steps`` (the completion split into
+  reasoning steps) and ``context`` only to one that names them. A function whose required positional parameters
+  have other names (``def f(p, c)``) is called ``f(prompts, completions, ...)``, positionally.
+  Conversational prompts (a list of ``{"role", "content"}`` messages, TRL's conversational format) reach a
+  user's function as message lists and each completion as ``[{"role": "assistant", "content": text}]``, as in
+  TRL; postrl's own reward sources (modules ``postrl.*``) read the completion text.
 - verl: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` once per completion; a dict result
   contributes its ``"score"``. Each completion's call fails on its own: a call that raises fails that entry only.
 - ``async def`` functions of either kind are awaited; the per-completion calls of an async verl function run
@@ -16,6 +23,12 @@ Calling conventions (detected from the signature, user functions work unchanged)
   device) from the trainer; no other function sees the model.
 - A process reward returns, per completion, a list of step scores (one per entry of ``steps``); its column in the
   reward matrix holds their sum, and the scores themselves go to ``step_rewards`` [N, S] (NaN padded).
+
+None (TRL's semantics): a batch function that returns None for a completion does not apply to it (multi-task data:
+each task's reward returns None for the other tasks' rows). The entry is NaN in the matrix, marked in
+``RewardOutcome.skipped`` and not a failure; ``weighted_sum`` sums the sources that apply (TRL's ``nansum``), and
+a completion no source applies to has no reward (excluded, TRL's "unscorable" row). A verl ``compute_score`` must
+return a number: None fails that entry.
 
 Parallelism: every (source, chunk) call runs in its own worker thread, at most ``workers`` at a time, each with a
 wall-clock ``timeout`` (a timed-out call is abandoned: its thread cannot be killed, but the run moves on and the
@@ -28,8 +41,9 @@ fail (bisection: with f failing rows among n, about 2 f log2(n / f) extra calls,
 names ``group_ids`` is group-aware: it is split only at group boundaries and a group that raises fails whole.
 Each level of the bisection runs in parallel like the first call. At most ``isolate_calls`` extra calls are made
 per source and step; rows still unresolved then fail together. A call that times out fails all its entries (it is
-not retried). An entry that is None, NaN, inf, not a number, or (for a process reward) a step list of the wrong
-length fails that entry (a source may put an exception instance in an entry to say why it failed). Failed entries
+not retried). An entry that is NaN, inf, not a number, None from a verl function, or (for a process reward) a step
+list of the wrong length fails that entry (a source may put an exception instance in an entry to say why it
+failed); the rows that failed by an exception are counted in ``RewardOutcome.raised``. Failed entries
 are NaN in the reward matrix; they are then excluded from the advantage computation (never read as 0), counted per
 source, and the first failing input (lowest row) is reported. ``strict=True`` raises a one-line
 :class:`RewardError` naming the reward and the input at the first failure instead.
@@ -144,22 +158,75 @@ class _ContractError(TypeError):
     """A reward source returned something that is not a list of values (a programming error, never isolated)."""
 
 
-def call_reward(fn: Callable, prompts: list[str], completions: list[str], columns: dict[str, list], params: dict,
+# what a TRL-style call passes besides the columns (a column of the same name does not reach the function)
+_RESERVED = frozenset({"prompts", "completions", "trainer_state", "log_extra", "log_metric", "context", "steps"})
+
+
+def is_conversational(prompts: list) -> bool:
+    """TRL's test (``trl.data_utils.is_conversational``) on the first prompt: a list of messages with a ``role``."""
+    first = prompts[0] if prompts else None
+    return isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
+
+
+def postrl_own(fn: Callable) -> bool:
+    """True for postrl's own reward sources (defined in a ``postrl.*`` module): they read completion text."""
+    mod = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+    return mod == "postrl" or mod.startswith("postrl.")
+
+
+def _by_keyword(fn: Callable, known: set[str]) -> bool:
+    """TRL calls a reward function by keyword. A function whose required positional parameters are not all among
+    the names passed (``def f(p, c)``: postrl's older positional form) is called ``f(prompts, completions, ...)``;
+    so is a class called as a function (its signature is its constructor's)."""
+    if inspect.isclass(fn):
+        return False
+    try:
+        params = signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    for p in params:
+        if p.kind is p.POSITIONAL_ONLY:
+            return False
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty and p.name not in known:
+            return False
+    return True
+
+
+class CallLog:
+    """What one call of a reward function logged through TRL's ``log_extra`` / ``log_metric``; kept only when the
+    call returns (a call that raises is isolated again, and logs again)."""
+
+    def __init__(self):
+        self.columns: dict[str, list] = {}
+        self.metrics: list[tuple[str, float]] = []
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL ``log_extra``: ``values`` (one per completion of the call, in order) as column ``column`` of the
+        completions table (samples.jsonl)."""
+        self.columns.setdefault(str(column), []).extend(list(values))
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL ``log_metric``: a scalar; the values a step logs under ``name`` are averaged into metrics.jsonl."""
+        self.metrics.append((str(name), float(value)))
+
+
+def call_reward(fn: Callable, prompts: list, completions: list[str], columns: dict[str, list], params: dict,
                 context: RewardContext | None = None, timeout: float | None = None,
-                trainer_state: dict | None = None) -> list:
+                trainer_state: Any = None, log: CallLog | None = None, conversational: bool | None = None) -> list:
     """Call one reward source on a batch; returns its raw list of values (one per completion).
 
-    ``timeout`` bounds each awaited coroutine of an async source (sync sources are bounded by the caller's
-    thread timeout). A verl-style source is called once per completion and each call fails alone: its exception
-    becomes that completion's entry. ``trainer_state`` goes to a source that names it or takes ``**kwargs``.
-    Raises ``_ContractError`` when a batch source returns something other than a list of values.
+    A TRL-style source is called by keyword as TRL calls it (module docstring); ``trainer_state`` and ``log``'s
+    ``log_extra`` / ``log_metric`` go to a source that names them or takes ``**kwargs``; with conversational
+    prompts (``conversational`` None: :func:`is_conversational` of ``prompts``) a user's source gets each completion
+    as ``[{"role": "assistant", "content": text}]``. ``timeout`` bounds each awaited coroutine of an async source
+    (sync sources are bounded by the caller's thread timeout). A verl-style source is called once per completion
+    and each call fails alone: its exception becomes that completion's entry. Raises ``_ContractError`` when a
+    batch source returns something other than a list of values.
     """
     names, var_kw = _accepts(fn)
     extra = dict(params)
     if context is not None and "context" in names:
         extra["context"] = context
-    if trainer_state is not None and (var_kw or "trainer_state" in names):
-        extra["trainer_state"] = trainer_state
     if _is_verl(fn):
         calls = []
         for i, c in enumerate(completions):
@@ -173,15 +240,63 @@ def call_reward(fn: Callable, prompts: list[str], completions: list[str], column
         else:
             out = [_row(call, timeout) for call in calls]
         return [r.get("score", r) if isinstance(r, dict) else r for r in out]
-    kwargs = {k: v for k, v in columns.items() if (var_kw and k != "steps") or k in names}
+    if trainer_state is not None and (var_kw or "trainer_state" in names):
+        extra["trainer_state"] = trainer_state
+    if log is not None:
+        for key in ("log_extra", "log_metric"):
+            if var_kw or key in names:
+                extra[key] = getattr(log, key)
+    kwargs = {k: v for k, v in columns.items()
+              if k not in _RESERVED and (var_kw or k in names)} if columns else {}
+    if "steps" in columns and "steps" in names:
+        kwargs["steps"] = columns["steps"]
     kwargs.update(extra)
-    res = _resolve(fn(prompts, completions, **kwargs), timeout)
+    if conversational is None:
+        conversational = is_conversational(prompts)
+    if conversational and not postrl_own(fn):
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    if _by_keyword(fn, {"prompts", "completions", *kwargs}):
+        res = fn(prompts=prompts, completions=completions, **kwargs)
+    else:
+        res = fn(prompts, completions, **kwargs)
+    res = _resolve(res, timeout)
     if isinstance(res, torch.Tensor):
         res = res.tolist()
     if res is None or isinstance(res, (str, bytes, dict)) or not isinstance(res, Sized):
         raise _ContractError(f"returned {type(res).__name__}, expected a list of {len(completions)} values "
-                            "(one per completion; None marks a failed one)")
+                            "(one per completion; None where the reward does not apply)")
     return list(res)
+
+
+_STATE_CLASS: list = []
+
+
+def trainer_state(global_step: int, max_steps: int, **fields: Any) -> Any:
+    """The ``trainer_state`` TRL passes to a reward function: a ``transformers.TrainerState`` (``global_step``:
+    the optimizer steps before this batch, postrl: RL steps; ``max_steps``: the run's steps), which also reads as
+    a dict (``state["global_step"]``, ``state.get(...)``), the form earlier postrl versions passed."""
+    if not _STATE_CLASS:
+        from dataclasses import dataclass as _dc
+
+        from transformers import TrainerState
+
+        @_dc
+        class State(TrainerState):
+            def __getitem__(self, key: str) -> Any:
+                try:
+                    return getattr(self, key)
+                except AttributeError:
+                    raise KeyError(key) from None
+
+            def get(self, key: str, default: Any = None) -> Any:
+                return getattr(self, key, default)
+
+            def __contains__(self, key: str) -> bool:
+                return hasattr(self, key)
+
+        State.__name__ = State.__qualname__ = "TrainerState"
+        _STATE_CLASS.append(State)
+    return _STATE_CLASS[0](global_step=int(global_step), max_steps=int(max_steps), **fields)
 
 
 # ------------------------------------------------------------------------------------------------ threads
@@ -329,33 +444,47 @@ def _exc(e: BaseException) -> str:
 
 @dataclass
 class RewardOutcome:
-    matrix: torch.Tensor  # [N, K], NaN where the entry failed
+    matrix: torch.Tensor  # [N, K], NaN where the entry failed or the source does not apply
     failures: dict[str, int] = field(default_factory=dict)  # per source: entries that failed
     first_failure: dict[str, str] = field(default_factory=dict)  # per source: the first failing input / error
     step_rewards: torch.Tensor | None = None  # [N, S] step scores of the process source, NaN padded
     step_source: str | None = None  # name of the source that returned step scores
     isolation_calls: dict[str, int] = field(default_factory=dict)  # per source: extra calls isolating failures
+    skipped: torch.Tensor | None = None  # [N, K] bool: the source returned None (does not apply to the row)
+    raised: dict[str, int] = field(default_factory=dict)  # per source: entries that failed by an exception
+    first_exception: dict[str, str] = field(default_factory=dict)  # per source: 'TypeError: ...'
+    logged_columns: dict[str, list] = field(default_factory=dict)  # log_extra: column -> one value per row
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric: name -> values
+    names: list[str] = field(default_factory=list)  # the sources' names, in column order
 
     def failure_rate(self, name: str) -> float:
         n = self.matrix.shape[0]
         return self.failures.get(name, 0) / n if n else 0.0
 
+    def skipped_rate(self, name: str) -> float:
+        """The fraction of rows the source returned None for (it does not apply to them)."""
+        n = self.matrix.shape[0]
+        if not n or self.skipped is None or name not in self.names:
+            return 0.0
+        return float(self.skipped[:, self.names.index(name)].float().mean())
 
-def score_batch(prompts: list[str], completions: list[str], columns: dict[str, list], specs: list, *,
+
+def score_batch(prompts: list, completions: list[str], columns: dict[str, list], specs: list, *,
                 context: RewardContext | None = None, strict: bool = False, timeout: float | None = None,
                 workers: int = 1, chunk_size: int | None = None,
                 built: list[tuple[Any, dict]] | None = None, completion_ids: list[list[int]] | None = None,
-                trainer_state: dict | None = None, isolate_calls: int = ISOLATE_CALLS) -> RewardOutcome:
+                trainer_state: Any = None, isolate_calls: int = ISOLATE_CALLS) -> RewardOutcome:
     """Score ``completions`` with every reward spec (objects with ``.name`` and ``.params``).
 
-    Returns the reward matrix [N, K] (NaN marks a failed entry) with per-source failure counts and the first
-    failing input; see the module docstring for the fault rules (a call that raises is bisected to the rows that
-    raise, at most ``isolate_calls`` extra calls per source). ``strict`` raises :class:`RewardError` at the first
-    failure (in source order, then row order); a wrong number of values raises it always. ``built``: one
-    (callable, call params) per spec, made once per run by the trainer (``postrl.shaping.build_stage``: a reward
-    class is instantiated with its params and keeps its state across steps); without it each spec's registered
-    function is called with ``spec.params``. ``completion_ids`` (one list of token ids per completion, without
-    padding) becomes a column; ``trainer_state`` (a dict) is passed whole to every call (TRL's keyword arguments).
+    Returns the reward matrix [N, K] (NaN marks a failed entry, or one whose source returned None: ``skipped``)
+    with per-source failure counts and the first failing input; see the module docstring for the calling
+    convention and the fault rules (a call that raises is bisected to the rows that raise, at most
+    ``isolate_calls`` extra calls per source). ``strict`` raises :class:`RewardError` at the first failure (in
+    source order, then row order); a wrong number of values raises it always. ``built``: one (callable, call
+    params) per spec, made once per run by the trainer (``postrl.stages.build``: a reward class is instantiated
+    with its params and keeps its state across steps); without it each spec's registered function is called with
+    ``spec.params``. ``completion_ids`` (one list of token ids per completion, without padding) becomes a column;
+    ``trainer_state`` (:func:`trainer_state`) is passed whole to every call (TRL's keyword arguments).
     """
     n = len(completions)
     if completion_ids is not None:
@@ -363,20 +492,36 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
             raise ValueError(f"score_batch: {len(completion_ids)} completion_ids for {n} completions")
         columns = {**columns, "completion_ids": list(completion_ids)}
     vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
-    out = RewardOutcome(torch.empty((n, len(specs))))
+    skipped = [[False] * len(specs) for _ in range(n)]
+    out = RewardOutcome(torch.empty((n, len(specs))), names=[s.name for s in specs])
     if built is None:  # (a reward class becomes one instance: its state lives as long as the caller keeps it)
         built = [(st.fn, st.params) for st in (stages.build("reward", spec.name, spec.params) for spec in specs)]
     fns = [fn for fn, _ in built]
     call_params = [params for _, params in built]
+    verl = [_is_verl(fn) for fn in fns]
+    conversational = is_conversational(prompts)
     group_ids = columns.get("group_ids")
     whole_groups = [wants(fn, "group_ids") for fn in fns]
     steps: dict[int, list[float]] = {}
     failed: list[tuple[int, int, int, str]] = []  # (source, first row, end row, what): reported after every call
+    raised: list[tuple[int, int, int, str]] = []  # (source, first row, end row, 'Type: message') of exceptions
 
-    def call(k: int, a: int, b: int) -> Callable[[], list]:
+    def call(k: int, a: int, b: int) -> Callable[[], tuple[list, CallLog]]:
         cols = {key: v[a:b] for key, v in columns.items()}
-        return lambda: call_reward(fns[k], prompts[a:b], completions[a:b], cols, call_params[k], context, timeout,
-                                   trainer_state)
+
+        def run() -> tuple[list, CallLog]:
+            log = CallLog()
+            return call_reward(fns[k], prompts[a:b], completions[a:b], cols, call_params[k], context, timeout,
+                               trainer_state, log, conversational), log
+        return run
+
+    def keep_log(a: int, b: int, log: CallLog) -> None:
+        for column, values in log.columns.items():
+            col = out.logged_columns.setdefault(column, [None] * n)
+            for j, v in enumerate(values[: b - a]):
+                col[a + j] = v
+        for name, v in log.metrics:
+            out.logged_metrics.setdefault(name, []).append(v)
 
     def take(k: int, a: int, value: list) -> None:
         name = specs[k].name
@@ -399,8 +544,12 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
                 steps[i] = sv
                 vals[i][k] = sum(sv)
                 continue
+            if v is None and not verl[k]:  # TRL: the reward does not apply to this row
+                skipped[i][k] = True
+                continue
             if isinstance(v, BaseException):  # a source may report why one entry failed
                 failed.append((k, i, i + 1, f"failed with {_exc(v)}"))
+                raised.append((k, i, i + 1, _exc(v)))
                 continue
             f = _to_float(v)
             if math.isnan(f):
@@ -427,10 +576,12 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
                 else:
                     stop = f" (not isolated further: {extra[k]} extra calls this step)" if halves else ""
                     failed.append((k, a, b, f"raised {_exc(value)}{stop}"))
-            elif len(value) != b - a:
-                raise RewardError(f"reward '{name}' returned {len(value)} values for {b - a} completions")
+                    raised.append((k, a, b, _exc(value)))
+            elif len(value[0]) != b - a:
+                raise RewardError(f"reward '{name}' returned {len(value[0])} values for {b - a} completions")
             else:
-                take(k, a, value)
+                take(k, a, value[0])
+                keep_log(a, b, value[1])
         level = bisect
     for k, a, b, what in sorted(failed, key=lambda f: (f[0], f[1])):
         name = specs[k].name
@@ -439,8 +590,13 @@ def score_batch(prompts: list[str], completions: list[str], columns: dict[str, l
             raise RewardError(_one_line(f"reward '{name}' {what} {where}"))
         out.failures[name] = out.failures.get(name, 0) + b - a
         out.first_failure.setdefault(name, _one_line(f"{what} {where}"))
+    for k, a, b, what in sorted(raised, key=lambda f: (f[0], f[1])):
+        name = specs[k].name
+        out.raised[name] = out.raised.get(name, 0) + b - a
+        out.first_exception.setdefault(name, what)
     out.isolation_calls = {specs[k].name: c for k, c in enumerate(extra) if c}
     out.matrix = torch.tensor(vals, dtype=torch.float32).reshape(n, len(specs))
+    out.skipped = torch.tensor(skipped, dtype=torch.bool).reshape(n, len(specs))
     if out.step_source is not None:
         S = max((len(v) for v in steps.values()), default=0)
         sr = torch.full((n, S), math.nan, dtype=torch.float32)

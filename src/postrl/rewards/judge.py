@@ -1,4 +1,5 @@
-"""Rubric / LLM-judge reward over any OpenAI-compatible ``/v1/chat/completions`` endpoint (stdlib urllib)."""
+"""Judges: a rubric / LLM-judge reward over any OpenAI-compatible ``/v1/chat/completions`` endpoint (stdlib
+urllib), and ``self_judge``, the policy itself as the judge ("Self-Rewarding Language Models")."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt, Le
 
 from postrl.registry import register
 
@@ -49,9 +53,10 @@ def _endpoint(base_url: str) -> str:
 
 @register("reward", "judge", source="rubric / LLM-as-a-judge over an OpenAI-compatible chat completions endpoint")
 def judge(prompts, completions, answer=None, *, base_url: str = "http://127.0.0.1:8000/v1", model: str = "judge",
-          rubric: str = DEFAULT_RUBRIC, template: str = DEFAULT_TEMPLATE, max_score: float = 10.0,
-          api_key_env: str = "OPENAI_API_KEY", timeout: float = 30.0, concurrency: int = 8,
-          temperature: float = 0.0, max_tokens: int = 256):
+          rubric: str = DEFAULT_RUBRIC, template: str = DEFAULT_TEMPLATE, max_score: Annotated[float, Gt(0)] = 10.0,
+          api_key_env: str = "OPENAI_API_KEY", timeout: Annotated[float, Gt(0)] = 30.0,
+          concurrency: Annotated[int, Ge(1)] = 8, temperature: Annotated[float, Ge(0)] = 0.0,
+          max_tokens: Annotated[int, Ge(1)] = 256):
     """r_i = score_i / max_score in [0, 1], where score_i is the ``score`` of the judge's JSON reply.
 
     One POST per completion to ``<base_url>/chat/completions`` (OpenAI chat format): a system message
@@ -97,3 +102,101 @@ def judge(prompts, completions, answer=None, *, base_url: str = "http://127.0.0.
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(completions)))) as pool:
         return list(pool.map(one, range(len(completions))))
+
+
+# ---------------------------------------------------------------------------------------------- the policy as judge
+
+SELF_JUDGE_TEMPLATE = (
+    "Review the question and the response below and score the response on an additive 5-point scale:\n"
+    "- add 1 point if the response is relevant and gives some information related to the question,\n"
+    "- add a 2nd point if it addresses a substantial part of the question,\n"
+    "- add a 3rd point if it answers the basic elements of the question in a useful way,\n"
+    "- add a 4th point if it is clear, direct and complete,\n"
+    "- add a 5th point if it is impeccable: correct, expert, with nothing extraneous.\n\n"
+    "Question: {prompt}\n\nResponse: {completion}\n\n"
+    "Reply with a short justification, then a last line 'Score: <points>'."
+)
+_SCORE = re.compile(r"Score:\s*(\d+(?:\.\d+)?)")
+
+
+def parse_self_score(text: str, max_score: int) -> float | None:
+    """The number after the last ``Score:`` in a judge's reply, if it is in [0, max_score]; else None."""
+    found = _SCORE.findall(text)
+    if not found:
+        return None
+    v = float(found[-1])
+    return v if 0.0 <= v <= max_score else None
+
+
+def _score_tokens(tok, max_score: int) -> list[int]:
+    ids = []
+    for k in range(max_score + 1):
+        t = tok(str(k), add_special_tokens=False)["input_ids"]
+        if len(t) != 1:
+            raise ValueError(f"self_judge mode=expected: the score '{k}' is {len(t)} tokens for this tokenizer; "
+                             f"it needs one token per score 0..{max_score} (use mode=generate)")
+        ids.append(t[0])
+    return ids
+
+
+@register("reward", "self_judge", source="Self-Rewarding Language Models (Yuan et al. 2024): LLM-as-a-Judge by the "
+          "policy itself")
+def self_judge(prompts, completions, context=None, *, mode: Literal["generate", "expected"] = "generate",
+               template: str = SELF_JUDGE_TEMPLATE, max_score: Annotated[int, Ge(1), Le(9)] = 5,
+               samples: Annotated[int, Ge(1)] = 3, temperature: Annotated[float, Gt(0)] = 1.0,
+               max_new_tokens: Annotated[int, Ge(1)] = 256, batch_size: Annotated[int, Ge(1)] = 16):
+    """r_i = s_i / max_score in [0, 1], s_i the score the policy itself gives completion i as a judge.
+
+    "Self-Rewarding Language Models": the model being trained is prompted as an LLM-as-a-judge with an additive
+    5-point rubric (``template``, filled with ``{prompt}`` and ``{completion}``, encoded as a prompt with the run's
+    chat template), and its own judgement is the reward (in the paper, of candidate responses for the next round
+    of iterative DPO: ``postrl pairs`` then ``postrl dpo``, docs/preference.md). The judge is the policy of the
+    trainer's :class:`~postrl.rewards.core.RewardContext` (``context``), under no_grad.
+
+    * ``mode='generate'`` (the paper's): ``samples`` judgements (default 3, averaged, as the paper does) sampled at
+      ``temperature`` (1.0) with at most ``max_new_tokens`` (256); s_i = the mean of the numbers after the last
+      ``Score:`` of each reply that has one in [0, max_score]; no such reply: the entry fails (excluded, counted),
+      never a 0.
+    * ``mode='expected'`` (postrl's addition, not in the paper: deterministic, and usable by a model too small to
+      write a judgement): the template followed by ``\\nScore: ``, and s_i = sum_k k p_k / sum_k p_k over the
+      next-token probabilities p_k of the tokens '0'..'max_score' (each must be one token); one forward per
+      completion, in batches of ``batch_size``.
+
+    Defaults: mode generate, max_score 5 (the paper's scale), samples 3, temperature 1.0, max_new_tokens 256,
+    batch_size 16. The rubric text is postrl's paraphrase of the paper's additive-scale judge prompt.
+    """
+    import torch
+
+    from postrl.generation import encode_prompt, left_pad
+
+    if context is None or context.model is None:
+        raise ValueError("self_judge needs the policy (the trainer's RewardContext) to judge with")
+    tok, model = context.tokenizer, context.model
+    texts = [template.format(prompt=p, completion=c) for p, c in zip(prompts, completions)]
+    if mode == "generate":
+        from postrl.rewards.label_free import _sample
+
+        out: list = []
+        for t in texts:
+            scores = [s for s in (parse_self_score(r, max_score)
+                                  for r in _sample(context, t, samples, max_new_tokens, temperature))
+                      if s is not None]
+            out.append(sum(scores) / len(scores) / max_score if scores else
+                       JudgeError(f"no 'Score: <0..{max_score}>' in {samples} judgements"))
+        return out
+    score_ids = torch.tensor(_score_tokens(tok, max_score))
+    values = torch.arange(max_score + 1, dtype=torch.float32)
+    seqs = [encode_prompt(tok, t, context.chat_template) + tok("\nScore: ", add_special_tokens=False)["input_ids"]
+            for t in texts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(seqs), batch_size):
+            ids, mask = left_pad(seqs[s:s + batch_size], pad)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            dev = context.device
+            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                           use_cache=False, logits_to_keep=1).logits[:, -1].float().cpu()
+            p = torch.softmax(logits[:, score_ids], dim=-1)  # renormalised over the score tokens
+            out.extend(((p * values).sum(-1) / max_score).tolist())
+    return out

@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Le
 
 from postrl.registry import register
-from postrl.rewards.builtin import extract_answer, normalize_text, parse_number
+from postrl.rewards.builtin import Extract, extract_answer, normalize_text, parse_number
 
 _PURE_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:/\d+)?")
 
@@ -52,8 +55,8 @@ def _majority(keys: list, weights: list[float]):
 @register("reward", "majority_vote",
           source="TTRL (Test-Time Reinforcement Learning); RLCCF (Wisdom of the Crowd: Coevolutionary Collective "
                  "Feedback)")
-def majority_vote(prompts, completions, group_ids, voter=None, *, extract: str = "auto",
-                  weighting: str = "none"):
+def majority_vote(prompts, completions, group_ids, voter=None, *, extract: Extract = "auto",
+                  weighting: Literal["none", "self_consistency"] = "none"):
     """1.0 when the completion's answer equals its group's voted answer, else 0.0 (label-free).
 
     TTRL (weighting='none'): the voted answer is the most frequent extracted answer of the group; r_i =
@@ -71,8 +74,6 @@ def majority_vote(prompts, completions, group_ids, voter=None, *, extract: str =
     voter and the mode equals TTRL. One vote per voter for its own majority (not one vote per sample weighted by
     its voter's SC); SC computed per prompt from this group's samples; no co-training of several models.
     """
-    if weighting not in ("none", "self_consistency"):
-        raise ValueError(f"majority_vote.weighting: expected none or self_consistency, got '{weighting}'")
     keys = [_answer_key(extract_answer(c, extract)) for c in completions]
     out = [0.0] * len(completions)
     for rows in _groups(group_ids).values():
@@ -112,7 +113,8 @@ def _jaccard(a: set, b: set) -> float:
 
 @register("reward", "novelty", source="EVOL-RL (Evolving Language Models without Labels: Majority Drives "
                                       "Selection, Novelty Promotes Variation)")
-def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", alpha: float = 0.5,
+def novelty(prompts, completions, group_ids, *, n: Annotated[int, Ge(1)] = 3, unit: Literal["word", "char"] = "word",
+            alpha: Annotated[float, Ge(0), Le(1)] = 0.5,
             embed: str | None = None):
     """Novelty bonus in [0, 1]: 1 - (alpha * mean_j s_ij + (1 - alpha) * max_j s_ij) over the other members j of
     the completion's group, after EVOL-RL.
@@ -134,10 +136,6 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
     - asymmetric clipping and the entropy regulariser are separate options (``loss: ppo_clip`` with
       eps_high > eps_low, ``regularizers: entropy_bonus``), not part of this source.
     """
-    if unit not in ("word", "char"):
-        raise ValueError(f"novelty.unit: expected word or char, got '{unit}'")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"novelty.alpha: expected a value in [0, 1], got {alpha}")
     N = len(completions)
     if embed is not None:
         import torch
@@ -165,7 +163,8 @@ def novelty(prompts, completions, group_ids, *, n: int = 3, unit: str = "word", 
 @register("reward", "co_reward", source="Co-Reward: Self-supervised Reinforcement Learning for Large Language Model "
                                         "Reasoning via Contrastive Agreement")
 def co_reward(prompts, completions, group_ids, paraphrase_id=None, paraphrase=None, context=None, *,
-              extract: str = "auto", votes: int = 8, max_new_tokens: int = 256, temperature: float = 1.0):
+              extract: Extract = "auto", votes: Annotated[int, Ge(1)] = 8, max_new_tokens: Annotated[int, Ge(1)] = 256,
+              temperature: Annotated[float, Ge(0)] = 1.0):
     """1.0 when the completion's answer equals the majority answer of its paraphrases' completions (label-free).
 
     "Co-Reward": each training question comes with an analogous (paraphrased) question; each question's
@@ -192,8 +191,6 @@ def co_reward(prompts, completions, group_ids, paraphrase_id=None, paraphrase=No
     if paraphrase_id is None and paraphrase is None:
         raise ValueError("co_reward: the rows have neither a 'paraphrase_id' column (the id shared by a question and "
                          "its paraphrases in the batch) nor a 'paraphrase' column (the paraphrased question's text)")
-    if votes < 1:
-        raise ValueError(f"co_reward.votes: expected >= 1, got {votes}")
     keys = [_answer_key(extract_answer(c, extract)) for c in completions]
     groups = _groups(group_ids)
     sets: dict = defaultdict(list)  # paraphrase id -> group ids (in order of first appearance)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import torch
+from annotated_types import Ge
 
 from postrl.registry import register
 
 
 @register("reward", "likelihood", source="Likelihood-Based Reward Designs for General LLM Reasoning")
 def likelihood(prompts, completions, answer=None, context=None, *, answer_marker: str | None = None,
-               answer_prefix: str | None = None, reduce: str = "sum", batch_size: int = 16):
+               answer_prefix: str | None = None, reduce: Literal["sum", "mean"] = "sum",
+               batch_size: Annotated[int, Ge(1)] = 16):
     """r_i = log p_policy(reference answer | prompt, reasoning_i) (reduce='sum', the paper's log-probability
     reward), or its mean per answer token (reduce='mean').
 
@@ -26,8 +30,6 @@ def likelihood(prompts, completions, answer=None, context=None, *, answer_marker
 
     if context is None or context.model is None:
         raise ValueError("likelihood needs the policy (a RewardContext from the trainer)")
-    if reduce not in ("sum", "mean"):
-        raise ValueError(f"likelihood.reduce: expected sum or mean, got '{reduce}'")
     if answer is None:
         raise ValueError("likelihood needs an 'answer' column")
     tok, model = context.tokenizer, context.model

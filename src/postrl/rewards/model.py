@@ -41,10 +41,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from annotated_types import Ge
 
 from postrl.registry import register
 from postrl.reward_models.metrics import UWO_LAMBDA
@@ -188,10 +189,11 @@ def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, 
 
 
 @register("reward", "model", source="a trained reward model (postrl rm train / prm train)")
-def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str = "mean", uwo_lambda: float = UWO_LAMBDA,
-                 member: int | None = None, reduce: str | None = None, calibrator: str | None = None,
-                 step_buckets: int = 4, batch_size: int = 32, device: str = "cpu",
-                 calibrator_features: Literal["none", "hidden"] = "none"):
+def model_reward(prompts, completions, steps=None, *, path: str, aggregate: Literal["mean", "min", "uwo"] = "mean",
+                 uwo_lambda: Annotated[float, Ge(0)] = UWO_LAMBDA, member: Annotated[int, Ge(0)] | None = None,
+                 reduce: Literal["min", "last", "mean", "prod"] | None = None, calibrator: str | None = None,
+                 step_buckets: Annotated[int, Ge(1)] = 4, batch_size: Annotated[int, Ge(1)] = 32,
+                 device: str = "cpu", calibrator_features: Literal["none", "hidden"] = "none"):
     """Score of a trained reward model, ensemble (aggregate mean|min|uwo) or PRM (step scores, or reduce).
 
     See the module docstring for what is returned per model kind. Defaults: aggregate 'mean', uwo_lambda UWO_LAMBDA (0.5),
@@ -210,8 +212,8 @@ def model_reward(prompts, completions, steps=None, *, path: str, aggregate: str 
 
 
 def _member_source(k: int):
-    def member_reward(prompts, completions, *, path: str, calibrator: str | None = None, batch_size: int = 32,
-                      device: str = "cpu"):
+    def member_reward(prompts, completions, *, path: str, calibrator: str | None = None,
+                      batch_size: Annotated[int, Ge(1)] = 32, device: str = "cpu"):
         return _score(path, prompts, completions, None, member=k, aggregate="mean", uwo_lambda=1.0, reduce=None,
                       calibrator=calibrator, step_buckets=4, batch_size=batch_size, device=device)
 

@@ -150,9 +150,7 @@ class CureBranching(Expansion):
 
     reads = ("token_entropy",)
 
-    def __init__(self, *, branches: int = 1, group_size: int | None = None):
-        if branches < 1 or (group_size is not None and group_size < 1):
-            raise ValueError("filters.cure_branching: expected branches >= 1 and group_size >= 1 (or null)")
+    def __init__(self, *, branches: Annotated[int, Ge(1)] = 1, group_size: Annotated[int, Ge(1)] | None = None):
         self.branches, self.group_size = branches, group_size
 
     def expand(self, batch: RolloutBatch, ctx: ExpandContext) -> RolloutBatch | None:
@@ -231,11 +229,9 @@ class RetryFromFailure(Expansion):
     ``r3l``.
     """
 
-    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: int | None = None,
-                 max_per_group: int = 1, delimiter: str = "\n", reflect: bool = False,
+    def __init__(self, *, reward: str = "correct", threshold: float = 1.0, retries: Annotated[int, Ge(1)] | None = None,
+                 max_per_group: Annotated[int, Ge(1)] = 1, delimiter: str = "\n", reflect: bool = False,
                  reflect_template: str = REFLECT_TEMPLATE, guidance_template: str = GUIDANCE_TEMPLATE):
-        if max_per_group < 1 or (retries is not None and retries < 1):
-            raise ValueError("filters.retry_from_failure: expected max_per_group >= 1 and retries >= 1 (or null)")
         self.reward, self.threshold, self.retries = reward, threshold, retries
         self.max_per_group, self.delimiter = max_per_group, delimiter
         self.reflect, self.reflect_template, self.guidance_template = reflect, reflect_template, guidance_template

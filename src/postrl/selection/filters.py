@@ -13,7 +13,7 @@ reward.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from annotated_types import Ge
@@ -21,6 +21,7 @@ from annotated_types import Ge
 from postrl.errors import ConfigError
 from postrl.groups import group_index, group_moments
 from postrl.registry import register
+from postrl.stages import parameters
 
 
 def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
@@ -41,7 +42,7 @@ def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
           needs=("groups",))
 def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
                      raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
-                     reward: str = "correct", max_attempts: int = 10,
+                     reward: str = "correct", max_attempts: Annotated[int, Ge(1)] = 10,
                      singletons: Literal["drop", "keep"] = "drop") -> torch.Tensor:
     """Keep the groups whose raw verifiable reward varies (std > 0); the trainer regenerates until the batch is full.
 
@@ -63,8 +64,6 @@ def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch
     the group kept).
     Shapes: rewards [N, K], reward_names [K], group_ids [N] (raw_rewards [N, K']) -> keep [N] bool.
     """
-    if max_attempts < 1:
-        raise ValueError(f"filters.dynamic_sampling.max_attempts: expected an integer >= 1, got {max_attempts}")
     x = raw_column(rewards, reward_names, reward, "filters.dynamic_sampling", raw_rewards, raw_reward_names)
     _, lo, hi, cnt = group_moments(x, group_ids)
     keep = (cnt >= 2) & (hi > lo)
@@ -73,10 +72,20 @@ def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch
     return keep
 
 
-@register("filter", "range_filter", source="OpenRLHF --dynamic_filtering --dynamic_filtering_reward_range")
+def _low_below_high(params: dict, run: Any, where: str) -> dict:
+    """``range_filter``: ``low`` < ``high``."""
+    p = {**{k: d for k, (_, d) in parameters(range_filter).items()}, **params}
+    if not p["low"] < p["high"]:
+        raise ConfigError(f"{where}.high: expected a value > low ({p['low']}), got {p['high']}")
+    return params
+
+
+@register("filter", "range_filter", source="OpenRLHF --dynamic_filtering --dynamic_filtering_reward_range",
+          check=_low_below_high)
 def range_filter(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
                  raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
-                 reward: str = "correct", low: float = 0.0, high: float = 1.0, max_attempts: int = 10) -> torch.Tensor:
+                 reward: str = "correct", low: float = 0.0, high: float = 1.0,
+                 max_attempts: Annotated[int, Ge(1)] = 10) -> torch.Tensor:
     """Keep the groups whose mean raw reward lies strictly inside (low, high); regenerate until the batch is full.
 
     OpenRLHF dynamic filtering: ``low + 1e-6 < mean_g r < high - 1e-6`` (``dynamic_filtering_reward_range``,
@@ -85,10 +94,6 @@ def range_filter(rewards: torch.Tensor, reward_names: list, group_ids: torch.Ten
     (default 10) as dynamic_sampling; 1 = filter without regenerating (the shortfall is masked).
     Shapes: rewards [N, K], reward_names [K], group_ids [N] -> keep [N] bool.
     """
-    if not low < high:
-        raise ValueError(f"filters.range_filter: expected low < high, got low={low}, high={high}")
-    if max_attempts < 1:
-        raise ValueError(f"filters.range_filter.max_attempts: expected an integer >= 1, got {max_attempts}")
     x = raw_column(rewards, reward_names, reward, "filters.range_filter", raw_rewards, raw_reward_names)
     mean, _, _, cnt = group_moments(x, group_ids)
     return (cnt >= 1) & (mean > low + 1e-6) & (mean < high - 1e-6)

@@ -7,16 +7,28 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Annotated, Any, Callable
 
 import torch
+from annotated_types import Ge, MinLen
 
 from postrl.errors import ConfigError
 from postrl.generation import Generation, SamplingParams
 from postrl.registry import register
+from postrl.stages import parameters
 
 
-@register("sampling", "multi_temperature", source="On the Role of Temperature Sampling in Test-Time Scaling")
+def _enough_completions(params: dict, run: Any, where: str) -> dict:
+    """``multi_temperature``: the run's group holds a completion for every temperature."""
+    temps = params.get("temperatures", parameters(MultiTemperature)["temperatures"][1])
+    if run is not None and run.rollout.group_size < len(temps):
+        raise ConfigError(f"{where}.temperatures: rollout.group_size={run.rollout.group_size} is smaller than the "
+                          f"{len(temps)} temperatures; every temperature needs a completion")
+    return params
+
+
+@register("sampling", "multi_temperature", source="On the Role of Temperature Sampling in Test-Time Scaling",
+          check=_enough_completions)
 class MultiTemperature:
     """Sample each group across several temperatures: completion j of a prompt uses temperatures[j mod m].
 
@@ -31,12 +43,8 @@ class MultiTemperature:
     (combine with ``loss.tis`` to correct the mismatch, or accept it as exploration noise).
     """
 
-    def __init__(self, *, temperatures: list = (0.6, 1.0, 1.4)):
-        temps = [float(t) for t in temperatures]
-        if not temps or any(t < 0 for t in temps):
-            raise ValueError(f"filters.multi_temperature.temperatures: expected a non-empty list of values >= 0, "
-                             f"got {list(temperatures)}")
-        self.temperatures = temps
+    def __init__(self, *, temperatures: Annotated[tuple[Annotated[float, Ge(0)], ...], MinLen(1)] = (0.6, 1.0, 1.4)):
+        self.temperatures = [float(t) for t in temperatures]
 
     def plan(self, group_size: int) -> list[float]:
         """The temperature of each completion index 0..G-1."""

@@ -9,8 +9,10 @@ state is saved in checkpoints (``state_dict`` / ``load_state_dict``). The step's
 
 from __future__ import annotations
 
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
 from postrl.groups import group_index, group_sum
@@ -18,6 +20,10 @@ from postrl.registry import register
 from postrl.seeding import stable_hash
 from postrl.selection.filters import raw_column
 from postrl.stages import Stateful
+
+
+PoolFactor = Annotated[int, Ge(1)]  # the candidate pool is pool_factor x prompts_per_step rows
+Unit = Annotated[float, Ge(0), Le(1)]
 
 
 def prompt_key(prompt: str) -> str:
@@ -31,8 +37,6 @@ class PromptSelector(Stateful):
     needs_prompt_features = False
 
     def __init__(self, reward: str, pool_factor: int):
-        if pool_factor < 1:
-            raise ValueError(f"filters.pool_factor: expected an integer >= 1, got {pool_factor}")
         self.reward = reward
         self.pool_factor = pool_factor
 
@@ -84,11 +88,9 @@ class PassRateCurriculum(PromptSelector):
     from the pool (``torch.multinomial``, seeded by (seed, step)). State: the pass-rate table (checkpointed).
     """
 
-    def __init__(self, *, target: float = 0.5, width: float = 0.2, ema: float = 0.5, pool_factor: int = 4,
-                 reward: str = "correct"):
+    def __init__(self, *, target: Unit = 0.5, width: Annotated[float, Gt(0)] = 0.2,
+                 ema: Annotated[float, Gt(0), Le(1)] = 0.5, pool_factor: PoolFactor = 4, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if not 0 <= target <= 1 or width <= 0 or not 0 < ema <= 1:
-            raise ValueError("filters.pass_rate_curriculum: expected 0 <= target <= 1, width > 0, 0 < ema <= 1")
         self.target, self.width, self.ema = target, width, ema
         self.rate: dict[str, float] = {}
 
@@ -152,12 +154,10 @@ class InSight(PromptSelector):
     difficulty term 4 mu (1 - mu); w = 0 is plain mutual information.
     """
 
-    def __init__(self, *, prior_alpha: float = 1.0, prior_beta: float = 1.0, difficulty_weight: float = 1.0,
-                 decay: float = 1.0, pool_factor: int = 4, reward: str = "correct"):
+    def __init__(self, *, prior_alpha: Annotated[float, Gt(0)] = 1.0, prior_beta: Annotated[float, Gt(0)] = 1.0,
+                 difficulty_weight: Annotated[float, Ge(0)] = 1.0, decay: Annotated[float, Gt(0), Le(1)] = 1.0,
+                 pool_factor: PoolFactor = 4, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if prior_alpha <= 0 or prior_beta <= 0 or difficulty_weight < 0 or not 0 < decay <= 1:
-            raise ValueError("filters.insight: expected prior_alpha, prior_beta > 0, difficulty_weight >= 0, "
-                             "0 < decay <= 1")
         self.a0, self.b0, self.w, self.decay = prior_alpha, prior_beta, difficulty_weight, decay
         self.post: dict[str, list[float]] = {}  # key -> [successes, failures] (evidence, without the prior)
         self._last_score = 0.0
@@ -204,11 +204,9 @@ class PromptCurriculum(PromptSelector):
 
     needs_prompt_features = True
 
-    def __init__(self, *, target: float = 0.5, pool_factor: int = 4, lr: float = 1e-2, epochs: int = 10,
-                 reward: str = "correct"):
+    def __init__(self, *, target: Unit = 0.5, pool_factor: PoolFactor = 4, lr: Annotated[float, Gt(0)] = 1e-2,
+                 epochs: Annotated[int, Ge(1)] = 10, reward: str = "correct"):
         super().__init__(reward, pool_factor)
-        if not 0 <= target <= 1 or lr <= 0 or epochs < 1:
-            raise ValueError("filters.pcl: expected 0 <= target <= 1, lr > 0, epochs >= 1")
         self.target, self.lr, self.epochs = target, lr, epochs
         self.head: torch.nn.Linear | None = None
         self.optimizer = None

@@ -22,14 +22,26 @@ from postrl.registry import register
 
 
 @register("shaping", "weighted_sum", source="GRPO (DeepSeekMath); TRL reward_weights")
-def weighted_sum(rewards: torch.Tensor, reward_weights: torch.Tensor) -> dict:
-    """r_i = sum_k w_k r_i^k over the K named reward sources.
+def weighted_sum(rewards: torch.Tensor, reward_weights: torch.Tensor, reward_skipped: torch.Tensor | None = None
+                 ) -> dict:
+    """r_i = sum_k w_k r_i^k over the K named reward sources that apply to completion i.
 
-    Shapes: rewards [N, K], reward_weights [K] -> reward [N]. A NaN component (a failed reward) makes the sum
-    NaN, so that completion is excluded downstream rather than scored as if the component were 0.
-    Anchor: TRL ``reward_weights`` (TRL instead treats None as NaN and uses ``nansum``; postrl excludes).
+    Shapes: rewards [N, K], reward_weights [K], reward_skipped [N, K0] bool (K0 <= K: the scored sources; a column a
+    shaping stage appended applies everywhere) -> reward [N]. A source that returned None for a row does not apply
+    to it (``reward_skipped``) and adds nothing; a row no source applies to is NaN (excluded: TRL's "unscorable"
+    row, whose advantage is 0). Any other NaN component (a failed reward) makes the sum NaN, so that completion is
+    excluded downstream rather than scored as if the component were 0.
+    Anchor: TRL ``reward_weights`` with ``nansum`` over the functions that returned a value
+    (``multi_objective_aggregation='sum_then_normalize'``); unlike TRL, a failed (not None) entry excludes the row.
     """
-    return {"reward": (rewards * reward_weights.to(rewards.dtype)).sum(-1)}
+    x = rewards * reward_weights.to(rewards.dtype)
+    if reward_skipped is None or not bool(reward_skipped.any()):
+        return {"reward": x.sum(-1)}
+    skip = torch.zeros(rewards.shape, dtype=torch.bool, device=rewards.device)
+    k0 = min(reward_skipped.shape[-1], rewards.shape[-1])
+    skip[:, :k0] = reward_skipped[:, :k0].to(rewards.device)
+    reward = torch.where(skip, torch.zeros_like(x), x).sum(-1)
+    return {"reward": torch.where(skip.all(-1), torch.full_like(reward, float("nan")), reward)}
 
 
 from postrl.shaping import length, process, transforms  # noqa: E402,F401  (register the stages)

@@ -12,15 +12,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-
 import torch
-from annotated_types import Ge, Interval
+from annotated_types import Ge, Gt, Interval, Le
 
 from postrl.errors import ConfigError
 from postrl.registry import register
 from postrl.groups import group_index, group_minmax
 from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
-from postrl.stages import StepEnd, Stateful
+from postrl.stages import StepEnd, Stateful, parameters
 from postrl.reasoning_steps import step_lengths
 
 
@@ -38,9 +37,14 @@ def _overlong_lengths(params: dict, run: Any, where: str) -> dict:
     DAPO's Lmax is the maximum response length, so in a config ``max_length`` defaults to
     ``rollout.max_new_tokens`` and ``buffer`` to a fifth of ``max_length`` (DAPO: 4096 of 20480), at least 1.
     The punishment starts above ``max_length - buffer`` tokens; a stage that starts at or beyond
-    ``max_new_tokens`` can never apply and is an error, as is a buffer outside [1, max_length].
+    ``max_new_tokens`` can never apply and is an error, as is a buffer outside [1, max_length]. Outside a config
+    (``run`` None) the stage's own defaults apply and only ``buffer`` <= ``max_length`` is checked.
     """
     if run is None:
+        p = {**{k: d for k, (_, d) in parameters(overlong_soft).items()}, **params}
+        max_length, buffer = p["max_length"], p["buffer"]
+        if buffer > max_length:
+            raise ConfigError(f"{where}.buffer: expected an integer in [1, max_length = {max_length}], got {buffer!r}")
         return params
     max_new_tokens = run.rollout.max_new_tokens
     max_length = params.get("max_length", max_new_tokens)
@@ -71,8 +75,6 @@ def overlong_soft(rewards, reward_names, reward_weights, lengths, *, max_length:
     ``max_length`` defaults to ``rollout.max_new_tokens`` and ``buffer`` to a fifth of it (a stage that could never
     apply is an error); ``buffer`` <= ``max_length``.
     """
-    if buffer > max_length:
-        raise ConfigError(f"overlong_soft.buffer: expected 0 < buffer <= max_length ({max_length}), got {buffer}")
     L = lengths.to(torch.float64)
     start = max_length - buffer
     r = torch.where(L <= start, torch.zeros_like(L), (start - L) / buffer * penalty)
@@ -196,13 +198,9 @@ class LaserD(Stateful):
     _state = ("targets", "seen", "calls")
 
     def __init__(self, *, alpha: float = 0.5, max_length: int = 4096, initial_target: int | None = None,
-                 update_every: int = 10, coverage: float = 0.3, difficulty_cuts: tuple[float, float] = (1 / 3, 2 / 3),
+                 update_every: Annotated[int, Ge(1)] = 10, coverage: Annotated[float, Gt(0), Le(1)] = 0.3, difficulty_cuts: tuple[float, float] = (1 / 3, 2 / 3),
                  source: str = "correct", correct_threshold: float = 1.0, name: str = "laser_d",
                  weight: float = 1.0):
-        if not 0.0 < coverage <= 1.0:
-            raise ValueError(f"laser_d.coverage: expected a value in (0, 1], got {coverage}")
-        if update_every < 1:
-            raise ValueError(f"laser_d.update_every: expected >= 1, got {update_every}")
         self.alpha, self.max_length, self.update_every, self.coverage = alpha, max_length, update_every, coverage
         self.cuts = tuple(difficulty_cuts)
         self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
@@ -271,9 +269,20 @@ def kimi_length(rewards, reward_names, reward_weights, group_ids, lengths, *, so
     return append_column(rewards, reward_names, reward_weights, _nan_where(r, known), name, weight, "kimi_length")
 
 
-@register("shaping", "grpo_lambda", source="Stable Reinforcement Learning for Efficient Reasoning (GRPO-lambda)")
+def _one_selection(params: dict, run: Any, where: str) -> dict:
+    """``grpo_lambda``: exactly one of ``threshold`` (default 0.8) and ``top_fraction`` (default None)."""
+    p = {**{k: d for k, (_, d) in parameters(grpo_lambda).items()}, **params}
+    threshold, top_fraction = p["threshold"], p["top_fraction"]
+    if (threshold is None) == (top_fraction is None):
+        raise ConfigError(f"{where}: set exactly one of {where}.threshold and {where}.top_fraction (the other null; "
+                          f"got threshold={threshold}, top_fraction={top_fraction})")
+    return params
+
+
+@register("shaping", "grpo_lambda", source="Stable Reinforcement Learning for Efficient Reasoning (GRPO-lambda)",
+          check=_one_selection)
 def grpo_lambda(rewards, reward_names, reward_weights, group_ids, lengths, *, threshold: float | None = 0.8,
-                top_fraction: float | None = None, source: str = "correct", correct_threshold: float = 1.0,
+                top_fraction: Annotated[float, Gt(0), Le(1)] | None = None, source: str = "correct", correct_threshold: float = 1.0,
                 name: str = "grpo_lambda", weight: float = 1.0):
     """GRPO-lambda: a length penalty only for groups with a high correct ratio; plain 0/1 reward elsewhere.
 
@@ -284,8 +293,6 @@ def grpo_lambda(rewards, reward_names, reward_weights, group_ids, lengths, *, th
     correctness plus the length term only where the group is mostly right. After GRPO-lambda: the abstract does
     not fix the penalty's form; the Kimi-style group length reward is assumed.
     """
-    if (threshold is None) == (top_fraction is None):
-        raise ValueError("grpo_lambda: set exactly one of 'threshold' and 'top_fraction'")
     c, known = correctness(rewards, reward_names, source, correct_threshold, "grpo_lambda")
     inv, ng = group_index(group_ids)
     s = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, (c & known).to(torch.float64))
@@ -294,8 +301,6 @@ def grpo_lambda(rewards, reward_names, reward_weights, group_ids, lengths, *, th
     if threshold is not None:
         sel = acc >= threshold
     else:
-        if not 0.0 < top_fraction <= 1.0:
-            raise ValueError(f"grpo_lambda.top_fraction: expected a value in (0, 1], got {top_fraction}")
         kq = math.ceil(top_fraction * ng - 1e-9)
         order = sorted(range(ng), key=lambda g: (-float(acc[g]), g))
         sel = torch.zeros(ng, dtype=torch.bool)
@@ -374,11 +379,9 @@ class AdaptiveLengthCoef(Stateful):
 
     _state = ("lam",)
 
-    def __init__(self, *, max_length: int = 4096, lambda_init: float = 0.0, lr: float = 0.05,
+    def __init__(self, *, max_length: Annotated[int, Ge(1)] = 4096, lambda_init: float = 0.0, lr: float = 0.05,
                  target_accuracy: float = 0.7, lambda_max: float = 1.0, source: str = "correct",
                  correct_threshold: float = 1.0, name: str = "adaptive_length", weight: float = 1.0):
-        if max_length < 1:
-            raise ValueError(f"adaptive_length_coef.max_length: expected >= 1, got {max_length}")
         self.max_length, self.lr, self.target, self.lam_max = max_length, lr, target_accuracy, lambda_max
         self.source, self.thr, self.name, self.weight = source, correct_threshold, name, weight
         self.lam = float(lambda_init)
@@ -404,8 +407,9 @@ class AdaptiveLengthCoef(Stateful):
 
 @register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "
                                                      "via Internal Shorter Distributions in RL Post-Training")
-def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *, ratio: float = 0.8,
-                            coef: float = 0.1, min_sd: float = 0.1,
+def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *,
+                            ratio: Annotated[float, Gt(0), Le(1)] = 0.8, coef: float = 0.1,
+                            min_sd: Annotated[float, Gt(0)] = 0.1,
                             name: str = "step_length_regularizer", weight: float = 1.0):
     """Reward for moving the policy's step-length distribution toward a shorter copy of itself (appended column).
 
@@ -424,10 +428,6 @@ def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *,
     (It replaced a log2-histogram KL of each completion against the batch, which penalised steps much shorter
     than typical as much as steps much longer.)
     """
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"step_length_regularizer.ratio: expected a value in (0, 1], got {ratio}")
-    if min_sd <= 0:
-        raise ValueError(f"step_length_regularizer.min_sd: expected a value > 0, got {min_sd}")
     lens = step_lengths(step_ends).to(torch.float64)  # [N, S], NaN where no step
     valid = torch.isfinite(lens) & (lens > 0)
     x = torch.log(torch.where(valid, lens, torch.ones_like(lens)))

@@ -10,7 +10,10 @@ reward) stay NaN.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
+from annotated_types import Ge, Gt, Le
 
 from postrl.registry import register
 from postrl.shaping._util import NAN, col, process_column, with_column
@@ -54,7 +57,8 @@ def delta_prm(step_rewards, rewards, reward_names, step_reward_source=None, *, s
 
 @register("shaping", "min_form", source="Stop Summation: Min-Form Credit Assignment Is All Process Reward Model "
                                         "Needs for Reasoning (PURE)")
-def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *, temperature: float = 0.0,
+def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *,
+             temperature: Annotated[float, Ge(0)] = 0.0,
              source: str | None = None):
     """Min-form credit assignment (PURE): return_t = min_{k >= t} r_k instead of sum_{k >= t} gamma^(k-t) r_k.
 
@@ -68,8 +72,6 @@ def min_form(step_rewards, rewards, reward_names, step_reward_source=None, *, te
     in a verifiable reward (PURE's best setting), list it as another reward source: the weighted sum adds it to
     this column, and ``step_return`` adds its leave-one-out advantage to every token.
     """
-    if temperature < 0:
-        raise ValueError(f"min_form.temperature: expected a value >= 0, got {temperature}")
     k = process_column(reward_names, step_reward_source, source, "min_form")
     valid = torch.isfinite(step_rewards)
     if temperature > 0:
@@ -106,7 +108,8 @@ def gated(step_rewards, rewards, reward_names, step_reward_source=None, *, outco
 
 
 @register("shaping", "potential", source="potential-based reward shaping (Ng, Harada & Russell 1999)")
-def potential(step_rewards, rewards, reward_names, step_reward_source=None, *, gamma: float = 1.0,
+def potential(step_rewards, rewards, reward_names, step_reward_source=None, *,
+              gamma: Annotated[float, Gt(0), Le(1)] = 1.0,
               phi0: float = 0.0, source: str | None = None):
     """Potential-based shaping over steps: F_t = gamma * Phi(s_t) - Phi(s_{t-1}), t = 1..T.
 
@@ -115,8 +118,6 @@ def potential(step_rewards, rewards, reward_names, step_reward_source=None, *, g
     is the column's new value (added to the outcome reward by the weighted sum), and ``step_rewards`` becomes
     F [N, S]. Shaping of this form leaves the optimal policy unchanged. Default gamma=1.0.
     """
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"potential.gamma: expected a value in (0, 1], got {gamma}")
     k = process_column(reward_names, step_reward_source, source, "potential")
     phi = step_rewards.to(torch.float64)
     prev = torch.cat([torch.full_like(phi[:, :1], phi0), phi[:, :-1]], dim=1)

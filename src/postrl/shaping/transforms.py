@@ -6,8 +6,10 @@ All keep NaN (a failed entry) as NaN. ``sources`` names the columns a stage tran
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Gt, Le, Lt
 
 from postrl.registry import register
 from postrl.reward_models.metrics import UWO_LAMBDA
@@ -94,9 +96,7 @@ class RunningNorm(Stateful):
     _state = ("stats",)
 
     def __init__(self, *, sources: list[str] | None = None, center: bool = True, scale: bool = True,
-                 eps: float = 1e-8, clip: float | None = None):
-        if clip is not None and clip <= 0:
-            raise ValueError(f"running_norm.clip: expected a positive number, got {clip}")
+                 eps: float = 1e-8, clip: Annotated[float, Gt(0)] | None = None):
         self.sources, self.center, self.scale, self.eps, self.clip = sources, center, scale, eps, clip
         self.stats: dict[str, list[float]] = {}
 
@@ -187,12 +187,10 @@ def ensemble_min(rewards, reward_names, reward_weights, *, sources: list[str] | 
 
 @register("shaping", "ensemble_uwo", source=_ENS_SRC + " (uncertainty-weighted optimisation, UWO)")
 def ensemble_uwo(rewards, reward_names, reward_weights, *, sources: list[str] | None = None,
-                 name: str = "ensemble", weight: float = 1.0, lam: float = UWO_LAMBDA):
+                 name: str = "ensemble", weight: float = 1.0, lam: Annotated[float, Ge(0)] = UWO_LAMBDA):
     """Uncertainty-weighted optimisation: R = mean_k R_k - lam * (1/K) sum_k (R_k - mean)^2 (the intra-ensemble
     population variance). Default lam = ``postrl.reward_models.metrics.UWO_LAMBDA`` (0.5; the paper tunes it per
     setting), the same default as the ``model`` reward source's ``uwo_lambda``; members are replaced by ``name``."""
-    if lam < 0:
-        raise ValueError(f"ensemble_uwo.lam: expected >= 0, got {lam}")
     return _ensemble(rewards, reward_names, reward_weights, sources, name, weight, "ensemble_uwo",
                      lambda m: m.mean(-1) - lam * m.var(-1, unbiased=False))
 
@@ -213,12 +211,8 @@ class DatasetMedian(Stateful):
 
     _state = ("history",)
 
-    def __init__(self, *, key: str = "task", target: float = 0.5, window: int = 1024,
-                 sources: list[str] | None = None):
-        if not 0.0 < target < 1.0:
-            raise ValueError(f"dataset_median.target: expected a value in (0, 1), got {target}")
-        if window < 1:
-            raise ValueError(f"dataset_median.window: expected >= 1, got {window}")
+    def __init__(self, *, key: str = "task", target: Annotated[float, Gt(0), Lt(1)] = 0.5,
+                 window: Annotated[int, Ge(1)] = 1024, sources: list[str] | None = None):
         self.key, self.target, self.window, self.sources = key, target, window, sources
         self.history: dict[str, list[float]] = {}
 
@@ -272,7 +266,7 @@ class DatasetMedian(Stateful):
 
 @register("shaping", "ensemble_brme", source="Reward-Robust RLHF in LLMs (BRME)")
 def ensemble_brme(rewards, reward_names, reward_weights, *, sources: list[str] | None = None,
-                  name: str = "ensemble", weight: float = 1.0, lam: float = 0.5):
+                  name: str = "ensemble", weight: float = 1.0, lam: Annotated[float, Ge(0), Le(1)] = 0.5):
     """Reward-robust objective: R = lam * mean_k R_k + (1 - lam) * min_k R_k over the K member columns.
 
     "Reward-Robust RLHF in LLMs": the objective balances nominal performance (the ensemble's mean) and
@@ -283,8 +277,6 @@ def ensemble_brme(rewards, reward_names, reward_weights, *, sources: list[str] |
     Bayesian heads (which would output a mean and a std per head). The members are replaced by one column
     ``name`` with ``weight`` (default 1.0); a NaN member makes the entry NaN. Shapes: rewards [N, K'] -> [N, K'-K+1].
     """
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"ensemble_brme.lam: expected a value in [0, 1], got {lam}")
     return _ensemble(rewards, reward_names, reward_weights, sources, name, weight, "ensemble_brme",
                      lambda m: torch.where(torch.isnan(m).any(-1), torch.full_like(m[:, 0], NAN),
                                            lam * m.mean(-1) + (1.0 - lam) * m.min(-1).values))

@@ -42,11 +42,13 @@ class Step:
     """The run's stages (rewards, shaping, selection, advantage, objective) and its monitors, from ``cfg``.
 
     ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (process rewards' step
-    ends); ``log``: where warnings go (one line each)."""
+    ends); ``log``: where warnings go (one line each); ``notice``: where what changes the run goes (every mode:
+    ``postrl.train.run_state.Notices``)."""
 
     def __init__(self, cfg: Any, *, context: RewardContext | None = None, tokenizer: Any = None,
-                 log: Callable[[str], None] | None = None):
-        self.scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, context or RewardContext(), tokenizer, log=log)
+                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None):
+        self.scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, context or RewardContext(), tokenizer, log=log,
+                             notice=notice)
         self.selection = stages.build_all(stages.FILTER_KINDS, cfg.filters, section="filters")
         self.attempts = max([spec.attempts() for spec, st in zip(cfg.filters, self.selection)
                              if st.kind == "filter"], default=1)

@@ -47,12 +47,13 @@ class BatchSource:
     def __init__(self, step: Any, source: Any, ctx: ModelContext, *, seed: int, prompts_per_step: int,
                  rollout: Any, chat_template: str = "auto", environment: Any = None, rank: int = 0, world: int = 1,
                  max_over_processes: Callable[[int], int] = lambda n: n,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, notice: Any = None):
         self.step, self.source, self.ctx, self.scorer = step, source, ctx, step.scorer
         self.seed, self.prompts_per_step, self.rollout_cfg = seed, prompts_per_step, rollout
         self.chat_template, self.environment = chat_template, environment
         self.rank, self.world, self.max_over_processes = rank, world, max_over_processes
         self.log = log
+        self.notice = notice  # run_state.Notices: what changes the run, in every mode (the first time)
         self.stages = step.selection
         by_kind = {k: [s for s in self.stages if s.kind == k] for k in stages.FILTER_KINDS}
         self.keepers = by_kind["filter"]
@@ -175,7 +176,9 @@ class BatchSource:
                    f"rounds (max_attempts={self.max_attempts}); the other {short} groups are masked out of the "
                    f"update")
             logging.getLogger("postrl.filters").warning(msg)
-            if self.log is not None:
+            if self.notice is not None and self.notice.once("filters_cap_hit", msg, step=step + 1, kind="warning"):
+                pass
+            elif self.log is not None:
                 self.log(f"warning: {msg}")
         batch = kept
         if self.world > 1:

@@ -31,7 +31,7 @@ def load_policy(cfg: Any, device: Any, log: Callable[[str], None], model: Any = 
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:  # activations recomputed in the backward (the fused path then stands down)
         enable_gradient_checkpointing(model)
-    if lora.enabled(cfg):
+    if lora.enabled(cfg.model.lora):
         model = lora.apply(model, cfg.model.lora, seed=cfg.seed)
     return model, tokenizer, path
 
@@ -40,7 +40,7 @@ def reference_model(cfg: Any, model: Any, path: Path | None, device: Any, accel:
     """The frozen reference model: a second copy of the initial policy (loaded again from ``path``, or copied from
     a model object), with the speed layer's layers; None with LoRA, whose reference is the policy with its
     adapter disabled (the base weights, which LoRA never changes)."""
-    if lora.enabled(cfg):
+    if lora.enabled(cfg.model.lora):
         return None
     ref = copy.deepcopy(model) if path is None else load_model_and_tokenizer(path, "float32")[0]
     ref.requires_grad_(False).eval().to(device)

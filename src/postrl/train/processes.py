@@ -46,19 +46,28 @@ class Processes:
             t /= self.world
 
     def reduce_metrics(self, metrics: dict) -> dict:
-        """Average metrics over processes; keys ending in min / max are reduced as min / max."""
+        """Average metrics over processes; keys ending in min / max are reduced as min / max. A key some processes
+        lack (a reward's ``log_metric`` on one process) is reduced over the processes that have it."""
         if self.world == 1:
             return metrics
         import torch.distributed as dist
 
+        names = sorted(set().union(*self.gather(sorted(metrics))))
         out = {}
         for op, pick in ((dist.ReduceOp.MAX, lambda k: k.endswith("max")),
                          (dist.ReduceOp.MIN, lambda k: k.endswith("min")),
                          (dist.ReduceOp.SUM, lambda k: not k.endswith(("max", "min")))):
-            keys = sorted(k for k in metrics if pick(k))
-            t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.acc.device)
-            dist.all_reduce(t, op=op)
-            if op == dist.ReduceOp.SUM:
-                t = t / self.world
+            keys = [k for k in names if pick(k)]
+            if op == dist.ReduceOp.SUM:  # sums and counts: the mean over the processes that logged the key
+                t = torch.tensor([float(metrics[k]) if k in metrics else 0.0 for k in keys]
+                                 + [float(k in metrics) for k in keys], dtype=torch.float64, device=self.acc.device)
+                dist.all_reduce(t, op=op)
+                sums, counts = t[:len(keys)], t[len(keys):]
+                t = sums / counts.clamp(min=1)
+            else:
+                fill = float("-inf") if op == dist.ReduceOp.MAX else float("inf")
+                t = torch.tensor([float(metrics.get(k, fill)) for k in keys], dtype=torch.float64,
+                                 device=self.acc.device)
+                dist.all_reduce(t, op=op)
             out.update(zip(keys, t.tolist()))
         return out

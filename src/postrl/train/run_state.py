@@ -10,6 +10,10 @@
   process starts training; a finished run has ``summary.json`` instead. ``postrl doctor`` reads both files.
 - :class:`StopSignals`: the first SIGTERM / SIGINT asks the run to stop at the end of the current step (with a
   checkpoint; exit status 128 + signal: 143 / 130); a second one stops at once.
+- ``notices.jsonl``: what changed what the run does (a checkpoint set aside and an older one resumed, the steps a
+  resume decided, a reward that fails or does not apply, groups masked out of the update, a start-up warning):
+  one JSON line each (:class:`Notices`), also printed to stderr in every mode (``--quiet`` silences progress,
+  not these); ``postrl doctor`` lists them.
 - :func:`resume_steps`, :func:`finished_summary`, :func:`after_eval`: what a resumed run still has to do.
 """
 
@@ -32,6 +36,25 @@ from postrl.errors import PostrlError
 
 LOCK_FILE = "run.lock"
 STATUS_FILE = "status.json"
+NOTICES_FILE = "notices.jsonl"
+
+
+def check_run_dir(run_dir: str | os.PathLike, what: str = "output_dir") -> Path:
+    """``run_dir`` if it is, or can become, a writable folder; else one PostrlError line naming ``what`` (a path
+    that is a file or a device, under a file, or in a folder this process cannot write). Nothing is created."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise PostrlError(f"{what} '{p}' is a file, not a folder; give a folder for the run directory")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise PostrlError(f"{what} '{p}': '{probe}' is a file, not a folder")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise PostrlError(f"{what} '{p}': cannot write in '{probe}' (permission denied)")
+    return p
 
 
 # --------------------------------------------------------------------------------------------------- lock
@@ -47,8 +70,11 @@ class RunLock:
     """Exclusive lock of ``run_dir`` for this process (see the module docstring); ``release()`` is idempotent."""
 
     def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = check_run_dir(run_dir, "run directory")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PostrlError(f"cannot create run directory {self.run_dir}: {exc.strerror or exc}") from None
         self.path = self.run_dir / LOCK_FILE
         self._key: str | None = os.path.realpath(self.path)
         held = _held.get(self._key)
@@ -122,6 +148,73 @@ def describe_holder(holder: dict | None) -> str:
     if holder is None:
         return "another process"
     return f"pid {holder['pid']} on {holder.get('host', '?')} (started {holder.get('started', '?')})"
+
+
+# --------------------------------------------------------------------------------------------------- notices
+
+
+class Notices:
+    """What changes what a run does, said in every mode: one line ``notice: <message>`` on stderr (``--quiet``
+    silences the progress table, not these) and one JSON line ``{"time", "step", "kind", "message"}`` in
+    ``RUN/notices.jsonl`` (``postrl doctor`` lists them). Notices given before the run directory is open (the
+    trainer's start-up) are written when :meth:`start` opens it. ``enabled=False`` (a process other than the
+    main one) says nothing. :meth:`once` says a message under a key the first time only."""
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, stream=None):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.stream = stream
+        self.pending: list[dict] = []
+        self.opened = False
+        self.said: set = set()
+
+    def __call__(self, message: str, step: int | None = None, kind: str = "notice", echo: bool = True) -> None:
+        if not self.enabled:
+            return
+        message = " ".join(str(message).split())
+        if echo:
+            try:
+                print(f"{kind}: {message}", file=self.stream or sys.stderr, flush=True)
+            except OSError:  # a closed stderr: the file still has it
+                pass
+        rec = {"time": _now(), "step": step, "kind": kind, "message": message}
+        if self.opened:
+            self._append([rec])
+        else:
+            self.pending.append(rec)
+
+    def once(self, key, message: str, step: int | None = None, kind: str = "notice") -> bool:
+        """Say ``message`` unless a message with ``key`` was said before; True when said now."""
+        if key in self.said:
+            return False
+        self.said.add(key)
+        self(message, step=step, kind=kind)
+        return True
+
+    def start(self, new: bool) -> None:
+        """The run directory is ours now (its lock held): a new run starts an empty file (a resumed one appends);
+        what was said before is written."""
+        if not self.enabled:
+            return
+        if new:
+            (self.run_dir / NOTICES_FILE).write_text("")
+        self.opened = True
+        self._append(self.pending)
+        self.pending = []
+
+    def _append(self, recs: list[dict]) -> None:
+        if not recs:
+            return
+        try:
+            with open(self.run_dir / NOTICES_FILE, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in recs))
+        except OSError:
+            pass  # stderr said it; a full or vanished disk does not stop the run for a notice
+
+
+def read_notices(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``RUN/notices.jsonl`` (a line cut by a crash is skipped)."""
+    return [r for r in read_jsonl(Path(run_dir) / NOTICES_FILE) if isinstance(r.get("message"), str)]
 
 
 # --------------------------------------------------------------------------------------------------- status
@@ -221,13 +314,14 @@ class StopSignals:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def stop(self, run_dir: Path, step: int, signum: int, main: bool) -> BaseException:
-        """Record the stop after ``step`` (its checkpoint written), say it, and return the exception to raise."""
+    def stop(self, run_dir: Path, step: int, signum: int, main: bool, resume: str | None = None) -> BaseException:
+        """Record the stop after ``step`` (its checkpoint written), say it (``resume``: the command that continues
+        the run, default ``postrl train --resume RUN``), and return the exception to raise."""
         name = signal.Signals(signum).name
         if main:
             write_status(run_dir, "stopped", step, signal=name)
             print(f"postrl: stopped at step {step} by {name}; checkpoint {run_dir}/checkpoints; continue with: "
-                  f"postrl train --resume {run_dir}", file=sys.stderr, flush=True)
+                  f"{resume or f'postrl train --resume {run_dir}'}", file=sys.stderr, flush=True)
         return _exit_for(signum)
 
 
@@ -333,15 +427,24 @@ def open_new_run(run_dir: Path, config_yaml: str) -> RunLock:
 
 def append_samples(path: Path, step: int, batch, n: int) -> None:
     """Append the first ``n`` rows of a training batch to samples.jsonl: prompt, completion, each reward, the
-    scalar reward, the mean advantage, truncated / valid (non-finite values as null)."""
+    scalar reward, the mean advantage, truncated / valid (non-finite values as null), and under ``extra`` the
+    columns reward functions logged with TRL's ``log_extra``."""
     def f(x) -> float | None:
         v = float(x)
         return v if math.isfinite(v) else None
 
-    lines = [json.dumps({"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-                         "rewards": {name: f(batch.rewards[i, j]) for j, name in enumerate(batch.reward_names)},
-                         "reward": f(batch.reward[i]), "advantage": f(batch.advantages[i].mean()),
-                         "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i])})
-             for i in range(min(len(batch), n))]
+    logged = {k.split(":", 1)[1]: v for k, v in batch.extra.items()  # a reward's TRL log_extra columns
+              if k.startswith("log_extra:") and isinstance(v, list) and len(v) == len(batch)}
+
+    def row(i: int) -> dict:
+        r = {"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
+             "rewards": {name: f(batch.rewards[i, j]) for j, name in enumerate(batch.reward_names)},
+             "reward": f(batch.reward[i]), "advantage": f(batch.advantages[i].mean()),
+             "truncated": bool(batch.truncated[i]), "valid": bool(batch.valid[i])}
+        if logged:
+            r["extra"] = {k: v[i] for k, v in logged.items()}
+        return r
+
+    lines = [json.dumps(row(i), default=str) for i in range(min(len(batch), n))]
     with open(path, "a") as fh:
         fh.write("".join(line + "\n" for line in lines))

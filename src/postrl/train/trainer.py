@@ -75,6 +75,8 @@ class Trainer:
         self.reporter = reporter
         log = reporter.log if reporter is not None else print
         self.log = log if self.main else (lambda s: None)
+        # what changes what the run does: stderr in every mode (--quiet too) and RUN/notices.jsonl
+        self.notice = run_state.Notices(self.run_dir, enabled=self.main)
         self.source = load_source(cfg.task.model_dump())
         model, self.tokenizer, self.model_path = load_policy(cfg, self.acc.device, self.log, model, tokenizer)
         # the CPU speed layer (postrl.accel), applied to the model once: threads, generator and log-prob paths. The
@@ -86,7 +88,7 @@ class Trainer:
         # the step: rewards + shaping, batch selection, advantage, objective (loss, KL, regularisers), monitors
         self.step = Step(cfg, context=RewardContext(model=model, tokenizer=self.tokenizer, device=self.acc.device,
                                                     chat_template=cfg.model.chat_template),
-                         tokenizer=self.tokenizer, log=self.log)
+                         tokenizer=self.tokenizer, log=self.log, notice=self.notice)
         for msg in self.step.warnings:
             self._warn(msg)
         self.objective = self.step.objective
@@ -115,7 +117,8 @@ class Trainer:
         self.batches = BatchSource(self.step, self.source, self.ctx, seed=cfg.seed,
                                    prompts_per_step=cfg.train.prompts_per_step, rollout=cfg.rollout,
                                    chat_template=cfg.model.chat_template, environment=cfg.environment,
-                                   rank=self.rank, world=self.world, max_over_processes=self.procs.max, log=self.log)
+                                   rank=self.rank, world=self.world, max_over_processes=self.procs.max, log=self.log,
+                                   notice=self.notice)
         self.step.scorer.check_sandbox()  # at start-up: a limit this machine cannot enforce is said now, not mid-run
         self.start_step = 0
         self.eval_before: dict | None = None
@@ -126,6 +129,7 @@ class Trainer:
             self._resume()
         elif self.main:
             self._lock = run_state.open_new_run(self.run_dir, dump_yaml(cfg))
+        self.notice.start(new=not resume)
         # diagnostics: metrics beyond the batch, the step's monitors and alarms, sinks (postrl/diagnostics/hooks.py)
         self.diag = Diagnostics(cfg, self.run_dir, self.objective, self.step.watchdog, main=self.main,
                                 rank=self.rank, device=self.acc.device)
@@ -143,6 +147,7 @@ class Trainer:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)  # the command line prints it as one "warning: ..." line
+        self.notice(msg, kind="warning", echo=False)  # and RUN/notices.jsonl keeps it
 
     def _make_backend(self):
         return self.accel.generator(self.policy, self.tokenizer, batch_size=self.cfg.rollout.batch_size)
@@ -151,7 +156,7 @@ class Trainer:
         """Continue from the newest usable checkpoint (newer unusable ones are moved aside, saying so); decide
         ``train.steps`` (run_state.resume_steps) and whether the run already finished (then ``train`` does
         nothing); cut the logs back to the checkpoint's step."""
-        say = (self.reporter.log if self.reporter is not None else print) if self.main else (lambda s: None)
+        say = self.notice  # what a resume decides changes the run: said in every mode, kept in notices.jsonl
         if self.main:
             self._lock = run_state.RunLock(self.run_dir)
         last, skipped = ckpt.resumable_checkpoint(self.run_dir)
