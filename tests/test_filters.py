@@ -329,8 +329,18 @@ def test_parse_reflection():
 
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
-    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+    with pytest.raises(ConfigError, match="group_size must be >= 2.*singletons: keep keeps groups of one"):
         Step(cfg)
+    # singletons: keep (verl's convention) keeps every group of one: accepted, with a warning that says so and no
+    # claim that groups are dropped
+    cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling, singletons: keep}]",
+                             "advantage.name=reinforce_pp"])
+    w = Step(cfg).warnings
+    assert len(w) == 1 and "singletons: keep" in w[0] and "is kept" in w[0] and "dropped" not in w[0], w
+    cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling, singletons: keep}]",
+                             "advantage={name: grpo, singleton: raw}"])
+    w = Step(cfg).warnings
+    assert len(w) == 2 and "no baseline" in w[1] and "every advantage is 0" not in w[1], w
     cfg = load_config(None, ["rollout.group_size=1"])
     assert "every advantage is 0" in Step(cfg).warnings[0]
     assert Step(load_config(None, ["rollout.group_size=1", "advantage.name=reinforce_pp"])).warnings == []

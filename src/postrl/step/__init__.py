@@ -80,12 +80,26 @@ class Step:
             raise ConfigError(f"filters: at most one prompt selector per run, got {', '.join(selectors)}")
         for s in [*self.selection, self.advantage]:
             if "groups" in s.needs and G < 2:
-                if s.kind == "advantage":
+                if s.kind == "advantage" and s.params.get("singleton") == "raw":
+                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
+                                f"with singleton: raw (verl's convention) every group is one completion, so each "
+                                f"advantage comes from its own reward with no baseline")
+                elif s.kind == "advantage":
                     warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
                                 f"every advantage is 0 (use reinforce_pp, remax or gae for one completion per prompt)")
-                else:
+                elif s.params.get("singletons") == "keep":  # verl's convention: a group of one is kept
+                    warn.append(f"filters.{s.name}: singletons: keep and rollout.group_size=1: every group is one "
+                                f"completion and is kept, so the filter only drops completions whose reward failed")
+                elif s.params.get("min_rows") == 1:  # failure_governance: a comparable completion alone is kept
+                    warn.append(f"filters.{s.name}: min_rows: 1 and rollout.group_size=1: every group is one "
+                                f"completion, so nothing is compared within a group")
+                elif "singletons" in stages.parameters(s.fn):
                     raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (a group of one "
-                                      f"completion has no reward variance, so every group would be dropped)")
+                                      f"completion has no reward variance, so every group would be dropped; "
+                                      f"singletons: keep keeps groups of one, verl's convention)")
+                else:
+                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group is one "
+                                      f"completion, so every group would be dropped)")
             if s.kind == "sampling":
                 s.fn.plan(G)  # raises when the group cannot hold the plan
         if self.objective.warning:
