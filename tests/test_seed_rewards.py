@@ -40,7 +40,8 @@ def test_every_method_of_the_section_is_registered_with_its_paper():
             ("shaping", "reward_noise"): "The Climb Carves Wisdom", ("reward", "reasoning_pattern"): "The Climb Carves",
             ("field", "critic_token_reward"): "DRLC", ("advantage", "critic_dense"): "DRLC",
             ("shaping", "diversity_potential"): "Diversity-Incentivized Exploration",
-            ("reward", "lexical_diversity"): "Diversity-Enhanced Reasoning", ("reward", "rubric_judge"): "Chasing the Tail",
+            ("reward", "lexical_diversity"): "Diversity-Enhanced Reasoning",
+            ("reward", "rubric_judge"): "Chasing the Tail",
             ("field", "mle_token_reward"): "Teacher Forcing", ("advantage", "teacher_forcing"): "Teacher Forcing"}
     for (kind, name), paper in want.items():
         e = registry.entry(kind, name)
@@ -102,7 +103,7 @@ def test_sql_execution_reward_levels_in_the_sandbox(emp_db):
 
 
 def test_sql_execution_failures_are_failed_entries_and_a_runaway_query_scores_zero(emp_db, tmp_path):
-    specs = [Spec("sql_execution", timeout=1.5)]
+    specs = [Spec("sql_execution", timeout=3.0)]
     comps = [_sql("SELECT 1"), _sql("SELECT 1"), _sql("SELECT 1"), _sql("SELECT 1"),
              _sql("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c")]
     cols = {"group_ids": [0, 1, 2, 3, 4],
@@ -413,5 +414,5 @@ def test_rubric_judge_failures_are_failed_entries(judge_module):
                       [Spec("rubric_judge", judge=judge_module, refine_rounds=0)])
     close(out.matrix[:, 0], [nan, nan, 0.75])
     assert out.failures == {"rubric_judge": 2} and "no rubric" in out.first_failure["rubric_judge"]
-    with pytest.raises(ConfigError, match="rubric_judge.judge: expected an import path 'module:attribute', got 'nocolon'"):
+    with pytest.raises(ConfigError, match="^rewards.judge: expected an import path 'module:attribute', got"):
         build("reward", "rubric_judge", {"judge": "nocolon"})

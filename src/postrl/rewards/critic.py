@@ -100,8 +100,9 @@ def critic_token_reward(ctx: ModelContext, batch: RolloutBatch, *, critic: str |
                         critic_api_key_env: str = "OPENAI_API_KEY", critic_timeout: Annotated[float, Gt(0)] = 60.0,
                         critic_concurrency: Annotated[int, Ge(1)] = 8,
                         critic_max_tokens: Annotated[int, Ge(1)] = 1024) -> torch.Tensor:
-    """The critic's span scores spread onto the completion tokens [N, T] (0 on padding and on text no span
-    quotes; NaN over a row whose critic call or reply failed).
+    """An LLM critic's span scores spread onto the completion tokens [N, T] (NaN over a row whose critic failed).
+
+    0 on padding and on text no span quotes.
 
     The critic (``critic``: a function ``(system, user) -> reply`` by import path; or ``critic_url`` +
     ``critic_model``: an OpenAI-compatible endpoint) gets ``CRITIC_SYSTEM`` and ``CRITIC_TEMPLATE`` filled with

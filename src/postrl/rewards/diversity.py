@@ -26,8 +26,7 @@ def distinct_n(words: list[str], n: int) -> float:
                                                 "(MultiRole-R1, lexical diversity reward)")
 def lexical_diversity(prompts, completions, *, orders: Annotated[list[Annotated[int, Ge(1)]], MinLen(1)] | None = None,
                       min_words: Annotated[int, Ge(0)] = 20, lowercase: bool = True):
-    """Lexical-diversity bonus in [0, 1]: the mean distinct-n of the completion's words, scaled down for short
-    texts.
+    """Lexical-diversity bonus in [0, 1]: the mean distinct-n of the completion's words (short texts scaled down).
 
         r = min(1, L / min_words) * (1 / |orders|) sum_{n in orders} |distinct n-grams| / |n-grams|
 

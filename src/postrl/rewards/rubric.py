@@ -86,8 +86,7 @@ def _exemplar_text(ex: Any) -> str:
 @register("reward", "rubric_judge", source="Chasing the Tail: Effective Rubric-based Reward Modeling for Large "
                                            "Language Model Post-Training")
 class RubricJudge(Stateful):
-    """A judge writes a rubric per prompt from great and excellent exemplars; r = the weighted share of its criteria
-    the completion meets.
+    """A judge writes each prompt's rubric from great and excellent exemplars; r = the weighted share of it met.
 
     "Chasing the Tail" (the abstract: reward over-optimization comes from misspecification in the high-reward
     tail, "the inability to reliably distinguish Excellent responses from merely Great ones"; rubrics can use
@@ -117,7 +116,7 @@ class RubricJudge(Stateful):
                  refine_rounds: Annotated[int, Ge(0)] = 1, api_key_env: str = "OPENAI_API_KEY",
                  timeout: Annotated[float, Gt(0)] = 60.0, concurrency: Annotated[int, Ge(1)] = 8,
                  temperature: Annotated[float, Ge(0)] = 0.0, max_tokens: Annotated[int, Ge(1)] = 1024):
-        self._chat_args = dict(base_url=base_url, model=model, what="rubric_judge.judge", api_key_env=api_key_env,
+        self._chat_args = dict(base_url=base_url, model=model, what="rewards.judge", api_key_env=api_key_env,
                                timeout=timeout, temperature=temperature, max_tokens=max_tokens)
         self.judge_name = judge
         self.chat = chat_function(judge, **self._chat_args)

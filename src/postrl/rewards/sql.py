@@ -140,8 +140,7 @@ def sql_execution(prompts, completions, db_path=None, gold_sql=None, answer=None
                   compare: Literal["set", "multiset", "ordered"] = "set", answer_tag: bool = False,
                   db_root: str | None = None, timeout: Timeout = 10.0, memory_mb: MemoryMB = 512,
                   isolation: Isolation = None):
-    """Execution reward for text-to-SQL: 1 when the predicted SQL returns the gold SQL's result, ``valid_reward``
-    when it only runs, else 0.
+    """Text-to-SQL by execution: 1 if the predicted SQL returns the gold result, ``valid_reward`` if it runs, else 0.
 
     Arctic-Text2SQL-R1 (the abstract: "a lightweight reward signal based solely on execution correctness", no
     intermediate supervision; the paper's levels: an executable query in the right format earns 0.1, a correct
@@ -158,10 +157,10 @@ def sql_execution(prompts, completions, db_path=None, gold_sql=None, answer=None
     duplicates ignored), 'multiset' (duplicates count) or 'ordered' (the row lists are equal). Defaults:
     valid_reward 0.1, timeout 10 s for the whole run (both queries), memory 512 MB (the database is loaded in
     memory: its size counts). Both queries run in the sandbox, read-only (see the module docstring); a query that
-    writes, attaches or runs several statements does not run (0). None (a failed entry, never 0) for a row
-    without a database or gold SQL, a database file that does not exist, a gold SQL that fails on its database,
-    or a run that fails before the gold SQL has run (the sandbox itself, or a database too large for
-    ``memory_mb``).
+    writes, attaches or runs several statements does not run (0). A failed entry (counted and excluded, never 0,
+    with the reason) for a row without a database or gold SQL, a database file that does not exist, a gold SQL
+    that fails on its database, or a run that fails before the gold SQL has run (the sandbox itself, or a
+    database too large for ``memory_mb``).
     """
     _check_isolation(isolation)
     limits = _limits(timeout, memory_mb, None)

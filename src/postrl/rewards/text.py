@@ -173,8 +173,7 @@ def repetition_ratio(text: str, n: int) -> float:
 def reasoning_pattern(prompts, completions, *, phrases: list[str] | None = None,
                       norm: Annotated[float, Gt(0)] = 20.0, repetition_n: Annotated[int, Ge(1)] | None = 20,
                       forbidden: list[str] | None = None, region: Literal["all", "think"] = "all"):
-    """Reasoning pattern reward (RPR): pays for key reasoning phrases ("first, I need to"), without checking the
-    answer.
+    """Reasoning pattern reward (RPR): pays for key reasoning phrases ("first, I need to"), not for the answer.
 
     The authors' released reward (the abstract names only "rewarding the appearance of key reasoning phrases"):
 

@@ -74,8 +74,7 @@ def diversity_potential(rewards, reward_names, reward_weights, completions, grou
                         n: Annotated[int, Ge(1)] = 3, max_chars: Annotated[int, Ge(1)] | None = 1000,
                         gamma: Annotated[float, Gt(0), Le(1)] = 1.0, source: str | None = "correct",
                         correct_threshold: float = 1.0, name: str = "diversity", weight: float = 0.1):
-    """DIVER: a completion's diversity against the batch, paid through potential-based shaping; appended as a
-    column.
+    """DIVER: a completion's diversity against the batch, paid through potential-based shaping (a new column).
 
     After "Diversity-Incentivized Exploration for Versatile Reasoning" (the abstract: global sequence-level
     diversity as an intrinsic reward, "a potential-based reward shaping mechanism to preserve optimal policy
@@ -96,7 +95,8 @@ def diversity_potential(rewards, reward_names, reward_weights, completions, grou
     ``correct_threshold``, default 'correct' >= 1) has a potential, so an incorrect one cannot earn diversity;
     ``source: null`` turns it off. The column ``name`` ('diversity') enters the weighted sum with ``weight``
     (0.1, assumed; the released code scales its bonus by 0.001). A completion whose correctness failed (NaN) gets
-    NaN; it takes no part in Phi(q). O(N^2) similarities per batch (``scope='group'``: per group).
+    NaN; it takes no part in Phi(q). O(N^2) similarities per batch (``scope='group'``: per group). With several
+    processes the batch is the one this process scores (its share of the step's prompts).
     """
     N = len(completions)
     inv, ng = group_index(group_ids)
