@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
 
+from logprob_reference import renormalised_reference  # noqa: E402
 from postrl.errors import ConfigError  # noqa: E402
 from postrl.integrations.trl import GRPOTrainer  # noqa: E402
 from postrl.models.tiny import build_local  # noqa: E402
@@ -286,24 +287,6 @@ def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- top-p / top-k
-def _renormalised_reference(scaled: torch.Tensor, ids: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """log q(ids): top-k (the logits at least the k-th largest, ties kept as HF's and vLLM's top-k keep them),
-    then top-p over the top-k distribution (in descending order a token is kept while the mass before it is below
-    top_p), the sampled token always kept, renormalised."""
-    out = torch.empty(ids.shape)
-    for idx in torch.cartesian_prod(*[torch.arange(n) for n in ids.shape]).tolist():
-        z = scaled[tuple(idx)].double()
-        order = torch.argsort(z, descending=True)
-        keep = z >= z[order[top_k - 1]]
-        p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)[order]
-        before = torch.cumsum(p, 0) - p
-        keep[order[(before >= top_p) | (p == 0)]] = False
-        tok = ids[tuple(idx)]
-        keep[tok] = True
-        out[tuple(idx)] = float(z[tok] - torch.logsumexp(z[keep], 0))
-    return out
-
-
 def test_top_p_top_k_correction_equals_the_renormalised_reference(model_dir, tmp_path):
     """rollout.logprobs=filtered: TRL's log-prob function (update, old and reference log-probs) returns the
     log-probs of the renormalised filtered distribution, on the same logits TRL's forward computes; TRL's own
@@ -325,7 +308,7 @@ def test_top_p_top_k_correction_equals_the_renormalised_reference(model_dir, tmp
     mask = attn[:, -T:].bool()
     with torch.no_grad(), t.accelerator.autocast():  # TRL's forward (its autocast)
         scaled = t.model(input_ids=ids, attention_mask=attn).logits[:, -(T + 1):-1].float() / 0.7
-    ref = _renormalised_reference(scaled, ids[:, -T:], 0.8, 20)
+    ref = renormalised_reference(scaled, ids[:, -T:], 0.8, 20)
     assert torch.allclose(logp.detach()[mask], ref[mask], atol=1e-5)
     full = torch.log_softmax(scaled, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
     theirs, their_ent, _ = TRLGRPOTrainer._get_per_token_logps_and_entropies(t, t.model, ids, attn, T,
