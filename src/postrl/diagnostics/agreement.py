@@ -237,3 +237,9 @@ def render(res: Agreement, max_outside: float | None = None, console: Any = None
         verdict = "ok" if c.outside <= max_outside else "FAIL"
         console.print(f"configured: {c.outside:.2%} of tokens outside [{1 - BAND:g}, {1 + BAND:g}] "
                       f"(--max-outside {max_outside:.2%}): {verdict}")
+    c = res.configured
+    if abs(c.mean) > 0.01:  # a systematic shift can stay inside the band (top-p keeps at least top_p of the mass)
+        cause = ("the kept mass of the top-p / top-k filter: set rollout.logprobs=filtered"
+                 if res.sampling.filters and not res.sampling.logprob_filter() else "a systematic difference")
+        console.print(f"note: the configured row's mean log-ratio is {c.mean:+.4f} (ratio {math.exp(c.mean):.3f} on "
+                      f"average): {cause}")
