@@ -64,6 +64,7 @@ import copy
 import dataclasses
 import logging
 import warnings
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -75,8 +76,6 @@ try:
     import trl
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise PostrlError(f"postrl.integrations.trl needs TRL: pip install 'postrl[trl]' ({e})") from None
-
-from types import SimpleNamespace
 
 from postrl.batch import RolloutBatch
 from postrl.config import Config, load_config
