@@ -7,7 +7,8 @@
 # wheels in .whl/ (pydantic, trl, datasets, ...): see docs/DEVELOPING.md, "GPU checks".
 set -u
 OUT=${OUT:-gpu-check}
-mkdir -p "$OUT"
+RUNS=${RUNS:-/tmp/postrl-gpu-runs}  # models and run directories (only logs go to $OUT)
+mkdir -p "$OUT" "$RUNS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, trl, peft, accelerate, pydantic; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
-python3 - "$OUT" <<'EOF'
+python3 - "$RUNS" <<'EOF'
 import json, sys, time
 from pathlib import Path
 from postrl.models.tiny import build_local
@@ -35,13 +36,13 @@ for variant in "model.dtype=float32" "model.dtype=bfloat16" "model.dtype=bfloat1
   name=$(echo "$variant" | tr ' =.' '___')
   echo "== postrl train on CUDA: $variant"
   t0=$(date +%s.%N)
-  python3 -m postrl train --quiet model.path="$OUT/m20" output_dir="$OUT/run_$name" $common $variant \
+  python3 -m postrl train --quiet model.path="$RUNS/m20" output_dir="$RUNS/run_$name" $common $variant \
     > "$OUT/train_$name.log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
   echo "exit $rc, wall $(python3 -c "print(round($t1-$t0,1))")s"
   tail -n 3 "$OUT/train_$name.log"
-  python3 - "$OUT/run_$name" <<'EOF'
+  python3 - "$RUNS/run_$name" <<'EOF'
 import json, sys, statistics
 from pathlib import Path
 rows = [json.loads(l) for l in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
@@ -55,7 +56,7 @@ EOF
 done
 
 echo "== TRL adapter vs TRL's GRPOTrainer on CUDA"
-python3 - "$OUT" <<'EOF'
+python3 - "$RUNS" <<'EOF'
 import sys, time, statistics
 from pathlib import Path
 import torch

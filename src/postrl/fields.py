@@ -17,9 +17,12 @@ the stage's own (:func:`postrl.stages.check_params`). Built in:
     red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)
     attention_token_reward [N, T] the stage's ``reward_model`` score spread by its last-layer attention
                                   (attention_credit)
+    critic_token_reward    [N, T] an LLM critic's span scores spread over the spans' tokens (critic_dense)
+    mle_token_reward       [N, T] log p_MLE(y_t | x, y_<t) of the stage's ``mle_model`` (teacher_forcing)
 
-The last two (registered in :mod:`postrl.rewards.dense`) use a reward model that is the stage's own (its
-``reward_model`` folder), not the policy: of the context they use only the policy's tokenizer.
+The last four (registered in :mod:`postrl.rewards.dense`, :mod:`postrl.rewards.critic` and
+:mod:`postrl.rewards.teacher`) use a model that is the stage's own (a ``reward_model`` folder, a critic, an
+``mle_model`` folder), not the policy: of the context they use only the policy's tokenizer (and chat template).
 """
 
 from __future__ import annotations

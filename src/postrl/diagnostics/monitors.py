@@ -674,8 +674,8 @@ class MonitorSpec:
 MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
     MonitorSpec("reward_all_failed", reward_all_failed, "a reward source failing on every completion of a step"),
     MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards"),
-    MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
     MonitorSpec("filtered_sampling", filtered_sampling, "top-p / top-k kept mass with unfiltered log-probs"),
+    MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
     MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),
     MonitorSpec("env_errors", env_errors, "multi-turn: environment step failures per episode"),
     MonitorSpec("tool_errors", tool_errors, "multi-turn: fraction of tool calls that raised or timed out"),

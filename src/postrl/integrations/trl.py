@@ -39,6 +39,23 @@ costly judge is called once per process). Only the one-process path is tested he
 
 Prompts and completions reach postrl's reward sources as text: a conversational prompt as its last message's
 content, a conversational completion as its messages' contents joined.
+
+Top-p / top-k: the sampler draws from the filtered, renormalised distribution q = pi / M (M the probability mass
+the filter kept), TRL's trainer computes log pi over the whole vocabulary, so with vLLM's processed log-probs every
+token's importance ratio carries the factor M (TRL issue 6789), and without them the gradient is that of log pi,
+not of the log q the tokens were drawn from. The adapter reads the sampling settings TRL samples with
+(``GRPOConfig.top_p`` / ``top_k``, overridden by ``generation_kwargs``; vLLM's ``top_k=-1`` is off; greedy
+``do_sample=False`` has no filter) into the section's ``rollout.top_p`` / ``rollout.top_k``, and with
+``rollout.logprobs: filtered`` in the postrl section computes every trainer-side log-prob (the update's, the old and
+the reference ones TRL computes, the field producers') of the renormalised filtered distribution, exactly as
+postrl's own trainer (:func:`postrl.logprobs.filtered_token_logprobs`): TRL's fused LM head, which never forms
+the logits, is replaced by the model's own forward for those calls (``_get_per_token_logps_and_entropies``, one
+[rows, completion tokens, vocab] logits tensor per micro-batch). Neither HF ``generate`` nor TRL's vLLM client
+returns the sampler's kept set, so the kept set is the same top-p / top-k applied to the trainer's logits (the
+sampled token always kept). The kept mass is logged in both modes (``postrl/sampler/kept_mass_mean``, ``_min``,
+``kept_logmass_seq``: one extra no-grad forward per generation while a filter is on) and the
+``filtered_sampling`` alarm fires when it is low and the log-probs are uncorrected (``rollout.logprobs: full``,
+the default, TRL's own behaviour). ``min_p`` is not replayed: with ``rollout.logprobs: filtered`` it is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +64,7 @@ import copy
 import dataclasses
 import logging
 import warnings
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -63,6 +81,8 @@ from postrl.batch import RolloutBatch
 from postrl.config import Config, load_config
 from postrl.context import ModelContext
 from postrl.diagnostics.metrics import mismatch_metrics
+from postrl.generation import SamplingParams
+from postrl.logprobs import filtered_token_logprobs, logits_entropy
 from postrl.rewards import RewardContext
 from postrl.step import Step
 from postrl.train.processes import Processes
@@ -95,6 +115,61 @@ def _section(postrl: Config | Mapping[str, Any] | None) -> Config:
     if isinstance(postrl, Config):
         return postrl.model_copy(deep=True)
     return load_config(base=dict(postrl or {}))
+
+
+# the multimodal fields of TRL's batch that its log-prob forward takes (keyword arguments of
+# ``_get_per_token_logps_and_entropies``)
+_FORWARD_FIELDS = ("num_images", "num_tiles", "pixel_values", "image_grid_thw", "pixel_attention_mask",
+                   "spatial_shapes", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def trl_sampling(args: Any, logprobs: str = "full") -> SamplingParams:
+    """The sampling TRL does with ``args`` (a ``GRPOConfig``) as :class:`~postrl.generation.SamplingParams`:
+    ``temperature``, ``top_p``, ``top_k`` (``generation_kwargs`` override them, as TRL's generation does; a
+    ``top_k`` <= 0, vLLM's -1 included, is off; ``do_sample=False``: greedy, temperature 0, no filter), with
+    ``logprobs`` (postrl's ``rollout.logprobs``). ``min_p`` is not carried: with ``logprobs='filtered'`` a
+    ``min_p`` > 0 is a :class:`ConfigError` (the correction would replay a different filter than the sampler's)."""
+    gk = dict(args.generation_kwargs or {})
+    top_p = gk.get("top_p", args.top_p)
+    top_k = gk.get("top_k", args.top_k)
+    min_p = gk.get("min_p", args.min_p)
+    temperature = float(args.temperature) if gk.get("do_sample", True) else 0.0
+    params = SamplingParams(max_new_tokens=args.max_completion_length, temperature=temperature,
+                            top_p=1.0 if top_p is None else float(top_p), top_k=max(int(top_k or 0), 0),
+                            logprobs=logprobs)
+    if logprobs == "filtered" and min_p and temperature > 0:
+        raise ConfigError(f"GRPOConfig.min_p={min_p}: the top-p / top-k correction (rollout.logprobs=filtered) does "
+                          "not replay min_p; sample with top_p / top_k instead (min_p=None), or set "
+                          "rollout.logprobs=full")
+    return params
+
+
+class _FilteredHead:
+    """TRL's log-prob call ``model(**inputs, labels=labels, fused_lm_head=True)`` answered with the log-probs of the
+    top-p / top-k filtered, renormalised distribution: the model's own forward (``fused_lm_head`` off: TRL's fused
+    head never forms the logits) over the last ``T + 1`` positions, the logits divided by ``temperature``, then
+    :func:`postrl.logprobs.filtered_token_logprobs` at the labels (the completion tokens; -100 where masked, given
+    0). Returns what TRL reads of its fused output (``log_probs``, ``entropy`` of the unfiltered distribution,
+    ``aux_loss``), each [B, T]. ``kept``: a list that receives each call's kept log-mass [B, T] (0 where masked)."""
+
+    def __init__(self, model: Any, T: int, temperature: float, top_p: float, top_k: int,
+                 kept: list | None = None):
+        self.model, self.T, self.temperature, self.top_p, self.top_k, self.kept = \
+            model, T, temperature or 1.0, top_p, top_k, kept
+
+    def __call__(self, *, labels: torch.Tensor, fused_lm_head: bool = True, **inputs: Any) -> SimpleNamespace:
+        T = self.T
+        out = self.model(**inputs, logits_to_keep=T + 1, use_cache=False)
+        scaled = out.logits[:, -(T + 1):-1].float() / self.temperature
+        target = labels[:, -T:]
+        valid = target != -100
+        logp, kept = filtered_token_logprobs(scaled, target.clamp(min=0), self.top_p, self.top_k)
+        with torch.no_grad():
+            entropy = logits_entropy(scaled)
+        if self.kept is not None:
+            self.kept.append(kept.masked_fill(~valid, 0.0))
+        return SimpleNamespace(log_probs=logp.masked_fill(~valid, 0.0), entropy=entropy.masked_fill(~valid, 0.0),
+                               aux_loss=getattr(out, "aux_loss", None))
 
 
 def _trl_default(name: str) -> Any:
@@ -137,10 +212,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         if cfg.kl.coef > 0 and cfg.kl.placement != "loss":
             raise ConfigError("kl.placement=reward is not available in the TRL adapter; use kl.placement=loss")
         # what TRL's args decide for the postrl stages (a new config: the caller's stays as it was)
+        self.postrl_sampling = trl_sampling(args, cfg.rollout.logprobs)
+        self._logprob_filter = self.postrl_sampling.logprob_filter()  # {} unless the log-probs are corrected
         cfg = cfg.model_copy(update={
             "rollout": cfg.rollout.model_copy(update={"group_size": args.num_generations,
                                                       "max_new_tokens": args.max_completion_length,
-                                                      "temperature": float(args.temperature)}),
+                                                      "temperature": float(args.temperature),
+                                                      "top_p": self.postrl_sampling.top_p,
+                                                      "top_k": self.postrl_sampling.top_k}),
             "train": cfg.train.model_copy(update={"steps": args.max_steps if args.max_steps > 0 else cfg.train.steps})})
         self.postrl_config = cfg
         self.postrl = Step(cfg)  # the reward context and tokenizer reach it once TRL has loaded the model
@@ -184,19 +263,48 @@ class GRPOTrainer(trl.GRPOTrainer):
         scorer.tokenizer = tok
         self.ctx = ModelContext(self.accelerator.unwrap_model(self.model), tok, self.accelerator.device,
                                 temperature=float(args.temperature), micro_batch_size=args.per_device_train_batch_size,
-                                pad_id=tok.pad_token_id, logprob_fn=self._logprob_fn,
+                                sampling=self.postrl_sampling, pad_id=tok.pad_token_id, logprob_fn=self._logprob_fn,
                                 score=lambda b: self.postrl.score(b, observe=False))
 
     # ------------------------------------------------------------------------------------------------ model
     def _logprob_fn(self, model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                     completion_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, **_: Any):
         """``postrl.models.completion_logprobs``'s signature on TRL's forward (its temperature, its wrapped
-        model): what the field producers (e.g. ``token_entropy``) use."""
+        model; the filter, with ``rollout.logprobs=filtered``, applied by
+        :meth:`_get_per_token_logps_and_entropies`): what the field producers (e.g. ``token_entropy``) use."""
         ids = torch.cat([prompt_ids, completion_ids], 1)
         attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
         logp, ent, _ = self._get_per_token_logps_and_entropies(self.model, ids, attn, completion_ids.shape[1],
                                                                compute_entropy=with_entropy)
         return logp, ent
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's log-prob function (every trainer-side log-prob goes through it: the update's, the old and the
+        reference ones); with ``rollout.logprobs=filtered`` and a top-p / top-k filter, of the renormalised
+        filtered distribution the tokens were drawn from (:class:`_FilteredHead`; TRL's chunking and multimodal
+        inputs unchanged)."""
+        if self._logprob_filter:
+            model = _FilteredHead(model, logits_to_keep, self.postrl_sampling.temperature, **self._logprob_filter)
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                          **kwargs)
+
+    def _sampler_kept_logmass(self, out: dict) -> torch.Tensor:
+        """log M [n, T] of this process's rows of a generation ``out``: the log of the unfiltered probability mass
+        the top-p / top-k filter keeps at each completion token, from the trainer's logits (no gradient, in
+        micro-batches of ``per_device_train_batch_size``; 0 where masked)."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        T = out["completion_ids"].shape[1]
+        kept: list[torch.Tensor] = []
+        sp = self.postrl_sampling
+        head = _FilteredHead(self.model, T, sp.temperature, sp.top_p, sp.top_k, kept=kept)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                self, head, ids, attn, T, batch_size=self.args.per_device_train_batch_size,
+                **{k: out[k] for k in _FORWARD_FIELDS if k in out})
+        return torch.cat(kept).float()
 
     @property
     def _generate_every(self) -> int:
@@ -265,6 +373,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             batch.sampler_logprobs = self.ctx.logprobs(batch)[0]
         else:
             batch.sampler_logprobs = torch.full((len(batch), T), float("nan"))
+        if mode == "train" and self.postrl_sampling.filters:  # top-p / top-k: the kept mass (sampler/kept_mass_*)
+            batch.extra["sampler_kept_logmass"] = self._gather_padded(self._sampler_kept_logmass(out))
         adv = self.postrl.advantages(self.ctx, batch, observe=mode == "train").float()
         adv = torch.where(batch.valid.view(-1, *[1] * (adv.dim() - 1)), adv, torch.zeros_like(adv))
         batch.advantages = adv
