@@ -793,18 +793,22 @@ def unread(keys: set[str] | dict) -> list[tuple[MonitorSpec, list[str]]]:
 
 
 def unread_text(missing: list[tuple[MonitorSpec, list[str]]], engine: str) -> str:
-    """One line naming the monitors skipped for lack of metrics and what each would read (in ``engine``'s names
-    where the mapping has them)."""
+    """One line naming the monitors skipped for lack of metrics: those whose metrics ``engine`` could log (with the
+    engine's names), then those it has no counterpart for."""
     name = engines.ENGINES.get(engine, engine)
-    parts = []
+    could, cannot = [], []
     for spec, entries in missing:
-        need = []
-        for e in entries:
-            alts = e.split("|")
-            theirs = [n for a in alts for n in engines.names_for(engine, a)]
-            need.append(" or ".join(theirs) if theirs else " or ".join(alts))
-        parts.append(f"{spec.name} ({', '.join(need)})")
-    return (f"not logged by this {name} run, so these monitors are skipped: " + "; ".join(parts)) if parts else ""
+        theirs = [n for e in entries for alt in e.split("|") for n in engines.names_for(engine, alt)]
+        if theirs:
+            could.append(f"{spec.name} ({' or '.join(theirs)})")
+        else:
+            cannot.append(spec.name)
+    parts = []
+    if could:
+        parts.append(f"not in this run's logs: {', '.join(could)}")
+    if cannot:
+        parts.append(f"{name} logs no counterpart of what they read: {', '.join(cannot)}")
+    return ("monitors skipped, " + "; ".join(parts)) if parts else ""
 
 
 def sort_key(alarm: Alarm | dict) -> tuple:
