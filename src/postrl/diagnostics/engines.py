@@ -5,7 +5,7 @@ alarms inside TRL / verl and docs/metrics.md use.
   trainer log it under. A name that maps exactly is *read* as the postrl key (``read`` is true: a TRL run's
   ``completions/clipped_ratio`` is read as ``truncated/frac``, so postrl's monitors run on it); a name shown for
   orientation only (a different definition) is not read. docs/metrics.md's tables are generated from it
-  (:func:`update_doc`; ``python -m postrl.diagnostics.engines docs/metrics.md`` rewrites them, a test keeps them
+  (:func:`update_doc`; ``python -m postrl.diagnostics docs/metrics.md`` rewrites them, a test keeps them
   equal).
 * :data:`OPTIONS`: postrl config keys beside the TRL (``GRPOConfig``) and verl (Hydra) options that set the same
   thing, so an alarm on a TRL or verl run names that engine's option (``max_completion_length``,
@@ -527,7 +527,7 @@ def names_table(section: str) -> str:
 
 def options_table() -> str:
     """The markdown table of :data:`OPTIONS`."""
-    lines = ["| postrl key | TRL (`GRPOConfig`) | verl | |", "|---|---|---|---|"]
+    lines = ["| postrl key | TRL (`GRPOConfig`) | verl | note |", "|---|---|---|---|"]
     for o in OPTIONS:
         lines.append(f"| `{o.key}` | `{o.trl}` | `{o.verl}` | {o.note if o.note else ''}"
                      f"{'' if o.exact else (' ' if o.note else '') + '(name only: values differ)'} |")
@@ -535,7 +535,7 @@ def options_table() -> str:
 
 
 def _begin(name: str) -> str:
-    return f"<!-- generated: {name} (python -m postrl.diagnostics.engines docs/metrics.md) -->"
+    return f"<!-- generated: {name} (python -m postrl.diagnostics docs/metrics.md) -->"
 
 
 END = "<!-- end generated -->"
@@ -566,7 +566,7 @@ def update_doc(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m postrl.diagnostics.engines docs/metrics.md", file=sys.stderr)
+        print("usage: python -m postrl.diagnostics docs/metrics.md", file=sys.stderr)
         return 2
     from pathlib import Path
 
@@ -576,5 +576,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,7 @@
   as null, read back as NaN. A folder holding exactly one such file works too. The file logger records no config,
   so the alarms name verl's options without their values.
 * A W&B offline run folder (``wandb/offline-run-*``, a ``run-*.wandb`` file, or a ``wandb`` folder: its latest run),
-  read by the wandb package itself offline (``wandb leet inspect --json``, wandb >= 0.24); its config gives the
+  read by the wandb package itself offline (``wandb leet inspect --json``; tested with wandb 0.31); its config gives the
   settings. The engine is recognised from the config and the metric names: TRL (transformers' W&B callback logs
   ``train/<name>`` and the ``GRPOConfig``), verl (its config's ``actor_rollout_ref``) or postrl's own W&B sink.
 
@@ -238,7 +238,7 @@ def _verl_file(p: Path) -> Foreign | None:
         rows.append({**data, "step": rec["step"]})
     return Foreign("verl", p, {}, rows, finished=None, detail="verl's file logger does not record the end of a run",
                    notes=["verl's file logger records no config: its options are named without their values"],
-                   kind="verl file logger (JSON lines)")
+                   kind="file logger JSON lines")
 
 
 # ------------------------------------------------------------------------------------------------ W&B
@@ -272,7 +272,7 @@ def _wandb_records(target: Path) -> list[dict]:
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise PostrlError(f"'{target}': the wandb package could not read this run offline (wandb leet inspect: "
-                          f"{last}); wandb >= 0.24 reads offline runs")
+                          f"{last}); a wandb version with `wandb leet inspect` (0.31 has it) reads offline runs")
     out = []
     for line in res.stdout.splitlines():
         try:
