@@ -313,6 +313,9 @@ def _wandb_run(p: Path) -> Foreign | None:
             exit_code = (rec.get("exit") or {}).get("exit_code", 0)
     config = {k: _wandb_value(v) for k, v in config.items() if k != "_wandb"}
     keys = {k for h in hist for k in h}
+    if not hist and not config:
+        raise PostrlError(f"'{target}': the W&B run has logged nothing yet (a run still open in its process is "
+                          "written when it finishes)")
     from postrl.diagnostics.engines import flatten
 
     if "actor_rollout_ref" in config or any(k.startswith(("critic/", "actor/", "response_length/")) for k in keys):
