@@ -428,8 +428,9 @@ FIXES: dict[str, dict[str, str]] = {
                               "penalty reward function, or normalise the reward by length",
     },
     "verl": {
-        "nan_guard": "lower actor_rollout_ref.actor.optim.lr{now:optim.lr}, keep actor_rollout_ref.actor.optim.clip_grad "
-                     "set{now:optim.max_grad_norm}, train in bf16 or float32 rather than fp16",
+        "nan_guard": "lower actor_rollout_ref.actor.optim.lr{now:optim.lr}, keep "
+                     "actor_rollout_ref.actor.optim.clip_grad set{now:optim.max_grad_norm}, train in bf16 or float32 "
+                     "rather than fp16",
         "nan_guard:reward": "fix the reward function (reward.custom_reward_function)",
         "logprob_mismatch": "correct the rollout / trainer gap with algorithm.rollout_correction.rollout_is=token "
                             "(rollout_is_threshold), use the same dtype in the rollout and the actor, check "
@@ -445,7 +446,8 @@ FIXES: dict[str, dict[str, str]] = {
         "kl_blowup": "lower actor_rollout_ref.actor.optim.lr{now:optim.lr}, raise actor_rollout_ref.actor."
                      "kl_loss_coef{now:kl.coef} (with actor_rollout_ref.actor.use_kl_loss=true) or "
                      "algorithm.kl_ctrl.kl_coef (algorithm.use_kl_in_reward=true), use fewer "
-                     "actor_rollout_ref.actor.ppo_epochs{now:train.epochs}, keep actor_rollout_ref.actor.optim.clip_grad set",
+                     "actor_rollout_ref.actor.ppo_epochs{now:train.epochs}, keep "
+                     "actor_rollout_ref.actor.optim.clip_grad set",
         "entropy_collapse": "raise the upper clip (actor_rollout_ref.actor.clip_ratio_high=0.28, clip-higher as in "
                             "DAPO), lower actor_rollout_ref.actor.optim.lr{now:optim.lr}, add an entropy bonus "
                             "(actor_rollout_ref.actor.entropy_coeff > 0), a KL loss (actor_rollout_ref.actor."

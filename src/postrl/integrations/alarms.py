@@ -39,7 +39,7 @@ from typing import Any
 from postrl.config.diagnostics import DiagnosticsConfig
 from postrl.diagnostics.foreign import ForeignWatchdog
 
-__all__ = ["AlarmCallback", "VerlAlarms", "verl_step", "install_verl"]
+__all__ = ["AlarmCallback", "VerlAlarms", "verl_step", "install_verl"]  # noqa: F822 - AlarmCallback: __getattr__
 
 
 # ------------------------------------------------------------------------------------------------ TRL

@@ -218,9 +218,10 @@ def _status_table(runs: list[Run], colors: list[str]) -> str:
         al = ", ".join(f"<span class='{a.get('severity', 'warn')}'>{_e(n)}</span>" for n, a in
                        sorted(summ.items(), key=lambda kv: ORDER.get(kv[0], 99))) or "<span class='ok'>none</span>"
         ck = run.checkpoints()
+        engine = f" ({_e(ENGINES.get(run.engine, run.engine))})" if run.engine != "postrl" else ""
         rows.append(
-            f"<tr><td><span class='legend-run' style='background:{color}'></span>{_e(run.name)}"
-            f"{' (' + _e(ENGINES.get(run.engine, run.engine)) + ')' if run.engine != 'postrl' else ''}</td><td>{st}</td>"
+            f"<tr><td><span class='legend-run' style='background:{color}'></span>{_e(run.name)}{engine}</td>"
+            f"<td>{st}</td>"
             f"<td class='num'>{run.steps_done} / {run.steps_planned if run.steps_planned is not None else '?'}</td>"
             f"<td class='num'>{_fmt(e0.get('accuracy'))} &rarr; {_fmt(e1.get('accuracy'))}</td>"
             f"<td class='num'>{_fmt(ys[0] if ys else None)} &rarr; {_fmt(ys[-1] if ys else None)}</td>"
