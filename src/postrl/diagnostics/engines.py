@@ -438,8 +438,8 @@ FIXES: dict[str, dict[str, str]] = {
         "filtered_sampling": "sample without the filter (actor_rollout_ref.rollout.top_p=1.0, top_k=-1)",
         "truncation": "raise data.max_response_length{now:rollout.max_new_tokens} (actor_rollout_ref.rollout."
                       "response_length follows it), penalise overlong responses (DAPO's overlong buffer: "
-                      "reward.reward_manager.name=dapo with reward.reward_kwargs.overlong_buffer_cfg.enable=true and "
-                      "reward.reward_kwargs.max_resp_len), or warm-start with SFT (verl's sft trainer)",
+                      "reward.reward_manager.name=dapo with +reward.reward_kwargs.overlong_buffer_cfg.enable=true, "
+                      "its len and penalty_factor, and +reward.reward_kwargs.max_resp_len), or warm-start with SFT (verl's sft trainer)",
         "tool_errors": "read the failing calls in the rollout dumps (trainer.rollout_data_dir), state the tool's "
                        "arguments in its schema (actor_rollout_ref.rollout.multi_turn.tool_config_path), or fix the "
                        "tool",
@@ -453,17 +453,18 @@ FIXES: dict[str, dict[str, str]] = {
                             "(actor_rollout_ref.actor.entropy_coeff > 0), a KL loss (actor_rollout_ref.actor."
                             "use_kl_loss=true), or raise actor_rollout_ref.rollout.temperature"
                             "{now:rollout.temperature}",
-        "zero_variance_groups": "drop such groups and sample more (DAPO's dynamic sampling: "
-                                "algorithm.filter_groups.enable=true, algorithm.filter_groups.metric=acc or score, "
-                                "algorithm.filter_groups.max_num_gen_batches), raise actor_rollout_ref.rollout.n"
-                                "{now:rollout.group_size} or actor_rollout_ref.rollout.temperature"
-                                "{now:rollout.temperature}, or use a graded reward",
+        "zero_variance_groups": "drop such groups and sample more (DAPO's dynamic sampling, in verl's v1 trainer: "
+                                "trainer.use_v1=true, algorithm.filter_groups.enable=true, "
+                                "algorithm.filter_groups.metric=reward or a reward_extra_info key such as acc), raise "
+                                "actor_rollout_ref.rollout.n{now:rollout.group_size} or "
+                                "actor_rollout_ref.rollout.temperature{now:rollout.temperature}, or use a graded "
+                                "reward",
         "zero_variance_groups:solved": "drop solved groups (algorithm.filter_groups.enable=true) and use harder "
                                        "prompts",
         "zero_variance_groups:too_hard": "warm-start with SFT, use easier prompts, raise actor_rollout_ref.rollout.n"
                                          "{now:rollout.group_size}, or drop them (algorithm.filter_groups.enable=true)",
         "length_drift:grow": "penalise overlong responses (reward.reward_manager.name=dapo with "
-                             "reward.reward_kwargs.overlong_buffer_cfg.enable=true), use "
+                             "+reward.reward_kwargs.overlong_buffer_cfg.enable=true), use "
                              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO) or "
                              "token-mean, and probe the reward with a very long completion (`postrl probe-reward`)",
         "length_drift:shrink": "probe the reward with empty and short completions (`postrl probe-reward`) and use "
@@ -477,7 +478,7 @@ FIXES: dict[str, dict[str, str]] = {
         "teacher_variance": "raise actor_rollout_ref.rollout.temperature{now:rollout.temperature} or "
                             "actor_rollout_ref.rollout.n{now:rollout.group_size}, or mix in a verifiable reward",
         "length_reward_corr": "probe the reward with a very long completion (`postrl probe-reward`) and penalise "
-                              "length (reward.reward_kwargs.overlong_buffer_cfg)",
+                              "length (reward.reward_manager.name=dapo, +reward.reward_kwargs.overlong_buffer_cfg)",
     },
 }
 """engine -> alarm (``name`` or ``name:variant``) -> the fix in that engine's options. An alarm without an entry

@@ -114,7 +114,7 @@ def _trainer_state_file(p: Path) -> Foreign | None:
         m = re.fullmatch(r"checkpoint-(\d+)", d.name)
         if m and (d / "trainer_state.json").is_file():
             cks.append((int(m.group(1)), d))
-    where = f.parent.name if f.parent != out_dir else "the output folder"
+    where = f.parent.name if f.parent.name.startswith("checkpoint-") else "the output folder"
     return Foreign("trl", f, settings, rows, evals, finished=finished, steps_planned=planned,
                    detail=None if finished else f"trainer_state.json ({where}) is at step {step} of "
                    f"{planned if planned is not None else '?'}; the Trainer writes it with each checkpoint",
