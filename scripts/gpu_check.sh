@@ -78,9 +78,12 @@ class Clock(TrainerCallback):
 def correct(prompts, completions, answer, **kw):
     return [1.0 if c.strip().startswith(str(a)) else 0.0 for c, a in zip(completions, answer)]
 
+import logging
+logging.getLogger("postrl.trl").setLevel(logging.ERROR)  # (the alarms of an untrained model, every step)
 def args(d): return GRPOConfig(output_dir=str(out / d), report_to="none", save_strategy="no", max_steps=10,
                                per_device_train_batch_size=32, num_generations=8, max_completion_length=64,
-                               learning_rate=1e-4, logging_steps=1, bf16=True, beta=0.0, disable_tqdm=True)
+                               learning_rate=1e-4, logging_steps=1000, bf16=True, beta=0.0, disable_tqdm=True,
+                               log_level="error")
 for name, make in (("trl", lambda c: TRLTrainer(model=str(out / "m20"), reward_funcs=[correct], args=args("trl"),
                                                 train_dataset=ds, callbacks=[c])),
                    ("postrl adapter", lambda c: GRPOTrainer(model=str(out / "m20"),
@@ -95,5 +98,6 @@ for name, make in (("trl", lambda c: TRLTrainer(model=str(out / "m20"), reward_f
     torch.cuda.reset_peak_memory_stats()
 EOF
 
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 echo "== postrl bench --device cuda --quick"
 python3 -m postrl bench --device cuda --quick --markdown "$OUT/bench.md" 2>&1 | tail -n 25

@@ -89,6 +89,8 @@ from postrl.train.processes import Processes
 
 _log = logging.getLogger("postrl.trl")
 
+from postrl.integrations.alarms import AlarmCallback  # noqa: E402,F401 - postrl's alarms on TRL's own trainer
+
 # GRPOConfig fields whose job the postrl section does, with the postrl key that does it: set to anything but TRL's
 # default they would be silently ignored, so they are refused.
 _REPLACED = {
