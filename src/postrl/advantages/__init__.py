@@ -17,7 +17,7 @@ Conventions shared by every estimator here:
   estimator names them as positional parameters.
 
 Modules: ``outcome`` (anchor-matched outcome estimators: dr_grpo, rloo, reinforce_pp(_baseline), remax, opo, gpg,
-pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, role_aware, mapo, rl_zvp, confidence_scaled,
+pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, mapo, rl_zvp, confidence_scaled,
 riskpo, aem, information_gain), ``tournament`` (rank_tournament), ``process`` (step_return: token advantages from
 process step rewards, PURE).
 """
