@@ -29,7 +29,8 @@ each model turn's last token, -1 padded), ``turn_rewards`` [N, K] float (the env
 0 where it gave none, NaN where it raised, NaN beyond the episode), ``turn_truncated`` [N, K] bool,
 ``num_turns`` [N] long, and per-episode counts ``tool_calls``, ``tool_errors``, ``malformed_calls``,
 ``env_errors`` [N] long. The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
-feeds the reward source ``environment``. ``truncated`` [N] is True for an episode the environment did not end.
+feeds the reward source ``environment``; the column ``env_scores`` holds per episode the named scores the
+environment reported in ``info['scores']`` (a dict, the latest value of each name; empty when none). ``truncated`` [N] is True for an episode the environment did not end.
 
 Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
 how many episodes end early or on the number of processes. The generation backend is reached only through
@@ -151,6 +152,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     turn_trunc = torch.zeros((N, K), dtype=torch.bool)
     counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
     env_rewards: list[list] = [[] for _ in range(N)]
+    env_scores: list[dict] = [{} for _ in range(N)]
     finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
     live = list(range(N))
 
@@ -186,6 +188,8 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
             obs, reward, done, info = out
             for c in COUNTERS:
                 counts[c][r] += int((info or {}).get(c, 0))
+            if isinstance((info or {}).get("scores"), dict):
+                env_scores[r].update({str(k): float(v) for k, v in info["scores"].items()})
             env_rewards[r].append(None if reward is None else float(reward))
             turn_rewards[r, k] = 0.0 if reward is None else float(reward)
             if done:
@@ -216,6 +220,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     keys = [key for key in rows[0] if key != "prompt"] if rows else []
     columns = {key: [rows[row_of[r]].get(key) for r in range(N)] for key in keys}
     columns["env_turn_rewards"] = env_rewards
+    columns["env_scores"] = env_scores
     ex = dict(extra or {})
     ex.update(turn_ends=turn_ends, turn_rewards=turn_rewards, turn_truncated=turn_trunc,
               num_turns=(turn_ends >= 0).sum(-1), **counts)
