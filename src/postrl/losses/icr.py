@@ -115,7 +115,8 @@ def icr(logp: torch.Tensor, icr_target: torch.Tensor) -> torch.Tensor:
     Shapes: logp [n, T], icr_target [n] -> [n, T]. Producer parameters (set in this entry) and defaults:
     ``source`` 'correct', ``correct_threshold`` 1.0, ``top`` 1, ``gate`` 'batch', ``max_corr`` 0.0,
     ``shorter_than_mean`` true; ``coef`` is the entry's (no value in the abstract; 0.1 is a reasonable start
-    under token_mean).
+    under token_mean). The targets are marked once per step on the training batch (under DDP, "batch" is this
+    process's rows, whole groups).
     After ICR (arXiv 2605.07316): the abstract gives the signal (the shortest correct responses of each rollout
     group, the sign of the length-accuracy correlation) but no loss. Assumed: the KL-to-the-restricted-policy
     reading above (a likelihood term, not a reward), Pearson correlation within groups averaged over the groups
