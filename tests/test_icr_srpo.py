@@ -74,6 +74,17 @@ def test_icr_targets_are_the_shortest_correct_completions_in_the_overthinking_re
     assert rho_b > 0 and z.sum() == 0
 
 
+def test_icr_targets_the_short_correct_answer_not_the_many_step_one():
+    """The issue's case against the old step_length_regularizer, which paid +0.0145 to a correct 150-token completion
+    in 10 steps, -0.103 to 100 tokens in 2 steps and -0.081 to a 40-token one-step answer: ICR pulls toward the
+    40-token one, whatever the steps, since the group overthinks (its wrong completion is the longest)."""
+    lens, correct = T([150.0, 100, 40, 200]), T([1.0, 1, 1, 0])
+    # dL = (27.5, -22.5, -82.5, 77.5), dc = (.25, .25, .25, -.75): cov = -77.5 < 0
+    z, rho = icr_targets(correct[:, None], ["correct"], lens, torch.zeros(4, dtype=torch.long))
+    assert rho == pytest.approx(-77.5 / math.sqrt(14075 * 0.75))  # sum dL^2 = 14075, sum dc^2 = 0.75
+    close(z, [0, 0, 1, 0])
+
+
 def test_icr_ignores_invalid_and_unknown_rows():
     rewards = torch.stack([CORRECT, torch.zeros(16)], 1)
     valid = torch.ones(16, dtype=torch.bool)
