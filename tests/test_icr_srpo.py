@@ -3,6 +3,7 @@ plumbing (a regulariser's field produced through the model context, read by the 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -306,3 +307,15 @@ def test_srpo_through_the_step_and_config():
         load_config(None, ["regularizers=[{name: srpo, strength: 1.0}]"])
     with pytest.raises(ConfigError, match=r"regularizers\.0\.corruption: expected 'mask' or 'shuffle'"):
         load_config(None, ["regularizers=[{name: srpo, corruption: drop}]"])
+
+
+def test_methods_lists_the_producer_parameters_of_the_entry(capsys):
+    from postrl.cli import main
+
+    assert main(["methods", "icr", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(p["name"], p.get("field")) for p in d["parameters"]] == [
+        (k, "icr_target") for k in ("source", "correct_threshold", "top", "gate", "max_corr", "shorter_than_mean")]
+    assert main(["methods", "srpo", "--kind", "regularizer", "--json"]) == 0
+    names = [p["name"] for p in json.loads(capsys.readouterr().out)["parameters"]]
+    assert names == ["strength", "scale", "perception_tag", "reasoning_tag", "evidence_tag", "corruption", "seed"]
