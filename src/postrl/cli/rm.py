@@ -69,6 +69,7 @@ def run_train(args) -> int:
     check_option("--max-length", args.max_length, low=1)
     check_option("--heads", args.heads, low=1)
     check_option("--seeds", args.seeds, low=1)
+    check_option("--bias-judge-timeout", args.bias_judge_timeout, low=0, low_open=True)
     pairs = read_preferences(args.data, bias_column=args.bias_column)
     if args.eval:
         train, held = pairs, read_preferences(args.eval, bias_column=args.bias_column)
