@@ -22,7 +22,7 @@ import time
 import torch
 
 from postrl import registry
-from postrl.pipeline import call_stage
+from postrl.stages import call_stage
 
 
 def make_chunk(n: int, T: int, G: int, seed: int) -> dict:
