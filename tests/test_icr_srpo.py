@@ -161,9 +161,10 @@ def test_srpo_weights_by_hand():
     assert (w2 >= 1 - 0.9 - 1e-7).all() and (w2 <= 1.9 + 1e-7).all() and (w2 > 0).all()
 
 
-def test_srpo_weight_on_the_loss_is_the_token_level_advantage():
-    """ppo_clip (dual clip on) with SRPO's pg_mask w == ppo_clip with advantages A_{i,t} = w_{i,t} A_i: same loss,
-    same gradient; and the direction of every token's update is the one of plain GRPO."""
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "gmpo", "cispo", "gpg", "sapo", "dispo"])
+def test_srpo_weight_on_the_loss_is_the_token_level_advantage(loss):
+    """A loss (ppo_clip with dual clip) with SRPO's pg_mask w == the same loss with advantages A_{i,t} = w_{i,t} A_i:
+    same value, same gradient; and the direction of every token's update is the one of plain GRPO."""
     g = torch.Generator().manual_seed(0)
     n, t = 4, 6
     old = -torch.rand(n, t, generator=g) * 2 - 0.1
@@ -175,7 +176,8 @@ def test_srpo_weight_on_the_loss_is_the_token_level_advantage():
     s[:, 0] = nan  # a tag token: no role
 
     def objective(regs):
-        cfg = load_config(None, [f"regularizers={regs}", "loss.dual_clip=3.0", "rollout.max_new_tokens=6"])
+        extra = ["loss.dual_clip=3.0"] if loss == "ppo_clip" else []
+        cfg = load_config(None, [f"regularizers={regs}", f"loss.name={loss}", "rollout.max_new_tokens=6", *extra])
         return Objective.from_config(cfg)
 
     with_srpo, plain = objective("[{name: srpo, strength: 0.8}]"), objective("[]")

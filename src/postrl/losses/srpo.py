@@ -16,8 +16,10 @@ How it composes with "any advantage estimator": the weights multiply each token'
 objective's ``pg_mask`` (the route a token-selection stage such as ``top_entropy_tokens`` takes), so the advantage
 stage stays whatever the config names (stateful or not, [N] or [N, T], reading any produced field) and the reward is
 untouched. For every loss that is positively homogeneous in A per token (``ppo_clip`` with or without dual clip,
-``gspo``, ``cispo``, ``gpg``, ``sapo``, ``dispo``) w_t * loss_t(A) = loss_t(w_t A): exactly the paper's token-level
-advantage A_{i,t} = w_{i,t} A_i, with the sign (the update direction) of A unchanged since w > 0. An advantage stage
+``gspo``, ``gmpo``, ``cispo``, ``gpg``, ``sapo``, ``dispo``; tested) w_t * loss_t(A) = loss_t(w_t A): exactly the
+paper's token-level advantage A_{i,t} = w_{i,t} A_i, with the sign (the update direction) of A unchanged since
+w > 0 (``clip_cov`` / ``kl_cov`` select tokens by a covariance that reads |A|: there the weight scales the loss
+only). An advantage stage
 ``srpo`` wrapping a ``base`` estimator would have to forward that estimator's fields, producers, state and needs;
 the loss-side weight needs none of that.
 """
