@@ -16,8 +16,7 @@ from postrl.advantages import grpo, masked_whiten
 from postrl.advantages.gae import GAE, gae_advantages_returns, token_rewards
 from postrl.advantages.process import step_return
 from postrl.advantages.outcome import dr_grpo, gpg, opo, pass_at_k, reinforce_pp, reinforce_pp_baseline, remax, rloo
-from postrl.advantages.shaped import (aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp,
-                                      role_aware)
+from postrl.advantages.shaped import aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp
 from postrl.advantages.tournament import bracket_order, rank_tournament
 from postrl import stages
 from postrl.stages import call_stage
@@ -111,22 +110,6 @@ def test_gdpo_motivating_case_differs_from_grpo():
     r2 = rewards.clone()
     r2[3, 1] = nan
     assert close(gdpo(r2, w, g, batch_norm=False), [-S2, S2, -S2, S2], atol=1e-3)
-
-
-def test_role_aware_per_role_statistics_and_weights():
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 1.0], [1.0, 1.0]])
-    names, w = ["acc", "fmt"], torch.tensor([1.0, 0.0])
-    cols = {"role": ["a", "a", "b", "b"]}
-    a = role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols)
-    assert close(a, [S2, -S2, S2, -S2])  # each role normalised on its own
-    # role b weighs only fmt -> its rewards are equal (1, 1): no signal; role a unchanged
-    a = role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols,
-                   role_weights={"b": {"acc": 0.0, "fmt": 1.0}})
-    assert close(a, [S2, -S2, 0.0, 0.0])
-    with pytest.raises(ValueError, match="no column 'role'.*columns: task"):
-        role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), {"task": ["x"] * 4})
-    with pytest.raises(ValueError, match="unknown reward 'len'; rewards: acc, fmt"):
-        role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols, role_weights={"a": {"len": 1.0}})
 
 
 def test_mapo_mix():
@@ -587,12 +570,11 @@ def test_unknown_parameter_values_are_errors():
              ("riskpo", {"alpha": 0}, "advantage.alpha: expected a value > 0 and <= 1, got 0"),
              ("grpo", {"eps": -1}, "advantage.eps: expected a value >= 0, got -1"),
              ("grpo", {"scale": "sideways"}, "advantage.scale: expected 'group', 'batch' or 'none', got 'sideways'"),
-             ("turn_mapo", {"gamma": -0.1}, "advantage.gamma: expected a value >= 0 and <= 1, got -0.1"),
-             ("role_aware", {"role_weights": {"a": 1.0}}, "advantage.role_weights.a: expected a mapping")]
+             ("turn_mapo", {"gamma": -0.1}, "advantage.gamma: expected a value >= 0 and <= 1, got -0.1")]
     for name, params, message in cases:
         with pytest.raises(registry.ConfigError) as e:
             stages.build("advantage", name, params)
-        assert str(e.value) == message if not message.endswith("mapping") else str(e.value).startswith(message)
+        assert str(e.value) == message
     assert stages.build("advantage", "grpo", {"eps": 0, "scale": "none"}).params == {"eps": 0.0, "scale": "none"}
     with pytest.raises(registry.ConfigError, match="unknown parameter 'lambda' for advantage 'gae'; valid: gamma, lam"):
         stages.check_params("advantage", "gae", {"lambda": 0.9}, where="advantage")

@@ -10,7 +10,6 @@ import torch
 
 from logprob_reference import renormalised_reference
 from postrl.cli import main as cli_main
-from postrl.config import load_config
 from postrl.diagnostics.agreement import LAYOUTS, ratio_stats, recompute
 from postrl.models.tiny import build_local
 

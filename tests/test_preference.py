@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from postrl import stages
 from postrl.cli import main

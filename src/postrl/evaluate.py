@@ -76,6 +76,10 @@ def _evaluate_episodes(episodes: Episodes, rows: list[dict], *, max_new_tokens: 
         "truncated": float(greedy.truncated.float().mean()) if rows else 0.0,
         "n": len(rows),
     }
+    reported = greedy.columns.get("env_scores") or []
+    for name in sorted({key for sc in reported for key in sc}):
+        vals = [sc[name] for sc in reported if name in sc]
+        out[f"env/{name}"] = sum(vals) / len(vals)
     if k > 1:
         sampled = episode_success(episodes(rows, k, SamplingParams(max_new_tokens=max_new_tokens,
                                                                    temperature=temperature, stop=stops), seed + 1))
@@ -104,7 +108,9 @@ def evaluate(backend, tokenizer, source: PromptSource, rows: list[dict], *, max_
     environment reward is >= 1 (:func:`episode_success`; the environment's own check, e.g. the calculator's answer
     turn, so environments without a task verifier are scored too): ``scored_by`` is "environment", ``reward`` the
     greedy episodes' mean environment reward, ``turns`` their mean number of model turns, ``mean_length`` their mean
-    number of model tokens, ``truncated`` the fraction the environment did not end. Prompts are not cut there (as
+    number of model tokens, ``truncated`` the fraction the environment did not end, and ``env/<name>`` the mean of
+    each named score the environment reported (``info['scores']``) over the greedy episodes that reported it (e.g.
+    ``adversarial_user``'s consistency and its parts). Prompts are not cut there (as
     in multi-turn training: ``environment.max_total_tokens`` bounds an episode)."""
     if episodes is not None:
         return _evaluate_episodes(episodes, rows, max_new_tokens=max_new_tokens, k=k, temperature=temperature,

@@ -23,6 +23,9 @@ the stage's own (:func:`postrl.stages.check_params`). Built in:
 The last four (registered in :mod:`postrl.rewards.dense`, :mod:`postrl.rewards.critic` and
 :mod:`postrl.rewards.teacher`) use a model that is the stage's own (a ``reward_model`` folder, a critic, an
 ``mle_model`` folder), not the policy: of the context they use only the policy's tokenizer (and chat template).
+The regularisers' fields are produced the same way, once per step before the update (``Step.advantages``):
+``icr_target`` [N] (:mod:`postrl.losses.icr`, no model call) and ``srpo_contrast`` [N, T]
+(:mod:`postrl.losses.srpo`, three no-grad forwards of the policy).
 """
 
 from __future__ import annotations

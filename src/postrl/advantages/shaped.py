@@ -6,7 +6,7 @@ Where an abstract leaves the formula open, the docstring says "after <paper>" an
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import torch
 from annotated_types import Ge, Gt, Interval, Le
@@ -71,41 +71,6 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
         sd = sv.std() if sv.numel() > 1 else torch.zeros((), dtype=torch.float64)
         s = (s - mu) / (sd + eps)
     return torch.where(v, s, torch.zeros_like(s)).to(torch.float32)
-
-
-# ------------------------------------------------------------------------------------------------------ role-aware
-@register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning", needs=("groups",))
-def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
-               columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
-               role_weights: dict[Any, dict[str, float]] | None = None, eps: Eps = 1e-6) -> torch.Tensor:
-    """GRPO with statistics and reward weights taken per (group, role label).
-
-    After "Structured Role-Aware Policy Optimization for Multimodal Reasoning" (the abstract: the policy is
-    penalised differently depending on the role it reasons in). Assumed reading: each completion carries a role
-    (or task) label in the data column ``column`` (default 'role'); its reward is r_i = sum_k w_{role(i),k} r_i^k
-    with per-role weights ``role_weights = {role: {reward_name: weight}}`` (names not listed keep the run's
-    ``rewards[].weight``), and A_i = (r_i - mean_{g,role} r) / (std_{g,role} r + eps) over the completions of the
-    same group and role (unbiased std, eps 1e-6 as grpo). A (group, role) cell with one valid completion gets 0.
-    Shapes: rewards [N, K], reward_names [K], reward_weights [K], group_ids [N], columns {column: [N]} -> [N].
-    """
-    if column not in columns:
-        raise ValueError(f"advantage.column: the batch has no column '{column}'; columns: "
-                         f"{', '.join(sorted(columns)) or '(none)'}")
-    labels = [str(x) for x in columns[column]]
-    names = list(reward_names)
-    W = reward_weights.to(torch.float64).unsqueeze(0).repeat(len(labels), 1)
-    for role, weights in (role_weights or {}).items():
-        rows = torch.tensor([lab == str(role) for lab in labels], dtype=torch.bool)
-        for name, w in weights.items():
-            if name not in names:
-                raise ValueError(f"advantage.role_weights.{role}: unknown reward '{name}'; rewards: {', '.join(names)}")
-            W[rows, names.index(name)] = float(w)
-    r = (rewards.to(torch.float64) * W).sum(-1)
-    role_ids = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
-    rid = torch.tensor([role_ids[lab] for lab in labels], dtype=torch.long)
-    inv, _ = group_index(group_ids)
-    cell = inv * max(len(role_ids), 1) + rid
-    return grpo(r, cell, valid, scale="group", eps=eps)
 
 
 # ------------------------------------------------------------------------------------------------------ MAPO

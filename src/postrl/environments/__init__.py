@@ -8,7 +8,9 @@ drives it:
     observation, reward, done, info = env.step(action)    # the model's turn (decoded text) -> the next message
 
 ``reward`` is a float or None (no reward on this turn); ``done`` ends the episode; ``info`` is a dict whose
-counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode. Both methods
+counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode, and whose
+``scores`` (a dict of named floats, e.g. the parts of a final score) the rollout keeps per episode (the latest value
+of each name; ``postrl eval`` reports their means as ``env/<name>``). Both methods
 may be ``async def`` (:class:`AsyncEnvironment`): the rollout awaits them. An environment that raises ends its
 episode: the episode's reward is NaN (a failed reward entry, excluded from the advantage) and ``env_errors``
 counts it. Environments written for other libraries run through :mod:`postrl.environments.adapters`: the
@@ -19,7 +21,8 @@ user's class as an import path parameter.
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
 :mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
-:mod:`postrl.environments.reward` (the reward source ``environment``).
+:mod:`postrl.environments.adversarial` (a user who gaslights, escalates or presses for validation; the policy's
+consistency as the reward), :mod:`postrl.environments.reward` (the reward source ``environment``).
 """
 
 from __future__ import annotations
@@ -77,4 +80,4 @@ def make(name: str, params: dict | None = None) -> Any:
 
 
 # register the built-ins and the adapters
-from postrl.environments import adapters, calculator, code_repair, reward, tools  # noqa: E402,F401
+from postrl.environments import adapters, adversarial, calculator, code_repair, reward, tools  # noqa: E402,F401

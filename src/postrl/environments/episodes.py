@@ -33,7 +33,9 @@ turn's ``info['process_score']`` (NaN where none; ``code_repair`` gives each att
 ``failure_cause`` (a list of N): ``'env_error'`` when the environment raised, ``'token_limit'`` when the token
 budget ended an episode the environment had not ended, else the last ``info['failure_cause']`` the environment
 reported (None when it reported none, or None: e.g. solved). The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
-feeds the reward source ``environment``. ``truncated`` [N] is True for an episode the environment did not end.
+feeds the reward source ``environment``. the column ``env_scores`` holds per episode the named scores the
+environment reported in ``info['scores']`` (a dict, the latest value of each name; empty when none). ``truncated`` [N] is
+True for an episode the environment did not end.
 
 Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
 how many episodes end early or on the number of processes. The generation backend is reached only through
@@ -158,6 +160,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     token_limit = torch.zeros(N, dtype=torch.bool)
     counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
     env_rewards: list[list] = [[] for _ in range(N)]
+    env_scores: list[dict] = [{} for _ in range(N)]
     finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
     live = list(range(N))
 
@@ -201,6 +204,8 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
                     turn_scores[r, k] = float(info["process_score"])
                 if "failure_cause" in info:
                     causes[r] = None if info["failure_cause"] is None else str(info["failure_cause"])
+            if isinstance((info or {}).get("scores"), dict):
+                env_scores[r].update({str(k): float(v) for k, v in info["scores"].items()})
             env_rewards[r].append(None if reward is None else float(reward))
             turn_rewards[r, k] = 0.0 if reward is None else float(reward)
             if done:
@@ -233,6 +238,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     keys = [key for key in rows[0] if key != "prompt"] if rows else []
     columns = {key: [rows[row_of[r]].get(key) for r in range(N)] for key in keys}
     columns["env_turn_rewards"] = env_rewards
+    columns["env_scores"] = env_scores
     ex = dict(extra or {})
     failure = ["env_error" if int(counts["env_errors"][r]) else "token_limit" if bool(token_limit[r]) and
                not bool(finished[r]) else causes[r] for r in range(N)]

@@ -33,6 +33,7 @@ from postrl.losses.policy import clip_cov, cispo, dispo, gmpo, gpg, gspo, kl_cov
 from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, entropy_band, entropy_bonus, f_divergence,
                                         lp_reg, top_entropy_tokens)
 from postrl.losses.tis import tis_weights
+from postrl.losses import icr, srpo  # noqa: E402,F401  (register ICR and SRPO: regularisers and their fields)
 
 __all__ = [
     "ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip_cov", "kl_cov",

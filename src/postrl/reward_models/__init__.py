@@ -1,5 +1,6 @@
-"""Reward models you can check: Bradley-Terry (+ margin, learned rationality, ensembles, ODIN, iterative data
-smoothing), process reward models with Monte-Carlo step labels, and their evaluation.
+"""Reward models you can check: Bradley-Terry (+ margin, per-comparison rationality from a bias judge, learned
+per-label rationality, ensembles, ODIN, iterative data smoothing), process reward models with Monte-Carlo step
+labels, and their evaluation.
 
 * :mod:`~postrl.reward_models.model` -- :class:`RewardModel` (HF backbone + heads), :class:`RewardEnsemble`,
   ``save_pretrained`` / ``from_pretrained`` / :func:`load_reward_model`.
@@ -23,7 +24,7 @@ _EXPORTS = {
     "RewardModel": "model", "RewardEnsemble": "model", "load_reward_model": "model", "reduce_steps": "model",
     "step_pieces": "model",
     "RMTrainConfig": "train", "bt_loss": "train", "fit_reward_model": "train", "train_reward_model": "train",
-    "pearson": "train", "odin_penalties": "train",
+    "pearson": "train", "odin_penalties": "train", "comparison_betas": "train",
     "StepRecord": "prm", "fit_prm": "prm", "hf_sampler": "prm", "mc_step_labels": "prm", "train_prm": "prm",
     "aggregate_ensemble": "metrics", "best_of_many_accuracy": "metrics", "pairwise_accuracy": "metrics",
     "preference_ece": "metrics", "starc_distance": "metrics",

@@ -1,4 +1,4 @@
-"""Preference data: reading and checking ``(prompt, chosen, rejected[, annotator, context, margin])`` rows.
+"""Preference data: reading and checking ``(prompt, chosen, rejected[, annotator, context, margin, bias])`` rows.
 
 A preference file is JSONL / JSON / CSV / parquet (read by :func:`postrl.data.read_rows`), one pair per row:
 
@@ -12,11 +12,14 @@ field           type                      meaning
 ``annotator``   str or int (optional)     who labelled the pair (per-annotator rationality)
 ``context``     str or int (optional)     a context label (per-context rationality)
 ``margin``      number (optional)         preference strength m >= 0 for the Llama-2 margin loss
+``bias``        number in [0, 1] (opt.)   probability that a cognitive bias shaped this comparison (a judge's
+                                          score, precomputed): the per-comparison rationality
+                                          (``rationality='judged'``); the column name is configurable
 ==============  ========================  ================================================================
 
 Any violation is a one-line :class:`~postrl.errors.DataError` naming the file, the row (1-based) and the field:
 a missing field, a non-string text, identical chosen and rejected, an annotator of the wrong type, a margin that
-is not a finite number.
+is not a finite number, a bias score that is not a number in [0, 1].
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PreferencePair:
     annotator: str | None = None
     context: str | None = None
     row: int = 0  # 1-based row in the source file
+    bias: float | None = None  # P(a cognitive bias shaped this comparison), from a judge
 
 
 def _label(value: Any, where: str, field: str) -> str | None:
@@ -54,8 +58,9 @@ def _label(value: Any, where: str, field: str) -> str | None:
 
 
 def check_preferences(rows: list[dict], source: str = "preferences", *, allow_lists: bool = False,
-                      ) -> list[PreferencePair] | list[tuple[PreferencePair, list[str]]]:
-    """Validate raw rows; return :class:`PreferencePair` objects (one per row).
+                      bias_column: str = "bias") -> list[PreferencePair] | list[tuple[PreferencePair, list[str]]]:
+    """Validate raw rows; return :class:`PreferencePair` objects (one per row); ``bias_column``: the column read
+    into ``PreferencePair.bias``.
 
     With ``allow_lists`` a ``rejected`` list is allowed and the result is ``(pair, rejected_list)`` per row, where
     ``pair.rejected`` is the first wrong completion. Otherwise a list is expanded into one pair per wrong one.
@@ -92,7 +97,13 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
             raise DataError(f"{where}: field 'margin' must be a finite number, got {margin!r}")
         annotator = _label(r.get("annotator"), where, "annotator")
         context = _label(r.get("context"), where, "context")
-        pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i) for x in rejected]
+        bias = r.get(bias_column)
+        if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                 or not 0.0 <= float(bias) <= 1.0):
+            raise DataError(f"{where}: field '{bias_column}' must be a probability in [0, 1] (the chance that a "
+                            f"cognitive bias shaped the comparison), got {bias!r}")
+        pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i,
+                                None if bias is None else float(bias)) for x in rejected]
         if allow_lists:
             out.append((pairs[0], rejected))
         else:
@@ -100,8 +111,8 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
     return out
 
 
-def read_preferences(path: str | os.PathLike, *, allow_lists: bool = False):
+def read_preferences(path: str | os.PathLike, *, allow_lists: bool = False, bias_column: str = "bias"):
     """Read and check a preference file (see the module docstring)."""
     from postrl.data import read_rows
 
-    return check_preferences(read_rows(path), str(Path(path)), allow_lists=allow_lists)
+    return check_preferences(read_rows(path), str(Path(path)), allow_lists=allow_lists, bias_column=bias_column)

@@ -9,13 +9,23 @@ One loss covers every variant. For pair i (chosen c, rejected r) and head k, wit
   without ``center_rewards_coefficient``; OpenRLHF ``PairWiseLoss``).
 * margin (``margin=True``): m_i = the row's ``margin`` column, L = -log sigmoid(r(c) - r(r) - m) -- "Llama 2: Open
   Foundation and Fine-Tuned Chat Models" (TRL: a ``margin`` column; OpenRLHF ``--margin_loss``).
-* ``bt_rationality`` (``rationality='global' | 'annotator' | 'context'``): beta_g = softplus(rho_g + ln(e-1))
-  learned jointly with the reward, one global beta or one per annotator / context label, so
-  P(c > r) = sigmoid(beta_g (r(c) - r(r))). After "Mitigating Cognitive Bias in RLHF by Altering Rationality":
-  the abstract gives the idea (a learned Bradley-Terry rationality absorbs biased/noisy labels), not the exact
-  parametrisation; assumed here: softplus positivity, beta = 1 at init, rho trained with its own learning rate
-  ``rationality_lr`` (default 1e-2) and no weight decay. beta and the reward scale are identifiable only jointly
-  (beta * r), so compare betas across groups, not to 1.
+* ``bt_rationality`` (``rationality='judged'``): beta set *per comparison* from the probability p_i in [0, 1]
+  that a cognitive bias shaped comparison i (the pair's ``bias`` score: precomputed in the data, or asked of an
+  LLM judge by ``postrl rm train --bias-judge``, :func:`postrl.rewards.judge.bias_judge`), fixed during training:
+      beta_i = beta_max - (beta_max - beta_min) p_i        (:func:`comparison_betas`; defaults 1.0 and 0.1)
+  so an unbiased comparison keeps the plain Bradley-Terry rationality and a surely biased one weighs beta_min /
+  beta_max of it: the gradient of -log sigmoid(beta_i d) in d is -beta_i sigmoid(-beta_i d), so at d = 0 a
+  comparison pulls with beta_i / 2 (down-weighted), and a large difference d saturates its loss later.
+  "Mitigating Cognitive Bias in RLHF by Altering Rationality" (arXiv 2605.06895): an LLM-as-judge assesses the
+  likely presence of cognitive biases and beta is adjusted per comparison, down-weighting likely biased ones.
+  Assumed where the abstract is silent: the judge returns a probability, the map from it to beta is linear
+  between ``beta_max`` and ``beta_min`` (beta_min = 0 drops a surely biased comparison), betas are fixed before
+  training (not learned).
+* learned per-label rationality (``rationality='annotator' | 'context'``, postrl's own, not the paper's):
+  beta_g = softplus(rho_g + ln(e-1)), one per annotator or context label, learned jointly with the reward (beta = 1
+  at init, ``rationality_lr`` default 1e-2, no weight decay). beta and the reward scale are identifiable only
+  jointly (beta * r), so compare betas across labels, not to 1 (which is why a single global beta is not offered:
+  it only rescales the reward).
 * ``rm_ensemble`` with K heads (``num_heads=K``): the loss above averaged over heads (heads differ by their
   initialisation; one backbone); K seeds: :func:`fit_reward_model` with ``seeds=K`` trains K separate models.
 * ``odin`` (kind ``odin``): heads (length L_theta, quality Q_theta); the ranking loss uses r = Q + L and is joined by
@@ -48,9 +58,10 @@ from postrl.reward_models.model import RewardEnsemble, RewardModel
 from postrl.reward_models.backbones import load_backbone
 
 __all__ = ["RMTrainConfig", "bt_loss", "pearson", "odin_penalties", "train_reward_model", "fit_reward_model",
-           "preference_groups"]
+           "preference_groups", "comparison_betas"]
 
-RATIONALITY = (None, "global", "annotator", "context")
+LEARNED = ("annotator", "context")  # one learned beta per label of this column
+RATIONALITY = (None, "judged", *LEARNED)
 
 
 MAX_LR = 1.0  # as the config's optim.lr: an AdamW step moves each weight by about lr
@@ -69,9 +80,10 @@ def check_margins(pairs: Sequence[PreferencePair], source: str = "preferences") 
 @dataclass
 class RMTrainConfig:
     """Settings of :func:`train_reward_model` (defaults in brackets): epochs [1], batch_size [32] pairs, lr [1e-5],
-    weight_decay [0.0], max_grad_norm [1.0], margin [False: ignore the margin column], rationality [None],
-    rationality_lr [1e-2], odin_length_weight [1.0], odin_ortho_weight [1.0], smoothing [None: hard labels],
-    seed [0]."""
+    weight_decay [0.0], max_grad_norm [1.0], margin [False: ignore the margin column], rationality [None:
+    beta = 1; 'judged': per-comparison beta from the pairs' bias scores; 'annotator' / 'context': learned per
+    label], beta_max [1.0], beta_min [0.1] ('judged'), rationality_lr [1e-2] (learned), odin_length_weight [1.0],
+    odin_ortho_weight [1.0], smoothing [None: hard labels], seed [0]."""
 
     epochs: int = 1
     batch_size: int = 32
@@ -80,6 +92,8 @@ class RMTrainConfig:
     max_grad_norm: float | None = 1.0
     margin: bool = False
     rationality: str | None = None
+    beta_max: float = 1.0
+    beta_min: float = 0.1
     rationality_lr: float = 1e-2
     odin_length_weight: float = 1.0
     odin_ortho_weight: float = 1.0
@@ -104,7 +118,10 @@ class RMTrainConfig:
         if not 0 <= self.seed <= 2**63 - 1:
             raise ConfigError(f"rm train: seed must be in [0, 2^63 - 1], got {self.seed}")
         if self.rationality not in RATIONALITY:
-            raise ConfigError(f"rm train: rationality '{self.rationality}': valid: global, annotator, context")
+            raise ConfigError(f"rm train: rationality '{self.rationality}': valid: judged, annotator, context")
+        if not (math.isfinite(self.beta_max) and 0.0 <= self.beta_min <= self.beta_max and self.beta_max > 0):
+            raise ConfigError(f"rm train: expected 0 <= beta_min <= beta_max and beta_max > 0, got beta_min="
+                              f"{self.beta_min}, beta_max={self.beta_max}")
         if self.smoothing is not None and not 0.0 < self.smoothing <= 1.0:
             raise ConfigError(f"rm train: smoothing (IDS beta) must be in (0, 1], got {self.smoothing}")
 
@@ -141,12 +158,23 @@ def odin_penalties(length_head: torch.Tensor, quality_head: torch.Tensor, length
     return l_len, l_orth
 
 
+def comparison_betas(pairs: Sequence[PreferencePair], beta_max: float = 1.0, beta_min: float = 0.1) -> torch.Tensor:
+    """beta_i = beta_max - (beta_max - beta_min) p_i [P] from each pair's bias probability p_i (``bias``); a pair
+    without one -> DataError naming its row."""
+    out = []
+    for p in pairs:
+        if p.bias is None:
+            raise DataError(f"preferences: row {p.row}: no bias score (needed by rationality='judged': a 'bias' "
+                            f"column in [0, 1], or --bias-judge to ask a judge)")
+        out.append(beta_max - (beta_max - beta_min) * float(p.bias))
+    return torch.tensor(out, dtype=torch.float32)
+
+
 def preference_groups(pairs: Sequence[PreferencePair], rationality: str | None) -> tuple[list[str], list[int]]:
-    """(group names, group index per pair) for a rationality mode; a pair without the needed column -> DataError."""
-    if rationality is None:
+    """(label names, label index per pair) of a learned rationality ('annotator' / 'context'); no labels for the
+    others; a pair without the needed column -> DataError."""
+    if rationality not in LEARNED:
         return [], [0] * len(pairs)
-    if rationality == "global":
-        return ["*"], [0] * len(pairs)
     names: dict[str, int] = {}
     idx = []
     for p in pairs:
@@ -172,21 +200,24 @@ def train_reward_model(model: RewardModel, pairs: Sequence[PreferencePair], cfg:
         raise DataError("rm train: no preference pairs")
     if cfg.margin:
         check_margins(pairs)
+    learned = cfg.rationality in LEARNED
     groups, gidx = preference_groups(pairs, cfg.rationality)
-    if cfg.rationality is not None and model.groups != groups:
+    if learned and model.groups != groups:
         model.set_groups(groups)
     model.rationality = cfg.rationality
+    judged = comparison_betas(pairs, cfg.beta_max, cfg.beta_min) if cfg.rationality == "judged" else None
     model.train()
     dev = model.device
     enc_c = model.encode_many([p.prompt for p in pairs], [p.chosen for p in pairs])
     enc_r = model.encode_many([p.prompt for p in pairs], [p.rejected for p in pairs])
     margins = torch.tensor([p.margin if cfg.margin else 0.0 for p in pairs], dtype=torch.float32, device=dev)
     gidx_t = torch.tensor(gidx, dtype=torch.long, device=dev)
+    judged = judged.to(dev) if judged is not None else None
     labels = torch.ones(len(pairs), dtype=torch.float32, device=dev)
 
     body = [p for n, p in model.named_parameters() if not n.startswith("beta_raw") and p.requires_grad]
     groups_opt = [{"params": body, "lr": cfg.lr, "weight_decay": cfg.weight_decay}]
-    if cfg.rationality is not None:
+    if learned:
         groups_opt.append({"params": [model.beta_raw], "lr": cfg.rationality_lr, "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups_opt)
     rng = random.Random(cfg.seed)
@@ -202,7 +233,7 @@ def train_reward_model(model: RewardModel, pairs: Sequence[PreferencePair], cfg:
             out = model(ids, mask)  # [2B, H]
             r_c, r_r = out[:B], out[B:]
             it = torch.as_tensor(idx, device=dev)
-            beta = model.betas()[gidx_t[it]] if cfg.rationality is not None else 1.0
+            beta = model.betas()[gidx_t[it]] if learned else judged[it] if judged is not None else 1.0
             target = labels[it] if cfg.smoothing is not None else None
             if model.kind == "odin":
                 rank_c, rank_r = r_c.sum(-1), r_r.sum(-1)
@@ -232,14 +263,18 @@ def train_reward_model(model: RewardModel, pairs: Sequence[PreferencePair], cfg:
         history.append(total / max(count, 1))
         if log:
             extra = ""
-            if cfg.rationality is not None:
+            if learned:
                 bt = model.rationality_table()
                 extra = "  betas " + " ".join(f"{g}={b:.2f}" for g, b in list(bt.items())[:8])
             log(f"rm epoch {epoch + 1}/{cfg.epochs}  loss {history[-1]:.4f}{extra}")
     model.eval()
     summary = {"loss": history, "config": asdict(cfg)}
-    if cfg.rationality is not None:
+    if learned:
         summary["betas"] = model.rationality_table()
+    if judged is not None:
+        summary["comparison_betas"] = {"mean": float(judged.mean()), "min": float(judged.min()),
+                                       "max": float(judged.max()),
+                                       "likely_biased": sum(p.bias >= 0.5 for p in pairs) / len(pairs)}
     if cfg.smoothing is not None:
         summary["mean_soft_label"] = float(labels.mean())
     model.meta.update({"train": summary})

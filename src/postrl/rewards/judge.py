@@ -2,7 +2,9 @@
 urllib), and ``self_judge``, the policy itself as the judge ("Self-Rewarding Language Models").
 
 :func:`chat` is the one request; :func:`chat_function` makes a judge of either kind (an endpoint, or a function
-named by import path) for the other judge-based stages (``rubric_judge``, the DRLC critic).
+named by import path) for the other judge-based stages (``rubric_judge``, the DRLC critic) and for
+:func:`bias_judge` (the cognitive-bias probability of a preference comparison, ``postrl rm train --rationality
+judged``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,53 @@ def judge(prompts, completions, answer=None, *, base_url: str = "http://127.0.0.
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(completions)))) as pool:
         return list(pool.map(one, range(len(completions))))
+
+
+# ---------------------------------------------------------------------------------------------- cognitive bias
+
+BIAS_RUBRIC = (
+    "You audit one human preference judgment for cognitive bias. A person read a task and two responses and "
+    "preferred response A to response B. Judge how likely it is that a cognitive bias, rather than the quality of "
+    "the responses, decided this preference: for example anchoring on a number or claim in the task, the framing "
+    "of the task, the conjunction fallacy, a preference for the longer, more confident or more familiar-sounding "
+    "response, authority or bandwagon cues. Score from 0 (the preference follows the quality of the responses) to "
+    "{max_score:g} (a bias almost surely decided it). Reply with JSON only: "
+    '{{"score": <number>, "reason": "<one sentence>"}}'
+)
+BIAS_TEMPLATE = "Task:\n{prompt}\n\nPreferred response (A):\n{chosen}\n\nOther response (B):\n{rejected}"
+
+
+def bias_judge(prompts: list[str], chosen: list[str], rejected: list[str], *, judge: str | None = None,
+               base_url: str = "http://127.0.0.1:8000/v1", model: str = "judge", rubric: str = BIAS_RUBRIC,
+               template: str = BIAS_TEMPLATE, max_score: float = 10.0, api_key_env: str = "OPENAI_API_KEY",
+               timeout: float = 30.0, concurrency: int = 8, temperature: float = 0.0,
+               max_tokens: int = 256) -> list:
+    """An LLM-as-judge's probability that a cognitive bias shaped each preference comparison: a float in [0, 1]
+    per pair (the reply's ``score`` / ``max_score``), or a :class:`JudgeError` for a pair whose call failed.
+
+    The judge is :func:`chat_function`'s: an OpenAI-compatible endpoint (``base_url``, ``model``) or, with ``judge``,
+    a function ``(system, user) -> reply text`` named by import path; the reply format is :func:`judge`'s (JSON
+    ``{"score": ...}``, a ``` fence accepted). The system message is ``rubric`` (default :data:`BIAS_RUBRIC`:
+    anchoring, framing, the conjunction fallacy, length / confidence / familiarity preferences, authority and
+    bandwagon cues) and the user message ``template`` filled with ``{prompt}``, ``{chosen}``, ``{rejected}``; up to
+    ``concurrency`` calls at once. What ``postrl rm train --rationality judged --bias-judge ...`` asks before
+    training ("Mitigating Cognitive Bias in RLHF by Altering Rationality": an LLM judge assesses the likely presence
+    of cognitive biases; the rubric is postrl's)."""
+    ask = chat_function(judge, base_url=base_url, model=model, what="--bias-judge", api_key_env=api_key_env,
+                        timeout=timeout, temperature=temperature, max_tokens=max_tokens)
+    system = rubric.format(max_score=max_score)
+
+    def one(i: int):
+        try:
+            return parse_score(str(ask(system, template.format(prompt=prompts[i], chosen=chosen[i],
+                                                               rejected=rejected[i]))), max_score)
+        except JudgeError as e:
+            return e
+
+    if not prompts:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts)))) as pool:
+        return list(pool.map(one, range(len(prompts))))
 
 
 # ---------------------------------------------------------------------------------------------- the policy as judge

@@ -7,7 +7,7 @@ that add a named column also set ``reward_names`` and ``reward_weights``; proces
 
 Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo/brme, dataset_median), ``process``
 (clip_prm, delta_prm, min_form, gated, potential), ``length`` (overlong_soft, truncation_penalty, laser, laser_d,
-grpo_lambda, kimi_length, cosine_length, conciseness_gated, adaptive_length_coef, step_length_regularizer),
+grpo_lambda, kimi_length, cosine_length, conciseness_gated, adaptive_length_coef),
 ``noise`` (reward_noise), ``diversity`` (diversity_potential).
 Stateful stages are classes (:class:`postrl.stages.Stateful`, built once per run by :func:`postrl.stages.build`):
 ``__call__`` reads the state, ``observe`` records the step's batches, ``end_step`` updates the state once per step;

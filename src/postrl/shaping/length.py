@@ -20,7 +20,6 @@ from postrl.registry import register
 from postrl.groups import group_index, group_minmax
 from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
 from postrl.stages import StepEnd, Stateful, parameters
-from postrl.reasoning_steps import step_lengths
 
 
 def _nan_where(x: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -403,41 +402,3 @@ class AdaptiveLengthCoef(Stateful):
         if known:
             self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (right / known - self.target)))
         return used
-
-
-@register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "
-                                                     "via Internal Shorter Distributions in RL Post-Training")
-def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *,
-                            ratio: Annotated[float, Gt(0), Le(1)] = 0.8, coef: float = 0.1,
-                            min_sd: Annotated[float, Gt(0)] = 0.1,
-                            name: str = "step_length_regularizer", weight: float = 1.0):
-    """Reward for moving the policy's step-length distribution toward a shorter copy of itself (appended column).
-
-    x = log l, l = a step's length in tokens (from ``step_ends``). P = the batch's step-length distribution, fitted
-    as a log-normal: x ~ N(mu, sd^2), mu and sd the mean and standard deviation of x over all steps of the batch
-    (sd at least ``min_sd``). Q = the "internal shorter distribution": the same with every length ``ratio`` times
-    as long, N(mu + delta, sd^2), delta = log ratio <= 0. The objective is KL(P || Q); its score-function gradient
-    gives each sampled step the reward -(log P(x) - log Q(x)), so completion i gets the mean over its steps
-      r_i = -coef * mean_s [log P(x_s) - log Q(x_s)] = coef * mean_s [2 delta (x_s - mu) - delta^2] / (2 sd^2)
-    (= -coef * [KL(p_i || Q) - KL(p_i || P)], p_i the completion's own step lengths). It decreases with the
-    steps' length relative to the batch's distribution: steps shorter than the batch's typical ones gain, longer
-    ones lose; it is scale-free (all lengths times c: the same rewards) and has no per-token length term and no
-    fixed length target. After ICR (the abstract: regularise the distribution of step lengths toward an internal
-    shorter target instead of penalising length); the log-normal fit, the KL(P || Q) direction and the per-step
-    mean are assumptions. Defaults: ratio 0.8, coef 0.1, min_sd 0.1. Completions without steps get 0.
-    (It replaced a log2-histogram KL of each completion against the batch, which penalised steps much shorter
-    than typical as much as steps much longer.)
-    """
-    lens = step_lengths(step_ends).to(torch.float64)  # [N, S], NaN where no step
-    valid = torch.isfinite(lens) & (lens > 0)
-    x = torch.log(torch.where(valid, lens, torch.ones_like(lens)))
-    n = valid.sum(-1)
-    r = torch.zeros(lens.shape[0], dtype=torch.float64)
-    if valid.any():
-        xs = x[valid]
-        mu, sd = xs.mean(), max(float(xs.std(unbiased=False)), min_sd)
-        delta = math.log(ratio)
-        per_step = torch.where(valid, (2 * delta * (x - mu) - delta * delta) / (2 * sd * sd), torch.zeros_like(x))
-        r = torch.where(n > 0, coef * per_step.sum(-1) / n.clamp(min=1), r)
-    return append_column(rewards, reward_names, reward_weights, r.to(rewards.dtype), name, weight,
-                         "step_length_regularizer")

@@ -8,7 +8,8 @@ generation, the optimizer, checkpoints, processes):
     info = step.score(batch)                  rewards (fault isolated) -> shaping; stateful stages record
     keep = step.keep(batch)                   keep-mask filters (a driver that cannot refill masks the rest)
     step.kl_penalty(batch)                    kl.placement=reward: r -= coef * sum_t KL_t (needs old/ref log-probs)
-    step.advantages(ctx, batch)               fields produced through the model context, then the estimator
+    step.advantages(ctx, batch)               fields (the estimator's, the regularisers') produced through the
+                                              model context, then the estimator
     fields = step.objective.batch_fields(batch, rows)   the batch's part of the loss's per-token fields
     loss, stats, info = step.objective(fields, weights) the objective (losses/objective.py)
     metrics = step.metrics(batch, info)       the batch's metrics (docs/metrics.md)
@@ -131,9 +132,12 @@ class Step:
         batch.extra["kl_token"] = tok
 
     def advantages(self, ctx: Any, batch: RolloutBatch, observe: bool = True) -> torch.Tensor:
-        """The advantage stage on ``batch`` (the fields it reads that the batch lacks produced first through the
-        model context ``ctx``); a stateful estimator records the batch (``observe=True``: it trains)."""
+        """The advantage stage on ``batch`` (the fields it and the regularisers read that the batch lacks produced
+        first through the model context ``ctx``, once per batch: the objective then reads a regulariser's field
+        from ``batch.extra``); a stateful estimator records the batch (``observe=True``: it trains)."""
         produce(ctx, batch, self.advantage)
+        for reg in self.objective.regularizers:
+            produce(ctx, batch, reg)
         batch.advantages = self.advantage(batch)
         if observe:
             self.advantage.observe(batch)
