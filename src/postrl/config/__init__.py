@@ -168,6 +168,15 @@ class EnvironmentConfig(StageSpec):
     max_total_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="completion tokens per episode, "
                                   "model and environment tokens together (each turn's max_new_tokens is "
                                   "min(rollout.max_new_tokens, what is left))")
+    step_timeout: float | None = Field(None, gt=0.0, description="seconds an environment's step may take (None: "
+                                       "no limit); a step past it ends its episode as an environment error (each "
+                                       "step then runs in its own thread)")
+    purify: Literal["none", "cleaner"] = Field("none", description="cleaner: train on episodes whose failed tool "
+                                               "calls were later corrected with the failure replaced by the "
+                                               "correction, re-scored by the policy (CLEANER; docs/agents.md)")
+    purify_similarity: float = Field(0.8, ge=0.0, le=1.0, description="purify=cleaner: the similarity of a failed "
+                                     "turn's reasoning to its correction's at or above which only the call is "
+                                     "replaced (shallow repair); below it the whole turn is (deep substitution)")
 
 
 class RewardConfig(_Strict):

@@ -1,7 +1,8 @@
 """Environments for multi-turn rollouts: the protocol, tools, and the built-in environments.
 
 An environment is a class registered under the kind ``environment``; the rollout makes one instance per trajectory
-(``cls(**params)``, the config's ``environment`` section minus ``name``, ``max_turns``, ``max_total_tokens``) and
+(``cls(**params)``, the config's ``environment`` section minus ``name`` and the rollout's keys ``max_turns``,
+``max_total_tokens``, ``step_timeout``, ``purify``, ``purify_similarity``) and
 drives it:
 
     observation = env.reset(row)                          # the prompt row -> the first user message (text)
@@ -78,4 +79,5 @@ def make(name: str, params: dict | None = None) -> Any:
 
 
 # register the built-ins and the adapters
-from postrl.environments import adapters, calculator, code_repair, reward, tools  # noqa: E402,F401
+from postrl.environments import (adapters, calculator, cleaner, code_repair, function_calling,  # noqa: E402,F401
+                                 reward, self_correct, steptool, tools, toolrl, user)
