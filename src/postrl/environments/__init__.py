@@ -79,5 +79,5 @@ def make(name: str, params: dict | None = None) -> Any:
 
 
 # register the built-ins and the adapters
-from postrl.environments import (adapters, calculator, cleaner, code_repair, function_calling,  # noqa: E402,F401
-                                 reward, self_correct, steptool, tools, toolrl, user)
+from postrl.environments import (adapters, calculator, cleaner, code_repair, credit,  # noqa: E402,F401
+                                 function_calling, reward, self_correct, steptool, tools, toolrl, user)
