@@ -80,4 +80,4 @@ def make(name: str, params: dict | None = None) -> Any:
 
 # register the built-ins and the adapters
 from postrl.environments import (adapters, calculator, cleaner, code_repair, credit,  # noqa: E402,F401
-                                 function_calling, reward, self_correct, steptool, tools, toolrl, user)
+                                 function_calling, reward, self_correct, steptool, tools, toolrl, topocurate, user)
