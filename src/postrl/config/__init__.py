@@ -347,7 +347,9 @@ class Config(_Strict):
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environment: EnvironmentConfig | None = Field(None, description="multi-turn episodes: {name, max_turns: 4, "
-                                                  "max_total_tokens: 256, the environment's parameters} (README "
+                                                  "max_total_tokens: 256, step_timeout: null (seconds per step), "
+                                                  "purify: none | cleaner (CLEANER, docs/agents.md), "
+                                                  "purify_similarity: 0.8, the environment's parameters} (README "
                                                   "'Multi-turn and tools'); null: one completion per row")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],
