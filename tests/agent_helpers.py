@@ -9,8 +9,8 @@ from postrl.generation import Generation, SamplingParams
 
 
 def scripted(tok, turns):
-    """A backend that 'samples' ``turns[k]`` on its k-th call (a string for every row, or a list with one string
-    per row), honouring max_new_tokens and stop strings like HFGenerator; log-prob -0.5 per token."""
+    """A backend that 'samples' ``turns[k]`` on its k-th call (a string for every row, or a list: one string per
+    live episode, in order), honouring max_new_tokens and stop strings like HFGenerator; log-prob -0.5 per token."""
     state = {"k": 0}
 
     def generate(prompts, n, params, seeds):

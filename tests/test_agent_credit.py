@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -81,7 +82,7 @@ def test_spa_learns_progress_and_keeps_the_sum():
     c = spa.contributions(x, has, torch.tensor([1.0, 3.0]))
     assert c.sum(-1).tolist() == pytest.approx([1.0, 3.0])
     fresh = SPA(lr=0.1, epochs=300, exact=False)
-    fresh.load_state_dict(spa.state_dict())
+    fresh.load_state_dict(json.loads(json.dumps(spa.state_dict())))  # through JSON, as in trainer_state.json
     fresh.exact = True
     assert torch.equal(fresh.contributions(x, has, torch.tensor([1.0, 3.0])), c)
 
@@ -163,7 +164,7 @@ def test_archer_critic_learns_off_policy_and_round_trips():
     adv = a(**b)
     assert adv[0, 3] > 0.3 and adv[1, 3] < -0.3  # the good turn is credited, the bad one blamed
     c = ArCHer(gamma=0.5, lr=0.05, critic_steps=200, batch_size=8, buffer_size=8)
-    c.load_state_dict(a.state_dict())
+    c.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert torch.equal(c(**b), adv) and c.updates == a.updates == 600
     for k in a.buffer:
         assert torch.equal(c.buffer[k], a.buffer[k])
@@ -205,7 +206,7 @@ def test_oprl_starts_as_grpo_and_dpo_moves_step_rewards(prm_folder):
     adv = o(**b)
     assert adv[0, 0] > 0.7071068 or adv[0, 4] > 0.7071068  # its better turn is credited beyond the outcome
     fresh = OPRL(prm_model=prm_folder, lr=1e-2, beta=0.5)
-    fresh.load_state_dict(o.state_dict())
+    fresh.load_state_dict(json.loads(json.dumps(o.state_dict())))
     assert torch.allclose(fresh(**b), adv)
 
 

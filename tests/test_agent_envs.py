@@ -129,6 +129,37 @@ def test_steptool_turn_rewards(tmp_path, monkeypatch):
         stages.build("shaping", "steptool", {"contribution": "a:b", "judge_url": "http://x"})
 
 
+class _Judge(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = body["messages"][-1]["content"]
+        reply = "not json" if "Task:\np1" in text else '{"score": 5}' if "Step 1:" in text else '{"score": 10}'
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_steptool_contribution_from_an_llm_judge_endpoint():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+        out = stages.build("shaping", "steptool", {"alpha": 0.5, "judge_url": url, "judge_timeout": 5.0})(
+            steptool_batch())
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    # episode 0: judge 5/10 on step 1, 10/10 on step 2 -> (0 + 0.5, 0.25 + 1.0, outcome 1); episode 1's judge
+    # answered something that is not JSON: its reward fails, counted
+    assert out["turn_rewards"][0].tolist() == pytest.approx([0.5, 1.25, 1.0])
+    assert math.isnan(out["reward"][1]) and out["turn_judge_errors"].tolist() == [0, 1]
+
+
 def test_steptool_turn_rewards_feed_turn_mapo():
     b = steptool_batch()
     out = stages.build("shaping", "steptool", {"alpha": 1.0})(b)

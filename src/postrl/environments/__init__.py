@@ -20,7 +20,14 @@ user's class as an import path parameter.
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
 :mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
-:mod:`postrl.environments.reward` (the reward source ``environment``).
+:mod:`postrl.environments.reward` (the reward source ``environment``). The agent methods (docs/agents.md):
+:mod:`~postrl.environments.toolrl` (the reward ``tool_call``), :mod:`~postrl.environments.function_calling` (the
+task ``tool_calls``), :mod:`~postrl.environments.steptool` (shaping ``steptool``),
+:mod:`~postrl.environments.self_correct` (SCoRe: environment ``self_correct``, shaping ``score_bonus``, regulariser
+``attempt_kl``), :mod:`~postrl.environments.user` (UserRL: environment ``simulated_user``, shaping
+``trajectory_score``), :mod:`~postrl.environments.chat` (the models they talk to),
+:mod:`~postrl.environments.cleaner` (CLEANER's purified episodes), :mod:`~postrl.environments.credit` (advantages
+``spa``, ``archer``, ``oprl``), :mod:`~postrl.environments.topocurate` (selector ``topocurate``).
 """
 
 from __future__ import annotations
