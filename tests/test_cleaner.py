@@ -3,7 +3,6 @@ episode's records follow, and the rewritten tokens are re-scored by the policy (
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from agent_helpers import ctx_for, scripted

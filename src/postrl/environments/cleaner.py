@@ -95,10 +95,6 @@ def purify_rows(tok: Any, batch: RolloutBatch, similarity: float) -> dict[int, d
         pending: list[int] = []
         removed = shallow = 0
 
-        def turn(k: int) -> tuple[list[int], list[float]]:
-            b, e, o = spans[k]
-            return ids[b:o], mask[b:o]
-
         for k in range(n):
             if kinds[k] == "failed":
                 pending.append(k)
@@ -122,13 +118,13 @@ def purify_rows(tok: Any, batch: RolloutBatch, similarity: float) -> dict[int, d
                 pending = []
                 continue
             for p in pending:  # failures never corrected stay
-                pieces.append((*turn(p), p))
+                pieces.append((ids[spans[p][0]:spans[p][2]], mask[spans[p][0]:spans[p][2]], p))
             pending = []
-            pieces.append((*turn(k), k))
+            pieces.append((ids[spans[k][0]:spans[k][2]], mask[spans[k][0]:spans[k][2]], k))
         if not removed:
             continue
         for p in pending:
-            pieces.append((*turn(p), p))
+            pieces.append((ids[spans[p][0]:spans[p][2]], mask[spans[p][0]:spans[p][2]], p))
         new_ids, new_mask, ends, src, actions = [], [], [], [], []
         for p_ids, p_mask, k in pieces:
             start = len(new_ids)

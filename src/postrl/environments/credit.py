@@ -35,7 +35,7 @@ from postrl.stages import StepEnd, Stateful
 
 def turn_starts(turn_ends: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """b_{i,k} [N, K] long: the first model token of turn k (-1 for a turn the episode does not have)."""
-    N, K = turn_ends.shape
+    N = turn_ends.shape[0]
     T = completion_mask.shape[1]
     t = torch.arange(T)
     prev = torch.cat([torch.full((N, 1), -1, dtype=turn_ends.dtype), turn_ends[:, :-1]], 1)       # e_{k-1}
@@ -195,7 +195,7 @@ class SPA(Stateful):
         if not state:
             return
         st = jsonstate.decode(state)
-        w = [v for k, v in st["module"].items() if k.endswith("weight")][0]
+        w = next(v for k, v in st["module"].items() if k.endswith("weight"))
         self._make(w.shape[-1])
         self.head.load_state_dict(st["module"])
         self.optimizer.load_state_dict(st["optimizer"])
@@ -340,7 +340,7 @@ class ArCHer(Stateful):
         if not state:
             return
         st = jsonstate.decode(state)
-        w = [v for k, v in st["nets"]["q"].items() if k.endswith("weight")][0]
+        w = next(v for k, v in st["nets"]["q"].items() if k.endswith("weight"))
         self._make(w.shape[-1])
         for k in ("q", "v", "q_target", "v_target"):
             getattr(self, k).load_state_dict(st["nets"][k])

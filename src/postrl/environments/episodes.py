@@ -173,9 +173,13 @@ def _checked(out: Any) -> tuple[str, float | None, bool, dict] | None:
     counts = {}
     for c in COUNTERS:
         v = (info or {}).get(c, 0)
-        if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            iv = int(v)
+        except (TypeError, ValueError, OverflowError):
             return None
-        counts[c] = v
+        if isinstance(v, bool) or iv != v or iv < 0:  # a count: a non-negative whole number (1.0 is one)
+            return None
+        counts[c] = iv
     return ("" if obs is None else str(obs)), reward, bool(done), counts
 
 
