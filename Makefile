@@ -1,7 +1,8 @@
 # `make demo`: create the virtual environment if needed, install postrl, run the main job (postrl train).
 # `make test`: same set-up plus the test extras, then the whole test suite.
 # `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch;
-# `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model.
+# `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model; `make builtin-tool-calls`:
+# the tool_calls recipe's (ToolRL call prediction).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test soak install clean builtin builtin-calculator
+.PHONY: demo test soak install clean builtin builtin-calculator builtin-tool-calls
 
 install: $(DEV)
 
@@ -43,6 +44,9 @@ builtin: $(CORE)
 
 builtin-calculator: $(CORE)
 	$(PY) -m postrl.train.builtin calculator
+
+builtin-tool-calls: $(CORE)
+	$(PY) -m postrl.train.builtin tool_calls
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

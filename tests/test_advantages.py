@@ -524,11 +524,31 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
             # multi-turn: one turn per episode, rewarded with the episode's reward
             "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1),
-            "turn_info_gain": torch.zeros(N, 1), "turn_scores": torch.rand(N, 1, generator=gen)}
+            "turn_info_gain": torch.zeros(N, 1), "turn_scores": torch.rand(N, 1, generator=gen),
+            "turn_tool_errors": torch.zeros(N, 1, dtype=torch.long),
+            "turn_malformed_calls": torch.zeros(N, 1, dtype=torch.long),
+            # token ids (an implicit PRM scores them: oprl)
+            "prompt_ids": torch.randint(5, 40, (N, 3), generator=gen), "prompt_mask": torch.ones(N, 3, dtype=torch.long),
+            "completion_ids": torch.randint(5, 40, (N, T), generator=gen)}
+
+
+_PRM: list = []
 
 
 def make(name):
     fn = registry.get("advantage", name)
+    if name == "oprl":  # its one required parameter: an implicit PRM's model folder (a nano model, built once)
+        if not _PRM:
+            import atexit
+            import shutil
+            import tempfile
+
+            from postrl.models.tiny import build_local
+
+            _PRM.append(tempfile.mkdtemp(prefix="postrl-prm-"))
+            atexit.register(shutil.rmtree, _PRM[0], True)
+            build_local(_PRM[0], size="nano", seed=0)
+        return fn(prm_model=_PRM[0])
     return fn() if isinstance(fn, type) else fn
 
 

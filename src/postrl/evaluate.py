@@ -47,7 +47,8 @@ def episode_runner(backend, tokenizer, environment: Any, chat_template: str = "a
         return episodes.rollout(ctx, rows, k, [stable_hash(seed, i) % 2**62 for i in range(len(rows))],
                                  lambda: make_environment(env.name, env.params), max_turns=env.max_turns,
                                  max_total_tokens=env.max_total_tokens,
-                                 group_ids=torch.arange(len(rows)).repeat_interleave(k), chat_template=chat_template)
+                                 group_ids=torch.arange(len(rows)).repeat_interleave(k), chat_template=chat_template,
+                                 step_timeout=getattr(env, "step_timeout", None))
 
     return run
 

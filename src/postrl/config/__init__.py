@@ -181,6 +181,15 @@ class EnvironmentConfig(StageSpec):
     max_total_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="completion tokens per episode, "
                                   "model and environment tokens together (each turn's max_new_tokens is "
                                   "min(rollout.max_new_tokens, what is left))")
+    step_timeout: float | None = Field(None, gt=0.0, description="seconds an environment's step may take (None: "
+                                       "no limit); a step past it ends its episode as an environment error (each "
+                                       "step then runs in its own thread)")
+    purify: Literal["none", "cleaner"] = Field("none", description="cleaner: train on episodes whose failed tool "
+                                               "calls were later corrected with the failure replaced by the "
+                                               "correction, re-scored by the policy (CLEANER; docs/agents.md)")
+    purify_similarity: float = Field(0.8, ge=0.0, le=1.0, description="purify=cleaner: the similarity of a failed "
+                                     "turn's reasoning to its correction's at or above which only the call is "
+                                     "replaced (shallow repair); below it the whole turn is (deep substitution)")
 
 
 class RewardConfig(_Strict):
@@ -356,7 +365,9 @@ class Config(_Strict):
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environment: EnvironmentConfig | None = Field(None, description="multi-turn episodes: {name, max_turns: 4, "
-                                                  "max_total_tokens: 256, the environment's parameters} (README "
+                                                  "max_total_tokens: 256, step_timeout: null (seconds per step), "
+                                                  "purify: none | cleaner (CLEANER, docs/agents.md), "
+                                                  "purify_similarity: 0.8, the environment's parameters} (README "
                                                   "'Multi-turn and tools'); null: one completion per row")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],

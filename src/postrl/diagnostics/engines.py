@@ -141,6 +141,11 @@ SECTIONS: dict[str, tuple[str, list[Metric]]] = {
           "token limit"),
         M("turns/env_token_fraction", "environment tokens / all completion tokens up to the last model token (outside "
           "the loss mask)"),
+        M("turns/user_errors", "mean simulated-user failures per episode (`simulated_user`: the user model raised, "
+          "timed out or returned no text; the episode ends, its reward fails)"),
+        M("turns/judge_errors", "fraction of episodes whose StepTool contribution judge failed (their reward fails)"),
+        M("turns/purified", "fraction of episodes CLEANER rewrote (`environment.purify=cleaner`: a failed tool call "
+          "replaced by its correction)"),
     ]),
     "policy": ("Policy, entropy, KL, clipping", [
         M("pg_loss", "policy-gradient loss (aggregated)", trl=("loss",), verl=("actor/pg_loss",)),

@@ -268,7 +268,10 @@ def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]
     ``turns/tool_calls`` (mean per episode), ``turns/tool_success`` (executed calls that returned / executed calls;
     NaN without calls), ``turns/malformed_calls`` and ``turns/env_errors`` (mean per episode),
     ``turns/truncated_turns`` (fraction of model turns that hit the token limit), ``turns/truncated_turn_<k>``
-    (that fraction at turn k), ``turns/env_token_fraction`` (environment tokens / completion tokens)."""
+    (that fraction at turn k), ``turns/env_token_fraction`` (environment tokens / completion tokens),
+    ``turns/user_errors`` (simulated-user failures per episode), ``turns/judge_errors`` (episodes whose StepTool
+    contribution judge failed) and ``turns/purified`` (fraction of episodes that CLEANER rewrote) when the batch has
+    them."""
     n_turns = _np(extra["num_turns"])
     calls, errors = _np(extra["tool_calls"]).sum(), _np(extra["tool_errors"]).sum()
     has = _np(extra["turn_ends"]) >= 0
@@ -281,6 +284,12 @@ def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]
          "turns/env_errors": _mean(_np(extra["env_errors"])),
          "turns/truncated_turns": float(trunc.sum() / has.sum()) if has.any() else float("nan"),
          "turns/env_token_fraction": env_tokens / total if total else float("nan")}
+    if "user_errors" in extra:
+        m["turns/user_errors"] = _mean(_np(extra["user_errors"]))
+    if "turn_judge_errors" in extra:
+        m["turns/judge_errors"] = _mean(_np(extra["turn_judge_errors"]).astype(np.float64))
+    if "purified" in extra:
+        m["turns/purified"] = _mean(_np(extra["purified"]).astype(np.float64))
     for k in range(has.shape[1]):
         if has[:, k].any():
             m[f"turns/truncated_turn_{k}"] = float(trunc[:, k].sum() / has[:, k].sum())

@@ -336,6 +336,12 @@ def _proxy_is_gold(ctx: Context) -> bool:
     return len(rewards) == 1 and rewards[0].get("name") in ("correct", "environment")
 
 
+def _gold_could_rise(g0: float, g1: float, p) -> bool:
+    """False when the gold started at its ceiling (within ``max_gold_rise`` of 1: no room to rise) and held there:
+    a flat gold is then no evidence of hacking. A gold that fell (by more than ``max_gold_rise``) always counts."""
+    return g0 < 1.0 - p.max_gold_rise or g1 < g0 - p.max_gold_rise
+
+
 def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
     if _proxy_is_gold(ctx):
         return None
@@ -349,7 +355,7 @@ def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
     if len(proxy) >= 2 * w and len(gold) >= 2 * w:
         p0, p1 = _avg(proxy[:w]), _avg(proxy[-w:])
         g0, g1 = _avg(gold[:w]), _avg(gold[-w:])
-        if p1 - p0 >= p.min_proxy_rise and g1 - g0 <= p.max_gold_rise:
+        if p1 - p0 >= p.min_proxy_rise and g1 - g0 <= p.max_gold_rise and _gold_could_rise(g0, g1, p):
             return Alarm("proxy_gold_gap",
                          f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while verifier accuracy went "
                          f"{g0:.2f} -> {g1:.2f} ({g1 - g0:+.2f}) (first vs last {w} steps)", cause, fix)
@@ -370,7 +376,7 @@ def eval_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
         return None
     p0 = _avg([v for _, v in proxy[:p.window]])
     p1 = _avg([v for _, v in proxy[-p.window:]])
-    if p1 - p0 >= p.min_proxy_rise and a1 - a0 <= p.max_gold_rise:
+    if p1 - p0 >= p.min_proxy_rise and a1 - a0 <= p.max_gold_rise and _gold_could_rise(a0, a1, p):
         return Alarm("proxy_gold_gap",
                      f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while held-out accuracy went "
                      f"{a0:.2f} -> {a1:.2f} ({a1 - a0:+.2f}) (evaluations at steps {e0.get('step', 0)} and {s1})",

@@ -1,7 +1,8 @@
 """Environments for multi-turn rollouts: the protocol, tools, and the built-in environments.
 
 An environment is a class registered under the kind ``environment``; the rollout makes one instance per trajectory
-(``cls(**params)``, the config's ``environment`` section minus ``name``, ``max_turns``, ``max_total_tokens``) and
+(``cls(**params)``, the config's ``environment`` section minus ``name`` and the rollout's keys ``max_turns``,
+``max_total_tokens``, ``step_timeout``, ``purify``, ``purify_similarity``) and
 drives it:
 
     observation = env.reset(row)                          # the prompt row -> the first user message (text)
@@ -22,7 +23,14 @@ Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format an
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
 :mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
 :mod:`postrl.environments.adversarial` (a user who gaslights, escalates or presses for validation; the policy's
-consistency as the reward), :mod:`postrl.environments.reward` (the reward source ``environment``).
+consistency as the reward), :mod:`postrl.environments.reward` (the reward source ``environment``). The agent methods (docs/agents.md):
+:mod:`~postrl.environments.toolrl` (the reward ``tool_call``), :mod:`~postrl.environments.function_calling` (the
+task ``tool_calls``), :mod:`~postrl.environments.steptool` (shaping ``steptool``),
+:mod:`~postrl.environments.self_correct` (SCoRe: environment ``self_correct``, shaping ``score_bonus``, regulariser
+``attempt_kl``), :mod:`~postrl.environments.user` (UserRL: environment ``simulated_user``, shaping
+``trajectory_score``), :mod:`~postrl.environments.chat` (the models they talk to),
+:mod:`~postrl.environments.cleaner` (CLEANER's purified episodes), :mod:`~postrl.environments.credit` (advantages
+``spa``, ``archer``, ``oprl``), :mod:`~postrl.environments.topocurate` (selector ``topocurate``).
 """
 
 from __future__ import annotations
@@ -80,4 +88,6 @@ def make(name: str, params: dict | None = None) -> Any:
 
 
 # register the built-ins and the adapters
-from postrl.environments import adapters, adversarial, calculator, code_repair, reward, tools  # noqa: E402,F401
+from postrl.environments import (adapters, adversarial, calculator, cleaner, code_repair,  # noqa: E402,F401
+                                 credit, function_calling, reward, self_correct, steptool, tools, toolrl,
+                                 topocurate, user)

@@ -93,7 +93,9 @@ class BatchSource:
             env = self.environment
             return episodes.rollout(ctx, rows, G, seeds, lambda: make_environment(env.name, env.params),
                                      max_turns=env.max_turns, max_total_tokens=env.max_total_tokens,
-                                     group_ids=group_ids, chat_template=self.chat_template, extra=extra)
+                                     group_ids=group_ids, chat_template=self.chat_template, extra=extra,
+                                     step_timeout=env.step_timeout, purify=env.purify,
+                                     purify_similarity=env.purify_similarity)
         if self.plan is None:
             gen = ctx.generate(prompt_ids, G, ctx.sampling, seeds)
         else:
