@@ -372,6 +372,55 @@ def test_occlusion_credit_through_the_runs_step(tok):
     close(adv[:, 0], [5.0, 2.0])
 
 
+@registry.register("reward", "steps_verdict_test", source="test: a step's verdict")
+def steps_verdict_test(prompts, completions, steps):
+    """One score per step: 1.0 for a step with an 'a', else 0.0."""
+    return [[1.0 if "a" in x else 0.0 for x in st] for st in steps]
+
+
+@registry.register("reward", "has_b_test", source="test: an outcome")
+def has_b_test(prompts, completions, **kw):
+    """1 if the completion holds a 'b'."""
+    return [float("b" in c) for c in completions]
+
+
+def test_stages_in_the_runs_step(tok):
+    """Through Step.score: the process reward's step scores and the step ends reach thought_reward and grsp, the
+    batch's step and max_steps reach thinkdial_budget, the mode column the rows carry; thought_reward's
+    proficiency moves at the end of the step only."""
+    from postrl.rewards import RewardContext
+    from postrl.step import Step
+
+    cfg = load_config(None, [
+        "rewards=[{name: has_b_test, weight: 1.0}, {name: steps_verdict_test, weight: 1.0}]",
+        "reward.step_delimiter=';'",
+        "shaping=[{name: thought_reward, outcome: has_b_test}, {name: grsp, edges: [2], cluster_weights: [1.0, 0.5],"
+        " coef: 1.0}, {name: thinkdial_budget, max_length: 8, source: has_b_test}, {name: weighted_sum}]"])
+    step = Step(cfg, context=RewardContext(tokenizer=tok), tokenizer=tok)
+    batch = _batch(tok, ["a;a;x", "b;xyz", "ab"], width=6)
+    batch.group_ids = T([0, 0, 1])
+    batch.columns = {"mode": ["high", "low", "low"]}  # budgets 8, 2 (and 2)
+    step.score(batch)
+    assert batch.reward_names == ["has_b_test", "steps_verdict_test", "grsp", "thinkdial_budget"]
+    # "a;a;x": verdicts 1 1 0 -> thoughts {a;, a;} then {x}: 0.5 on step 1, -0.5 on step 2 (p = 0.5)
+    close(batch.step_rewards[0], [0.0, 0.5, -0.5])
+    close(batch.step_rewards[1], [0.0, -0.5, nan])  # "b;", "xyz": both 0 -> one wrong thought, ending on "xyz"
+    close(batch.rewards[:, 1], [0.0, -0.5, 0.5])
+    # grsp: steps of 2, 2, 1 tokens (cluster 0, 0, 0) -> S = 3 vs "b;" 2 + "xyz" 3 (clusters 0, 1) -> S = 1.5
+    s = 1 / math.sqrt(2)
+    close(batch.rewards[:, 2], [-s, s, 0.0])
+    # step 3 of 10: phase 1 (before step 5): no budget penalty yet
+    close(batch.rewards[:, 3], [0.0, 0.0, 0.0])
+    close(batch.reward, [-s, 1 - 0.5 + s, 1.5])
+    out = step.end({}, len(batch))
+    assert out["shaping/thought_reward/proficiency"] == 0.5
+    assert step.scorer.shaping[0].fn.p == pytest.approx(0.9 * 0.5 + 0.1 * 2 / 3)  # 2 of 3 hold a 'b'
+    later = _batch(tok, ["a;a;x", "b;xyz", "ab"], width=6)
+    later.group_ids, later.columns, later.extra["step"] = T([0, 0, 1]), {"mode": ["high", "low", "low"]}, 7
+    step.score(later, observe=False)
+    close(later.rewards[:, 3], [0.0, -1.0, 0.0])  # phase 2: "b;xyz" is 5 tokens for a budget of 2
+
+
 # ------------------------------------------------------------------------------------------------ registry
 def test_every_stage_is_registered_with_its_paper():
     for kind, name in (("shaping", "thought_reward"), ("shaping", "pspo_wrs"), ("shaping", "grsp"),
