@@ -80,10 +80,11 @@ def occlusion_token_reward(ctx: ModelContext, batch: RolloutBatch, *, unit: Lite
         c_u     = d_u + (R_i - sum_v d_v) / U      (occlusion made additive: sum_u c_u = R_i exactly)
         r_{i,t} = beta * c_{u(t)} / |u(t)| + (1 - beta) * R_i * 1[t = last token]     (sum_t r_{i,t} = R_i)
 
-    Occlusion (leave one unit out) stands in for SHAP / LIME; the residual spread keeps it additive, so the token
-    rewards sum to the sequence reward (potential-based, the optimal policy unchanged). ``beta`` (0.5) mixes the
-    attribution with the sparse reward on the last token, the role of the paper's shaping weights; the Bayesian
-    optimisation of those weights over training runs is not reproduced (tune ``beta`` with ``postrl compare``).
+    Occlusion (leave one unit out) stands in for SHAP / LIME (assumed); the residual spread keeps it additive, so
+    the token rewards sum to the sequence reward (the abstract: additive attributions keep the optimal policy).
+    ``beta`` (0.5, assumed) mixes the attribution with the sparse reward on the last token, the role of the paper's
+    shaping weights; the Bayesian optimisation of those weights over training runs is not reproduced (tune
+    ``beta`` with ``postrl compare``).
     The occluded copies are scored through ``ModelContext.score`` (the run's reward sources and shaping, not
     observed by stateful stages), each copy's text the decoded tokens that remain (after the row's
     ``completion_prefix`` when there is one), with the row's prompt, data columns and group. Name a raw column in

@@ -439,10 +439,10 @@ def grsp(rewards, reward_names, reward_weights, group_ids, step_ends, *,
     so a completion with more (weighted) segments than its group's average loses, one with fewer gains, and the
     term sums to zero over a group. Default weights descend with the segment length (1.0 for segments of <= 32
     tokens, 0.5 up to 128, 0.25 beyond): many short segments (the hesitant "wait, ..." steps of overthinking) are
-    penalised most, long substantive ones least (the descending scheme the authors report works better). Assumed:
-    the fixed length clusters and their weights (the paper clusters segments by length), the group z-score, and
-    coef 0.1. ``source`` (default None: every row) restricts the penalty to the correct completions (``source``
-    >= ``correct_threshold``): the statistics are then over the group's correct rows, the others get 0, a failed
+    penalised most, long substantive ones least. Assumed (the abstract names only "length-aware weighting across
+    segment clusters"): the fixed length clusters, the descending weights, the group z-score, and coef 0.1.
+    ``source`` (default None: every row) restricts the penalty to the correct completions (``source`` >=
+    ``correct_threshold``): the statistics are then over the group's correct rows, the others get 0, a failed
     correctness NaN. Completions without segments count S = 0. ``edges`` strictly increasing, one weight per
     cluster (checked when the config is read).
     Shapes: step_ends [N, S] (-1 padded), group_ids [N] -> an appended column [N].
