@@ -519,6 +519,7 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "attention_token_reward": torch.rand(N, T, generator=gen) * mask,
             "critic_token_reward": torch.randn(N, T, generator=gen) * mask,
             "mle_token_reward": -torch.rand(N, T, generator=gen) * mask,
+            "occlusion_token_reward": torch.randn(N, T, generator=gen) * mask,
             "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)],
             # process reward in column a: one step per completion, scored a, ending on its last token
             "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
@@ -568,7 +569,8 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
 
 @pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae",
                                                                             "red", "attention_credit",
-                                                                            "critic_dense", "teacher_forcing"}))
+                                                                            "critic_dense", "teacher_forcing",
+                                                                            "occlusion_credit"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
     # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal;
     # r3l's success rule pays every success, an all-correct group included, as R^3L's code does)

@@ -19,10 +19,13 @@ the stage's own (:func:`postrl.stages.check_params`). Built in:
                                   (attention_credit)
     critic_token_reward    [N, T] an LLM critic's span scores spread over the spans' tokens (critic_dense)
     mle_token_reward       [N, T] log p_MLE(y_t | x, y_<t) of the stage's ``mle_model`` (teacher_forcing)
+    occlusion_token_reward [N, T] the run's reward attributed to the tokens by occlusion, re-scoring copies
+                                  through ``ctx.score`` (occlusion_credit)
 
-The last four (registered in :mod:`postrl.rewards.dense`, :mod:`postrl.rewards.critic` and
+The next four (registered in :mod:`postrl.rewards.dense`, :mod:`postrl.rewards.critic` and
 :mod:`postrl.rewards.teacher`) use a model that is the stage's own (a ``reward_model`` folder, a critic, an
 ``mle_model`` folder), not the policy: of the context they use only the policy's tokenizer (and chat template).
+``occlusion_token_reward`` (:mod:`postrl.shaping.attribution`) uses the context's tokenizer and ``score``.
 The regularisers' fields are produced the same way, once per step before the update (``Step.advantages``):
 ``icr_target`` [N] (:mod:`postrl.losses.icr`, no model call) and ``srpo_contrast`` [N, T]
 (:mod:`postrl.losses.srpo`, three no-grad forwards of the policy).

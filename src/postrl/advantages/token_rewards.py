@@ -1,11 +1,12 @@
 """Advantage estimators over token rewards [N, T]: RED and attention credit (a reward model), DRLC (an LLM critic),
-teacher forcing (a separately trained MLE model).
+teacher forcing (a separately trained MLE model), occlusion credit (the run's reward, attributed by occlusion).
 
 The token rewards are batch fields produced from the estimator's own model: ``red_token_reward`` and
 ``attention_token_reward`` from a reward model folder (``reward_model``, written by ``postrl rm train``;
 :mod:`postrl.rewards.dense`), whose score replaces the run's scalar reward; ``critic_token_reward`` from a critic
 (:mod:`postrl.rewards.critic`) and ``mle_token_reward`` from an MLE model (:mod:`postrl.rewards.teacher`), which
-may be added to the run's scalar reward on the last token (``outcome_coef``).
+may be added to the run's scalar reward on the last token (``outcome_coef``); ``occlusion_token_reward`` from
+the run's own rewards re-scored on occluded copies (:mod:`postrl.shaping.attribution`).
 """
 
 from __future__ import annotations
@@ -167,4 +168,25 @@ def teacher_forcing(mle_token_reward: torch.Tensor, completion_mask: torch.Tenso
     Shapes: mle_token_reward [N, T], completion_mask [N, T], reward [N], valid [N] -> [N, T].
     """
     r, v = dense_plus_outcome(mle_token_reward, reward, completion_mask, valid, 1.0, outcome_coef)
+    return token_return_advantage(r, completion_mask, v, gamma, whiten)
+
+
+@register("advantage", "occlusion_credit", source="Learning Explainable Dense Reward Shapes via Bayesian Optimization")
+def occlusion_credit(occlusion_token_reward: torch.Tensor, completion_mask: torch.Tensor,
+                     valid: torch.Tensor | None = None, *, gamma: Annotated[float, Ge(0), Le(1)] = 1.0,
+                     whiten: bool = True) -> torch.Tensor:
+    """The sequence reward spread over the tokens by occlusion attribution (sum_t r_t = R); A = whitened returns.
+
+    After "Learning Explainable Dense Reward Shapes via Bayesian Optimization":
+      r_{i,t} = beta * c_{u(t)} / |u(t)| + (1 - beta) * R_i * 1[t = last]   (``occlusion_token_reward``,
+                c_u = R~ - R(-u) made additive so that sum_u c_u = R_i; :mod:`postrl.shaping.attribution`)
+      G_{i,t} = sum_{s >= t} gamma^(s - t) r_{i,s};  A = G whitened over the batch's valid tokens (``whiten``).
+    The occluded rewards come from the run's own rewards and shaping, re-scored on occluded copies of each row
+    (``ModelContext.score``). Options: ``gamma`` 1.0, ``whiten`` True; the producer's (set in this entry):
+    ``unit`` ('span' | 'step'), ``span`` (1: every token), ``delimiter`` ("\\n\\n", for steps), ``source``
+    (None: the scalar reward; or a raw reward column), ``beta`` (0.5). Works with any group size. Rows with
+    ``valid`` False, or whose reward or occluded rewards failed, get 0.
+    Shapes: occlusion_token_reward [N, T], completion_mask [N, T], valid [N] -> [N, T].
+    """
+    r, v = dense_plus_outcome(occlusion_token_reward, None, completion_mask, valid, 1.0, 0.0)
     return token_return_advantage(r, completion_mask, v, gamma, whiten)

@@ -17,7 +17,7 @@ from annotated_types import Ge, Gt, Interval, Le
 
 from postrl.errors import ConfigError
 from postrl.registry import register
-from postrl.groups import group_index, group_minmax
+from postrl.groups import group_index, group_minmax, group_stats
 from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
 from postrl.stages import StepEnd, Stateful, parameters
 
@@ -402,3 +402,64 @@ class AdaptiveLengthCoef(Stateful):
         if known:
             self.lam = min(self.lam_max, max(0.0, self.lam + self.lr * (right / known - self.target)))
         return used
+
+
+def _grsp_clusters(params: dict, run: Any, where: str) -> dict:
+    """``grsp``: ``edges`` strictly increasing and one weight per cluster (len(edges) + 1)."""
+    p = {**{k: d for k, (_, d) in parameters(grsp).items()}, **params}
+    edges, weights = tuple(p["edges"]), tuple(p["cluster_weights"])
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"{where}.edges: expected strictly increasing segment lengths, got {list(edges)}")
+    if len(weights) != len(edges) + 1:
+        raise ConfigError(f"{where}.cluster_weights: expected {len(edges) + 1} weights (one per cluster: "
+                          f"len({where}.edges) + 1), got {len(weights)}")
+    return params
+
+
+@register("shaping", "grsp", source="Mitigating Overthinking through Reasoning Shaping (GRSP: Group Relative "
+                                    "Segment Penalization)", needs=("groups",), check=_grsp_clusters)
+def grsp(rewards, reward_names, reward_weights, group_ids, step_ends, *,
+         edges: tuple[Annotated[int, Ge(1)], ...] = (32, 128),
+         cluster_weights: tuple[Annotated[float, Ge(0)], ...] = (1.0, 0.5, 0.25),
+         coef: Annotated[float, Ge(0)] = 0.1, eps: Annotated[float, Ge(0)] = 1e-6, source: str | None = None,
+         correct_threshold: float = 1.0, name: str = "grsp", weight: float = 1.0):
+    """GRSP: a penalty on the number of reasoning segments relative to the group, segments weighted by length.
+
+    After "Mitigating Overthinking through Reasoning Shaping" (the abstract: "Group Relative Segment
+    Penalization", a step-level penalty, with "a length-aware weighting mechanism across segment clusters"; no
+    formula). Segments are the reasoning steps (``step_ends``, split at ``reward.step_delimiter``: e.g. a
+    delimiter such as "\\n\\n" or a reflection keyword). For completion i with segments of l_s tokens:
+
+        c(l)  = the cluster of a segment of l tokens: 0 if l <= edges[0], 1 if l <= edges[1], ..., K-1 beyond
+        S_i   = sum_s cluster_weights[c(l_s)]                      the length-weighted segment count
+        z_i   = (S_i - mean_g S) / (std_g S + eps)                 over the rows of i's group g (unbiased std;
+                                                                  z = 0 in a group whose S are all equal)
+        column = -coef * z_i                                       (appended as ``name``, weight ``weight``)
+
+    so a completion with more (weighted) segments than its group's average loses, one with fewer gains, and the
+    term sums to zero over a group. Default weights descend with the segment length (1.0 for segments of <= 32
+    tokens, 0.5 up to 128, 0.25 beyond): many short segments (the hesitant "wait, ..." steps of overthinking) are
+    penalised most, long substantive ones least. Assumed (the abstract names only "length-aware weighting across
+    segment clusters"): the fixed length clusters, the descending weights, the group z-score, and coef 0.1.
+    ``source`` (default None: every row) restricts the penalty to the correct completions (``source`` >=
+    ``correct_threshold``): the statistics are then over the group's correct rows, the others get 0, a failed
+    correctness NaN. Completions without segments count S = 0. ``edges`` strictly increasing, one weight per
+    cluster (checked when the config is read).
+    Shapes: step_ends [N, S] (-1 padded), group_ids [N] -> an appended column [N].
+    """
+    has = step_ends >= 0
+    prev = torch.cat([torch.full_like(step_ends[:, :1], -1), step_ends[:, :-1]], dim=1)
+    lens = torch.where(has, (step_ends - prev).to(torch.float64), torch.zeros(step_ends.shape, dtype=torch.float64))
+    e = torch.tensor(list(edges), dtype=torch.float64)
+    cluster = torch.bucketize(lens.contiguous(), e, right=False)  # l <= edges[0] -> 0
+    w = torch.tensor(list(cluster_weights), dtype=torch.float64)[cluster]
+    S = torch.where(has, w, torch.zeros_like(w)).sum(-1)
+    if source is not None:
+        ok, known = correctness(rewards, reward_names, source, correct_threshold, "grsp")
+        rows = ok & known
+    else:
+        ok = known = rows = torch.ones(S.shape[0], dtype=torch.bool)
+    mean, std, _ = group_stats(S, group_ids, rows)
+    z = (S - mean) / (std + eps)
+    z = torch.where(rows & (std > 0), z, torch.zeros_like(z))
+    return append_column(rewards, reward_names, reward_weights, _nan_where(-coef * z, known), name, weight, "grsp")
