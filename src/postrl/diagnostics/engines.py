@@ -122,6 +122,11 @@ SECTIONS: dict[str, tuple[str, list[Metric]]] = {
         M(("truncated/reward_mean", "finished/reward_mean"), "mean reward of truncated / finished completions"),
         M("length/reward_corr", "within-group Pearson correlation of reward with length (length and reward centred "
           "by group mean)"),
+        M("length/accuracy_corr", "(with a `correct` reward) mean over groups of the within-group Pearson correlation "
+          "of length with correctness (groups with a correct and a wrong completion and two lengths; absent in a step "
+          "where no group has them); < 0: shorter "
+          "completions are more often right (overthinking), > 0: underthinking (ICR's gate, `regularizers: [{name: "
+          "icr}]`)"),
         M(("tokens/completion", "tokens/prompt"), "tokens in the step's completions / prompts",
           trl=(A("num_tokens"),), trl_note="(cumulative, both)", verl=(A("perf/total_num_tokens"),)),
         M(("prompts/truncated", "prompts/dropped"), "with `rollout.max_prompt_length`: prompts of the step (every "

@@ -318,8 +318,9 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
         correct = rewards[:, batch.reward_names.index("correct")]
         m["accuracy"] = _mean((correct[np.isfinite(correct)] >= 1.0).astype(np.float64))
         known = torch.as_tensor(np.isfinite(correct) & valid)
-        m["length/accuracy_corr"] = length_accuracy_corr(batch.lengths, torch.as_tensor(correct >= 1.0),
-                                                         batch.group_ids, known)[0]
+        corr = length_accuracy_corr(batch.lengths, torch.as_tensor(correct >= 1.0), batch.group_ids, known)[0]
+        if math.isfinite(corr):  # (undefined in a step where no group has a right and a wrong completion)
+            m["length/accuracy_corr"] = corr
     m["valid"] = _mean(valid.astype(np.float64))
     m.update(length_metrics(batch.lengths, batch.truncated, reward, valid, batch.group_ids))
     m.update(group_metrics(reward, rewards, batch.group_ids, valid, batch.advantages, correct,
