@@ -89,5 +89,5 @@ def make(name: str, params: dict | None = None) -> Any:
 
 # register the built-ins and the adapters
 from postrl.environments import (adapters, adversarial, calculator, cleaner, code_repair,  # noqa: E402,F401
-                                 credit, function_calling, reward, self_correct, steptool, tools, toolrl,
-                                 topocurate, user)
+                                 credit, function_calling, openenv_env, reward, self_correct, steptool, tools,
+                                 toolrl, topocurate, user, verifiers_v1)
