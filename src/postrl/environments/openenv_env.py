@@ -217,8 +217,8 @@ class OpenEnvEnvironment(Environment):
 
     def _open(self) -> Any:
         env = self.make(**self.args)
-        if inspect.iscoroutinefunction(getattr(type(env), "reset", None)) and callable(getattr(env, "sync", None)):
-            env = env.sync()  # an async EnvClient: its synchronous wrapper runs one event loop of its own
+        if callable(getattr(env, "sync", None)):
+            env = env.sync()  # an EnvClient: its synchronous wrapper runs the client on an event loop of its own
         return env
 
     def reset(self, row: dict) -> str:
