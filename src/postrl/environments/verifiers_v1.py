@@ -87,7 +87,7 @@ def load_taskset(path: str, args: dict) -> Any:
         if isinstance(obj, type) and issubclass(obj, vf.Taskset):
             config_cls = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
             return obj(config_cls.model_validate(args))
-        if callable(obj):
+        if callable(obj) and not isinstance(obj, type):
             out = obj(**args)
             if isinstance(out, vf.Taskset):
                 return out
