@@ -123,7 +123,7 @@ def test_openenv_reward_done_truncation_mapping():
 
     from postrl.environments import openenv_env
 
-    obs, reward, done, meta = openenv_env.step_result(Client().step(None))
+    obs, reward, done, _ = openenv_env.step_result(Client().step(None))
     assert (openenv_env.observation_text(obs), reward, done) == ('{"text": "bye", "n": 1}', 0.5, True)
     assert openenv_env.observation_text(Client().reset().observation) == "hi"
     assert openenv_env.observation_text(GuessObservation(feedback="f"), "feedback") == "f"

@@ -17,7 +17,7 @@ One object is made per episode (``env(**args)``, when postrl makes the episode's
 environment's tools are listed then) and closed when the episode ends. The mapping:
 
 * ``reset(row)``: ``env.reset(**kw)`` with ``kw`` the row's ``reset_keys`` (and ``seed=row[seed_key]`` when
-  ``seed_key`` is set); the first observation is, by ``prompt``: ``both`` (default) the row's prompt, a blank line,
+  ``seed_key`` is set; a reward or ``done`` on the reset observation is ignored); the first observation is, by ``prompt``: ``both`` (default) the row's prompt, a blank line,
   then the reset observation's text (only the prompt when that text is empty); ``row``: the prompt alone;
   ``observation``: the observation's text alone.
 * text mode (``action`` given: an Action class, or a function from the model's text to an action): each model turn
@@ -265,8 +265,8 @@ class OpenEnvEnvironment(Environment):
                 texts.append(f"error: more than {self.max_calls} tool calls")
                 continue
             args = {k: v for k, v in (c.arguments or {}).items() if v is not None}
-            obs, reward, call_done, meta = step_result(
-                call(lambda: self.env.step(CallToolAction(tool_name=c.name, arguments=args))))
+            act = CallToolAction(tool_name=c.name, arguments=args)
+            obs, reward, call_done, meta = step_result(call(lambda act=act: self.env.step(act)))
             text, ok = _tool_result(obs)
             info["tool_errors"] += int(not ok)
             texts.append(text)
