@@ -28,6 +28,7 @@ from postrl.environments.openenv_env import OpenEnvEnvironment  # noqa: E402
 from postrl.environments.tools import schemas  # noqa: E402
 from postrl.errors import ConfigError  # noqa: E402
 from test_env_adapters import chat_tokenizer, ctx_for, ids, scripted  # noqa: E402
+from test_train import model_dir  # noqa: E402,F401 - the fixture
 
 CLOSED: list[str] = []
 
@@ -264,3 +265,33 @@ def test_openenv_config_errors():
     with pytest.raises(ConfigError, match=r"^environment.prompt"):
         make("openenv", {"env": f"{__name__}:GuessEnvironment", "prompt": "both_ways"})
     assert isinstance(make("openenv", {"env": f"{__name__}:ScoredCalc"}), OpenEnvEnvironment)
+
+
+class EchoEnvironment(Environment):
+    """Echoes the message, done after one step: reward 0.25 when reset was given the row's answer, else 0."""
+
+    def reset(self, seed=None, episode_id=None, answer=None, **kwargs):
+        self.answer = answer
+        return GuessObservation(feedback="say something")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        return GuessObservation(feedback=action.guess, done=True, reward=0.25 if self.answer is not None else 0.0)
+
+    @property
+    def state(self):
+        return State()
+
+
+def test_openenv_named_in_the_config_train(model_dir, tmp_path):  # noqa: F811
+    """The adapter through the trainer, named in the config (reset_keys hands the calculator row's answer to
+    reset): the reward source environment reads the echo's reward, 0.25 on every episode."""
+    from test_train import metrics, run_inprocess
+
+    run_inprocess([f"model.path={model_dir}", "task.name=calculator", "task.digits=2",
+                   "rewards=[{name: environment}]", "rollout.max_new_tokens=6", "rollout.group_size=2",
+                   "train.prompts_per_step=2", "train.steps=1", "train.eval_size=2", "train.eval_k=1",
+                   f"output_dir={tmp_path}",
+                   "environment={name: openenv, env: %s:EchoEnvironment, action: %s:GuessAction, "
+                   "reset_keys: [answer], max_turns: 2, max_total_tokens: 20}" % (__name__, __name__)])
+    row = metrics(tmp_path)[0]
+    assert row["reward/environment/mean"] == 0.25 and row["turns/per_episode"] == 1.0

@@ -17,6 +17,7 @@ from postrl.environments import episodes, make  # noqa: E402
 from postrl.environments.reward import environment  # noqa: E402
 from postrl.errors import ConfigError  # noqa: E402
 from test_env_adapters import chat_tokenizer, ctx_for, ids, scripted  # noqa: E402
+from test_train import model_dir  # noqa: E402,F401 - the fixture
 
 
 class QAData(vf.TaskData):
@@ -182,3 +183,29 @@ def test_verifiers_v1_config_errors():
         make("verifiers_v1", {"taskset": f"{__name__}:QATaskset", "env": f"{__name__}:GameEnv", "seat": "p2"})
     with pytest.raises(ConfigError, match="env_args: only with environment.env"):
         make("verifiers_v1", {"taskset": f"{__name__}:QATaskset", "env_args": {"target": "1"}})
+
+
+class EffortTask(QATask):
+    @vf.reward(weight=0.5)
+    async def replied(self, trace) -> float:
+        return 1.0
+
+
+class EffortTaskset(vf.Taskset[EffortTask, QAConfig]):
+    def load(self):
+        return []
+
+
+def test_verifiers_v1_named_in_the_config_train(model_dir, tmp_path):  # noqa: F811
+    """The adapter through the trainer, named in the config: the calculator rows' prompt and answer make the tasks;
+    an untrained model never answers right: reward 0.5 (replied, weight 0.5) + 0 (correct) on every episode."""
+    from test_train import metrics, run_inprocess
+
+    run_inprocess([f"model.path={model_dir}", "task.name=calculator", "task.digits=2",
+                   "rewards=[{name: environment}]", "rollout.max_new_tokens=6", "rollout.group_size=2",
+                   "train.prompts_per_step=2", "train.steps=1", "train.eval_size=2", "train.eval_k=1",
+                   f"output_dir={tmp_path}",
+                   "environment={name: verifiers_v1, taskset: %s:EffortTaskset, args: {n: 0}, max_turns: 2, "
+                   "max_total_tokens: 20}" % __name__])
+    row = metrics(tmp_path)[0]
+    assert row["reward/environment/mean"] == 0.5 and row["turns/per_episode"] == 1.0
