@@ -85,16 +85,21 @@ def observation_text(obs: Any, field: str | None = None) -> str:
     return json.dumps(data, default=str) if data else ""
 
 
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
 def step_result(out: Any) -> tuple[Any, float | None, bool, dict]:
-    """(observation, reward, done, metadata) of a ``StepResult`` (a client's) or an ``Observation`` (in-process)."""
+    """(observation, reward, done, metadata) of a ``StepResult`` (a client's) or an ``Observation`` (in-process;
+    a plain dict of the same fields is read alike)."""
     if hasattr(out, "observation") and hasattr(out, "done"):
         obs, reward, done = out.observation, out.reward, bool(out.done)
         if reward is None:
-            reward = getattr(obs, "reward", None)
-        meta = dict(out.metadata or getattr(obs, "metadata", None) or {})
+            reward = _get(obs, "reward")
+        meta = dict(out.metadata or _get(obs, "metadata") or {})
     else:
-        obs, reward, done = out, getattr(out, "reward", None), bool(getattr(out, "done", False))
-        meta = dict(getattr(out, "metadata", None) or {})
+        obs, reward, done = out, _get(out, "reward"), bool(_get(out, "done"))
+        meta = dict(_get(out, "metadata") or {})
     return obs, (None if reward is None else float(reward)), done, meta
 
 
@@ -194,6 +199,12 @@ class OpenEnvEnvironment(Environment):
         elif action_field is not None:
             raise ConfigError("environment.action_field: only with environment.action (the tools mode sends tool "
                               "calls)")
+        else:
+            try:
+                import openenv.core.env_server.mcp_types  # noqa: F401
+            except ImportError:
+                raise ConfigError("environment openenv: the tools mode (no environment.action) needs the openenv "
+                                  "package ('pip install postrl[openenv]')") from None
         self.observation_field, self.reset_keys, self.seed_key = observation_field, list(reset_keys or []), seed_key
         self.prompt, self.max_calls, self.result_format = prompt, int(max_calls), result_format
         self.observation_role = "user" if self.to_action is not None else "tool"
