@@ -209,3 +209,19 @@ def test_verifiers_v1_named_in_the_config_train(model_dir, tmp_path):  # noqa: F
                    "max_total_tokens: 20}" % __name__])
     row = metrics(tmp_path)[0]
     assert row["reward/environment/mean"] == 0.5 and row["turns/per_episode"] == 1.0
+
+
+class BoxTask(QATask):
+    @vf.reward
+    async def files_ok(self, trace, runtime) -> float:
+        return 1.0
+
+
+class BoxTaskset(vf.Taskset[BoxTask, QAConfig]):
+    def load(self):
+        return []
+
+
+def test_verifiers_v1_refuses_runtime_scoring():
+    with pytest.raises(ConfigError, match="scores with files_ok, which need a runtime"):
+        make("verifiers_v1", {"taskset": f"{__name__}:BoxTaskset"})

@@ -36,7 +36,7 @@ The mapping:
 
 Fault isolation: a taskset, task, env or scoring function that raises, or an episode that does not answer within
 ``timeout`` seconds, ends its episode (``env_errors``, reward NaN). Limits (refused with a one-line error when the
-environment is made, except where said): tool servers (``Task.toolsets`` / ``Taskset.toolsets``: MCP servers that
+environment is made, except where said; a row's task that needs one of them ends its episode): tool servers (``Task.toolsets`` / ``Taskset.toolsets``: MCP servers that
 a harness wires in), a second seat played by another model (e.g. verifiers' ``user-sim`` env; postrl plays one seat,
 ``seat``), scoring functions that need a runtime (a sandbox box) and judges (they call their own model), ``@vf.stop``
 checks on a ``Request`` / ``Response`` (not run); ``interaction.steer`` / ``send`` (raise inside the episode).
@@ -274,7 +274,6 @@ class _Episode:
             self.events.put(("error", e))
 
     async def _run(self) -> tuple[float, dict]:
-        vf = _vf()
         self.loop = asyncio.get_running_loop()
         a = self.adapter
         seat = _Seat(a.seat, a.seat_spec, self)
@@ -301,7 +300,6 @@ class _Episode:
         info: dict = {"scores": scores}
         if trace.is_truncated:
             info["failure_cause"] = "env_truncated"
-        assert isinstance(trace, vf.Trace)
         return float(trace.reward), info
 
 
@@ -331,6 +329,9 @@ class VerifiersV1Environment(Environment):
         if self.taskset.toolsets(self.taskset.config) or task_cls.toolsets(self.taskset.config.task):
             raise ConfigError(f"environment.taskset: {taskset} has tool servers (toolsets); the verifiers_v1 adapter "
                               f"plays tool-less harnesses only")
+        probe = task_cls.__new__(task_cls)  # the task type's scoring hooks (decorated and config-plugged)
+        probe.config, probe.data = self.taskset.config.task, None
+        self._check_scoring(probe, taskset)
         self.env_cls, self.env_config = None, None
         seats = {"agent": vf.AgentConfig()}
         if env is not None:
@@ -383,11 +384,15 @@ class VerifiersV1Environment(Environment):
             data_cls = task_cls.data_type()
             data = data_cls.model_validate({k: v for k, v in row.items() if k in data_cls.model_fields})
             task = task_cls(data, self.taskset.config.task)
+        self._check_scoring(task, "the row's task", PostrlError)
+        return task
+
+    @staticmethod
+    def _check_scoring(task: Any, what: str, error: type = ConfigError) -> None:
         bad = [fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind) if _needs_runtime(fn)]
         if bad or task.config.judges:
-            raise PostrlError(f"environment verifiers_v1: the task's {', '.join(bad) or 'judges'} need a runtime or a "
-                              f"judge model, which the adapter does not provide")
-        return task
+            raise error(f"environment.taskset: {what} scores with {', '.join(bad) or 'judges'}, which need a runtime "
+                        f"(sandbox box) or a judge model; the verifiers_v1 adapter provides neither")
 
     def reset(self, row: dict) -> str:
         self.close()
