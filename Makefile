@@ -22,11 +22,15 @@ $(CORE): pyproject.toml
 	@touch $(CORE)
 
 # verl (the plug-in's tests) without its dependency pins (verl 0.9.1 pins transformers < 5.11): only what its
-# registries, DataProto, configs and compute_advantage need on a CPU.
+# registries, DataProto, configs and compute_advantage need on a CPU. OpenEnv (the openenv environment's tests)
+# without its web UI (gradio, which pins pillow < 13): openenv.core and the MCP client it imports (fastmcp, with
+# the mcp version verifiers 0.4 pins).
 $(DEV): $(CORE)
 	$(PIP) -e '.[dev]'
 	$(PIP) --no-deps verl==0.9.1
 	$(PIP) ray 'tensordict>=0.8,<0.11,!=0.9.0' hydra-core codetiming torchdata
+	$(PIP) --no-deps openenv==0.4.1
+	$(PIP) fastmcp 'mcp==2.0.0'
 	@touch $(DEV)
 
 demo: $(CORE)

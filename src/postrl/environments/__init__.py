@@ -16,8 +16,11 @@ may be ``async def`` (:class:`AsyncEnvironment`): the rollout awaits them. An en
 episode: the episode's reward is NaN (a failed reward entry, excluded from the advantage) and ``env_errors``
 counts it. Environments written for other libraries run through :mod:`postrl.environments.adapters`: the
 environments ``trl`` (a TRL ``environment_factory`` class: ``reset(**row)``, tool methods, ``get_reward``) and
-``verifiers`` (a verifiers ``MultiTurnEnv``: ``env_response``, ``is_completed``, its rubric), each taking the
-user's class as an import path parameter.
+``verifiers`` (a legacy verifiers ``MultiTurnEnv``: ``env_response``, ``is_completed``, its rubric), each taking the
+user's class as an import path parameter; :mod:`postrl.environments.verifiers_v1` (``verifiers_v1``: a verifiers v1
+taskset, optionally driven by its ``vf.Env``) and :mod:`postrl.environments.openenv_env` (``openenv``: an OpenEnv
+environment, client or MCP tool environment). An environment's optional ``close()`` is called when the rollout is
+over.
 
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
@@ -89,5 +92,5 @@ def make(name: str, params: dict | None = None) -> Any:
 
 # register the built-ins and the adapters
 from postrl.environments import (adapters, adversarial, calculator, cleaner, code_repair,  # noqa: E402,F401
-                                 credit, function_calling, reward, self_correct, steptool, tools, toolrl,
-                                 topocurate, user)
+                                 credit, function_calling, openenv_env, reward, self_correct, steptool, tools,
+                                 toolrl, topocurate, user, verifiers_v1)

@@ -46,7 +46,8 @@ Fault isolation: an environment whose ``reset`` or ``step`` raises, whose ``step
 seconds (when set: each call then runs in its own daemon thread, abandoned when late) or returns something that is
 not ``(observation, reward, done, info)`` with a number or None as reward and a dict (or None) as info ends its
 episode: ``env_errors`` counts it and the episode's reward is NaN (a failed entry, excluded from the advantage);
-the other episodes and the run go on. ``purify='cleaner'`` rewrites, after the rollout, each episode whose failed
+the other episodes and the run go on. When the rollout is over, each environment's optional ``close()`` is called
+(an exception there is ignored: the episodes are already recorded). ``purify='cleaner'`` rewrites, after the rollout, each episode whose failed
 tool call was later corrected (:mod:`postrl.environments.cleaner`; its tokens re-scored by the policy).
 
 Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
@@ -308,6 +309,12 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
             else:  # the observation did not fit: the token budget ended the episode
                 token_limit[r] = True
         live = nxt
+    for env in envs:  # the episodes are over: an environment's optional close() releases what it holds
+        if callable(getattr(env, "close", None)):
+            try:
+                call(env.close)
+            except Exception:  # noqa: BLE001 - a failing close changes no episode (their rewards are in)
+                pass
 
     width = max(max((len(c) for c in comp), default=0), 1)
     pad = int(ctx.pad_id)
