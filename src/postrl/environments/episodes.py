@@ -117,6 +117,31 @@ def observation_ids(tokenizer: Any, observation: str, role: str, tools: list[dic
     return ids
 
 
+class _Unmade:
+    """Stands in for an environment whose constructor raised (not a user mistake in its parameters): its ``reset``
+    raises the same error, so that episode ends as an environment error, counted, and the others run."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def reset(self, row: dict) -> str:
+        raise self.error
+
+    def step(self, action: str):
+        raise self.error
+
+
+def _made(make_env: Callable[[], Any]) -> Any:
+    """``make_env()``, or an :class:`_Unmade` when the constructor raises (a :class:`PostrlError`, a mistake in the
+    configuration, stops the run in one line)."""
+    try:
+        return make_env()
+    except PostrlError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one environment's failure ends its episode, counted
+        return _Unmade(e)
+
+
 def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
     """``fn()`` in a daemon thread; its result, its exception, or a TimeoutError after ``timeout`` seconds (the
     thread is abandoned)."""
@@ -208,7 +233,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     tok, params = ctx.tokenizer, ctx.sampling or SamplingParams()
     eos = set(int(e) for e in ([tok.eos_token_id] if tok.eos_token_id is not None else []))
     G, N, K = group_size, len(rows) * group_size, max_turns
-    envs = [make_env() for _ in range(N)]
+    envs = [_made(make_env) for _ in range(N)]
     tools = [schemas(list(getattr(env, "tools", None) or [])) for env in envs]
     roles = [getattr(env, "observation_role", "user") for env in envs]
     user_stops = [s for s in params.stop if s]
