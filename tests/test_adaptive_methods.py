@@ -368,3 +368,12 @@ def test_gardo_diversity_amplifies_good_and_diverse_completions():
     # group 0: mean 1/3; row 2 (dn = 1) gains 0.5 * 1 * (1 - 1/3) = 1/3; rows 0, 1 are below the mean
     # group 1: all rewards equal: unchanged
     assert out[:, 0].tolist() == pytest.approx([0.0, 0.0, 4 / 3, 0.5, 0.5, 0.5])
+
+
+def test_kl_estimator_choices_are_the_registered_estimators():
+    import typing
+
+    from postrl import registry
+    from postrl.losses.regularizers import KLName
+
+    assert set(typing.get_args(KLName)) == set(registry.names("kl"))  # ares_kl's and gardo_kl's `estimator`

@@ -8,18 +8,18 @@ Diversity-aware Optimization). Its third part, the diversity-amplified reward, i
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import torch
 from annotated_types import Ge, Gt, Le
 
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
+from postrl.losses.regularizers import KLName
 from postrl.registry import get, register
 from postrl.stages import StepEnd, Stateful
 
 GARDO_SOURCE = "GARDO: Reinforcing Diffusion Models without Reward Hacking"
-KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"]
 
 
 def ensemble_spread(raw_rewards: torch.Tensor, names: list[str], sources: list[str] | None) -> torch.Tensor:

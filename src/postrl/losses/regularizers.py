@@ -388,7 +388,7 @@ steer.no_grad_fields = ("entropy",)  # weights only: the trainer need not differ
 
 # ---------------------------------------------------------------------------------------------- ARES dynamic KL
 
-KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"]
+KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"]  # kind kl's names
 
 
 def _after_ares(params: dict, run: Any, where: str) -> dict:
