@@ -553,6 +553,11 @@ def make(name):
     return fn() if isinstance(fn, type) else fn
 
 
+def advantages_of(out):
+    """An estimator's advantages (one that hands on more fields, e.g. ares, returns a dict with them)."""
+    return out["advantages"] if isinstance(out, dict) else out
+
+
 @pytest.mark.parametrize("name", registry.names("advantage"))
 def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
     f = batch_fields()
@@ -562,7 +567,7 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
     f["rewards"][1] = nan
     f["valid"] = torch.isfinite(f["reward"])
     f["valid"][4] = False  # excluded by a filter
-    a = call_stage(make(name), f, {})
+    a = advantages_of(call_stage(make(name), f, {}))
     assert a.shape[0] == 12 and a.dtype == torch.float32 and torch.isfinite(a).all()
     assert torch.all(a[1] == 0) and torch.all(a[4] == 0)
 
@@ -570,14 +575,15 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
 @pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae",
                                                                             "red", "attention_credit",
                                                                             "critic_dense", "teacher_forcing",
-                                                                            "occlusion_credit"}))
+                                                                            "occlusion_credit", "ares"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
     # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal;
-    # r3l's success rule pays every success, an all-correct group included, as R^3L's code does)
+    # r3l's success rule pays every success, an all-correct group included, as R^3L's code does; ares adds its
+    # entropy reward to equal rewards)
     params = {"baseline": "step"} if name == "step_return" else {"success": None} if name == "r3l" else {}
-    a = call_stage(make(name), batch_fields(equal=True), params)
+    a = advantages_of(call_stage(make(name), batch_fields(equal=True), params))
     assert torch.all(a.abs() < 1e-6), name  # all-equal rewards: no signal (rl_zvp's entropy shaping aside)
-    a = call_stage(make(name), batch_fields(N=4, G=1, seed=3), params)
+    a = advantages_of(call_stage(make(name), batch_fields(N=4, G=1, seed=3), params))
     if name != "mapo":  # mapo's batch term is defined for singleton groups
         assert torch.all(a.abs() < 1e-6), name
 

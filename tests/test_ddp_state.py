@@ -66,6 +66,27 @@ def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_
     assert head is not None  # the value head was fitted with the gradients averaged over processes
 
 
+def test_discriminator_and_hwe_threshold_are_the_same_on_both_ranks(model_dir, tmp_path):  # noqa: F811
+    """ares' smoothed HWE threshold and chi2_occupancy's discriminator (trained once per step on both ranks'
+    tokens, gathered in rank order) come out identical on both ranks."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    args = small(model_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1",
+                 "train.eval_size=4", "train.eval_k=1", "advantage={name: ares, window: 1}",
+                 "regularizers=[{name: chi2_occupancy, coef: 0.1, max_tokens: 64}, {name: ares_kl, coef: 0.0}]")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29542",
+           str(script), str(tmp_path), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    a, b = s0["stages"], s1["stages"]
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert a["regularizers"]["0:chi2_occupancy"]["steps"] == 2 and a["regularizers"]["0:chi2_occupancy"]["net"]
+    assert a["advantage"]["0:ares"]["tau"] > 0
+
+
 @pytest.mark.parametrize("n", [1])
 def test_one_process_gathers_its_own_records(n):
     """The gather is the identity on one process: records are applied once, in order, then forgotten."""

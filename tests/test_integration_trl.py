@@ -353,3 +353,16 @@ def test_top_p_kept_mass_is_logged_and_the_alarm_fires_only_uncorrected(model_di
     assert [a["step"] for a in runs["full"].alarms if a["name"] == "filtered_sampling"] == [2]
     assert not [a for a in runs["filtered"].alarms if a["name"] == "filtered_sampling"]
     assert _max_diff(_weights(runs["full"]), _weights(runs["filtered"])) > 1e-4
+
+
+def test_regularizers_get_their_fields_and_observe_under_trl(model_dir, tmp_path):
+    """Under TRL: chi2_occupancy's features are produced through the adapter's model context,
+    its discriminator learns from TRL's reference log-probs once per generation; steer's weights reach the loss."""
+    t = _run_postrl(model_dir, tmp_path, {
+        "rewards": [{"name": f"{MODULE}:char_score"}], "kl": {"coef": 0.01},
+        "regularizers": [{"name": "chi2_occupancy", "coef": 0.1, "max_tokens": 64}, {"name": "steer"}]})
+    rows = [r for r in t.state.log_history if "postrl/reg/chi2_occupancy/chi2" in r]
+    assert len(rows) == 2 and all(r["postrl/reg/chi2_occupancy/disc_loss"] > 0 for r in rows)
+    assert t.postrl.objective.regularizers[0].fn.steps == 2
+    assert any(0.8 <= r.get("postrl/reg/steer/kept", 0) <= 1.2 for r in t.state.log_history)
+    assert _losses(t) and all(x == x for x in _losses(t))

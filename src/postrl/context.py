@@ -99,10 +99,12 @@ class ModelContext:
         return torch.cat(out) if out else torch.zeros(0)
 
     @torch.no_grad()
-    def completion_hidden(self, batch) -> torch.Tensor:
-        """Last-layer hidden state at the position that predicts each completion token: [N, T, H] float32."""
+    def completion_hidden(self, batch, after: bool = False) -> torch.Tensor:
+        """Last-layer hidden state at the position that predicts each completion token (the state before it), or
+        with ``after`` at the token's own position (the state once it is read: the state-action pair): [N, T, H]
+        float32."""
         out = []
-        P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+        P, T = batch.prompt_ids.shape[1] + int(after), batch.completion_ids.shape[1]
         for idx in chunks(len(batch), self.micro_batch_size):
             ids = torch.cat([batch.prompt_ids[idx], batch.completion_ids[idx]], 1).to(self.device)
             attn = torch.cat([batch.prompt_mask[idx], torch.ones_like(batch.completion_ids[idx])], 1).to(self.device)

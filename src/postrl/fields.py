@@ -14,6 +14,7 @@ the stage's own (:func:`postrl.stages.check_params`). Built in:
     turn_info_gain     [N, K]    pi(answer | q, h_k) - pi(answer | q, h_{k-1}), turn k of an episode (turn_igpo)
     greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
     completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
+    token_hidden       [N, T, H] last hidden state after each completion token (chi2_occupancy's discriminator)
     red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)
     attention_token_reward [N, T] the stage's ``reward_model`` score spread by its last-layer attention
                                   (attention_credit)
@@ -162,6 +163,14 @@ def greedy_reward(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
 def completion_hidden(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
     """Last hidden state [N, T, H] at the position that predicts each completion token."""
     return ctx.completion_hidden(batch)
+
+
+@register("field", "token_hidden", source="the policy's last hidden state after each completion token")
+def token_hidden(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
+    """Last hidden state [N, T, H] at each completion token's own position (after reading it).
+
+    The features of the (prefix, token) pair, a sample of the state-action occupancy (chi2_occupancy)."""
+    return ctx.completion_hidden(batch, after=True)
 
 
 def produce(ctx: ModelContext, batch: RolloutBatch, stage: Stage) -> None:

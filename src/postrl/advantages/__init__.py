@@ -19,7 +19,8 @@ Conventions shared by every estimator here:
 Modules: ``outcome`` (anchor-matched outcome estimators: dr_grpo, rloo, reinforce_pp(_baseline), remax, opo, gpg,
 pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, mapo, rl_zvp, confidence_scaled,
 riskpo, aem, information_gain), ``tournament`` (rank_tournament), ``process`` (step_return: token advantages from
-process step rewards, PURE).
+process step rewards, PURE), ``adora`` (adora: GRPO reweighted per group by a per-prompt utility), ``ares`` (ares:
+window-entropy triggers and a difficulty-aware entropy reward).
 """
 
 from __future__ import annotations
@@ -110,5 +111,5 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 # Estimators in submodules register themselves on import.
 from postrl.advantages import (  # noqa: E402,F401
-    entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
+    adora, ares, entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
 )

@@ -111,11 +111,14 @@ def verl_overrides(cfg: Any, config_path: str, *, train_files: str, val_files: s
         o["algorithm.rollout_correction.rollout_is_threshold"] = cfg.loss.tis.cap
     if cfg.kl.coef > 0 and cfg.kl.placement == "loss":
         if cfg.kl.controller != "fixed":
-            raise ConfigError("kl.controller=adaptive with kl.placement=loss has no verl counterpart (verl adapts "
+            raise ConfigError(f"kl.controller={cfg.kl.controller} with kl.placement=loss has no verl counterpart (verl adapts "
                               "only the in-reward KL); use kl.placement=reward or controller fixed")
         o.update({f"{actor}.use_kl_loss": True, f"{actor}.kl_loss_coef": cfg.kl.coef,
                   f"{actor}.kl_loss_type": cfg.kl.estimator})
     elif cfg.kl.coef > 0:
+        if cfg.kl.controller == "pid":
+            raise ConfigError("kl.controller=pid has no verl counterpart (verl's kl_ctrl.type is fixed or adaptive); "
+                              "use it with postrl train")
         o.update({"algorithm.use_kl_in_reward": True, "algorithm.kl_penalty": cfg.kl.estimator,
                   "algorithm.kl_ctrl.type": cfg.kl.controller, "algorithm.kl_ctrl.kl_coef": cfg.kl.coef,
                   "algorithm.kl_ctrl.target_kl": cfg.kl.target, "algorithm.kl_ctrl.horizon": cfg.kl.horizon})

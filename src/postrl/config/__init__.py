@@ -247,15 +247,31 @@ class KLConfig(_Strict):
                            "10), abs, or straight-through k1+, k3+, low_var_kl+, abs+ (regularizer kl_<name>)")
     placement: Literal["loss", "reward"] = Field(
         "loss", description="loss: coef * agg(KL) in the loss; reward: r - coef * sum_t KL_t before advantages")
-    controller: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type)")
-    target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller")
+    controller: Literal["fixed", "adaptive", "pid"] = Field(
+        "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type); pid: coef "
+        "from the tracked KL above a threshold that a PID on the reward velocity moves, gated by the entropy (after "
+        "SAFE; postrl.losses.kl.KLController)")
+    target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller; base KL threshold of the "
+                          "pid controller")
     horizon: int = Field(10000, ge=1, description="horizon of the adaptive controller (in sequences)")
+    pid_gains: tuple[float, float, float] = Field(
+        (0.3, 0.01, 0.05), description="pid controller: (kp, ki, kd) on the reward-velocity error (SAFE's)")
+    reward_velocity: float = Field(0.001, description="pid controller: target velocity of the reward's moving "
+                                   "average per step (SAFE's)")
+    entropy_floor: float = Field(2.0, gt=0.0, description="pid controller: entropy (nats) under which the "
+                                 "coefficient is amplified, gate max(0.5, floor / (H + 0.1)) (SAFE's)")
+
+    @field_validator("pid_gains", mode="before")
+    @classmethod
+    def _gains_from_list(cls, v: Any) -> Any:
+        """YAML has no tuples: a three-item list is the triple."""
+        return tuple(v) if isinstance(v, list) else v
 
     @model_validator(mode="after")
     def _check_controller(self) -> "KLConfig":
-        if self.controller == "adaptive" and self.coef <= 0:
-            raise ValueError("kl.controller=adaptive needs kl.coef > 0 (the initial coefficient)")
+        if self.controller != "fixed" and self.coef <= 0:
+            raise ValueError(f"kl.controller={self.controller} needs kl.coef > 0 (the initial coefficient; pid: its "
+                             "gain)")
         return self
 
 

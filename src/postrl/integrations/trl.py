@@ -240,6 +240,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if spec.max_attempts is not None and spec.max_attempts > 1:
                 warnings.warn(f"filters.{i}: max_attempts is not available under TRL (no refill): dropped groups are "
                               f"masked out of the update", stacklevel=2)
+        for s in self.postrl.needing("reference_reset"):
+            raise ConfigError(f"{s.kind} '{s.name}': resetting the reference model is not available in the TRL "
+                              "adapter (TRL owns the reference; its own GRPOConfig.sync_ref_model does that)")
         for s in [self.postrl.advantage, *objective.regularizers, objective.loss]:
             for field in set(s.reads) & set(_UNAVAILABLE):
                 raise ConfigError(f"{s.kind} '{s.name}' reads {field}: the TRL adapter cannot give "
@@ -371,7 +374,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         sampler = out.get("sampling_per_token_logps", out.get("old_per_token_logps"))
         if sampler is not None:
             batch.sampler_logprobs = self._gather_padded(sampler.float())
-        elif "sampler_logprobs" in self.postrl.advantage.reads:  # the policy that sampled is the current one
+        elif "sampler_logprobs" in self.postrl.advantage.reads or "sampler_logp" in self.postrl.objective.reads:
+            # the policy that sampled is the current one (an estimator or a regulariser's observe reads it)
             batch.sampler_logprobs = self.ctx.logprobs(batch)[0]
         else:
             batch.sampler_logprobs = torch.full((len(batch), T), float("nan"))
@@ -380,6 +384,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         adv = self.postrl.advantages(self.ctx, batch, observe=mode == "train").float()
         adv = torch.where(batch.valid.view(-1, *[1] * (adv.dim() - 1)), adv, torch.zeros_like(adv))
         batch.advantages = adv
+        for key, attr in (("ref_per_token_logps", "ref_logprobs"), ("old_per_token_logps", "old_logprobs")):
+            if out.get(key) is not None:
+                setattr(batch, attr, self._gather_padded(out[key].float()))
+        if mode == "train":
+            self.postrl.observe_objective(batch)
         rank = self.accelerator.process_index
         rows = torch.arange(rank * n, (rank + 1) * n)
         local = adv[rows]
@@ -455,7 +464,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             image_sizes=inputs.get("image_sizes"), token_type_ids=inputs.get("token_type_ids"),
             mm_token_type_ids=inputs.get("mm_token_type_ids"), image_position_ids=inputs.get("image_position_ids"))
         rows = inputs["postrl_row"].cpu()
-        fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+        fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v)  # (per-token: [n, T, ...])
                   for k, v in self.postrl.objective.batch_fields(
                       self._scored["train" if self.model.training else "eval"][0], rows, logp.device).items()}
         fields["mask"] = self._loss_mask(inputs)

@@ -359,6 +359,9 @@ def check_config(cfg: Any) -> None:
                           "estimator only the summed reward (per-source values reach only verl's own 'gdpo', "
                           "algorithm.gdpo_reward_keys): use that, or postrl train")
     _check_reads(step.objective.loss)
+    for s in step.needing("reference_reset"):
+        raise ConfigError(f"{s.kind} '{s.name}': resetting the reference model is not available on verl (verl's "
+                          "reference worker is its own); use it with postrl train")
     if cfg.loss.agg not in AGG_MODES:
         raise ConfigError(f"loss.agg '{cfg.loss.agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
     check_scoring(step)

@@ -30,8 +30,10 @@ from postrl.losses.kl import (KLController, kl_abs, kl_abs_st, kl_k1, kl_k1_st, 
                               kl_low_var_kl, kl_low_var_kl_st, kl_reward_penalty, straight_through)
 from postrl.losses import preference  # noqa: F401  (registers the preference losses of postrl dpo)
 from postrl.losses.policy import clip_cov, cispo, dispo, gmpo, gpg, gspo, kl_cov, ppo_clip, sapo
-from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, entropy_band, entropy_bonus, f_divergence,
-                                        lp_reg, top_entropy_tokens)
+from postrl.losses.regularizers import (AdaptiveEntropy, EntropySmoothing, ares_kl, entropy_band, entropy_bonus,
+                                        f_divergence, lp_reg, steer, top_entropy_tokens)
+from postrl.losses.occupancy import Chi2Occupancy
+from postrl.losses.gardo import GardoKL, uncertainty_gate
 from postrl.losses.tis import tis_weights
 from postrl.losses import icr, srpo  # noqa: E402,F401  (register ICR and SRPO: regularisers and their fields)
 
@@ -42,7 +44,7 @@ __all__ = [
     "kl_low_var_kl_st", "straight_through",
     "kl_reward_penalty", "KLController", "tis_weights",
     "entropy_bonus", "AdaptiveEntropy", "top_entropy_tokens", "entropy_band", "EntropySmoothing", "lp_reg",
-    "f_divergence", "check_aggregation",
+    "f_divergence", "steer", "ares_kl", "Chi2Occupancy", "GardoKL", "uncertainty_gate", "check_aggregation",
 ]
 
 

@@ -31,6 +31,9 @@ from postrl.losses.tis import tis_weights
 from postrl.stages import StepEnd
 
 _BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs"}
+_OBSERVED = {"ref_logprobs": "ref_logp", "old_logprobs": "old_logp", "sampler_logprobs": "sampler_logp"}
+"""A stateful regulariser's ``observe`` reads batch fields (``ref_logprobs`` ...); what the objective must have for
+it (e.g. a reference model for ``ref_logprobs``) is named as the loss's fields are."""
 
 
 class Objective:
@@ -46,12 +49,16 @@ class Objective:
         # one KL: its estimator (kind kl) either in the loss (kl.placement=loss) or in the reward (Step.kl_penalty)
         self.kl = stages.build("kl", kl.estimator, where="kl.estimator").fn if kl.coef > 0 else None
         self.kl_placement = kl.placement
-        self.kl_ctrl = KLController(kl.coef, adaptive=kl.controller == "adaptive", target=kl.target,
-                                    horizon=kl.horizon)
+        self.kl_ctrl = KLController(kl.coef, mode=kl.controller, target=kl.target, horizon=kl.horizon,
+                                    pid_gains=kl.pid_gains, reward_velocity=kl.reward_velocity,
+                                    entropy_floor=kl.entropy_floor)
         self.regularizers = stages.build_all("regularizer", regularizers, section="regularizers")
         self.coefs = [s.coef for s in regularizers]
         parts = [self.loss, *self.regularizers]
         self.reads = set().union(*(s.reads for s in parts))
+        for s in self.regularizers:  # what a stateful regulariser observes (Step.observe_objective) is read too
+            if s.stateful:
+                self.reads |= {_OBSERVED.get(f, f) for f in stages.reads(s.fn.observe)}
         if self.kl is not None:
             self.reads.add("ref_logp")
         self.entropy_grad = any("entropy" in s.reads and "entropy" not in getattr(s.fn, "no_grad_fields", ())
@@ -149,12 +156,14 @@ class Objective:
 
     def end_step(self, step: StepEnd, n_seq: int) -> dict:
         """Once per step, with the metrics reduced over processes: the KL coefficient this step used and its
-        adaptation (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences). (The
-        stateful regularisers end their step with every other stage: ``postrl.step.Step.end``.)"""
+        update (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences; the ``pid``
+        controller also reads ``reward/mean`` and ``entropy``). (The stateful regularisers end their step with every
+        other stage: ``postrl.step.Step.end``.)"""
         out = {}
         if self.kl is not None:
             out["kl_coef"] = self.kl_ctrl.value
             current = step.metrics.get("kl_reward" if self.kl_placement == "reward" else "kl")
             if current is not None:
-                self.kl_ctrl.update(current, n_seq)
+                out.update(self.kl_ctrl.update(current, n_seq, reward=step.metrics.get("reward/mean"),
+                                               entropy=step.metrics.get("entropy")) or {})
         return out

@@ -24,7 +24,7 @@ import torch
 from annotated_types import Ge, Gt, Le, Lt
 
 from postrl.errors import ConfigError
-from postrl.registry import register
+from postrl.registry import get, register
 from postrl.stages import StepEnd, Stateful, parameters
 
 Quantile = Annotated[float, Gt(0), Le(1)]  # the top-q fraction of tokens
@@ -332,3 +332,91 @@ def f_divergence_rehearsal(logp: torch.Tensor, rehearsal_logp: torch.Tensor, reh
     """
     f = f_generator(logp - rehearsal_logp, divergence)
     return {"unweighted": f * rehearsal_mask * rehearsal_weight.unsqueeze(-1)}
+
+# ---------------------------------------------------------------------------------------------- entropy change
+
+
+@register("regularizer", "steer", source="Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective "
+          "(STEER)")
+def steer(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor,
+          mask: torch.Tensor, *, w_min: Annotated[float, Gt(0), Le(1)] = 0.8, w_max: Annotated[float, Ge(1)] = 1.2,
+          mapping: Literal["linear", "exp"] = "linear") -> dict:
+    """Token weights from each token's first-order contribution to the entropy change (STEER).
+
+    The weights multiply the policy-loss matrix (``pg_mask``; ``coef`` unused).
+
+    For the sampled token a_t with probability p_t = pi_theta(a_t | s_t) (clamped to [1e-8, 1 - 1e-8]), old
+    probability q_t = pi_old(a_t | s_t) (clamped to [1e-8, 1]) and entropy H_t:
+      Omega_t = (A_t / q_t) p_t (1 - p_t) (log p_t + H_t)
+    is the first-order change of H at s_t that one policy-gradient step on the token causes (up to the step size and
+    sign: a likely token, log p_t > -H_t, pushed up sharpens the distribution; an unlikely one widens it). The
+    larger |Omega_t|, the more the token moves the entropy, the less it weighs:
+      ``linear`` (default): w_t = w_max - (|Omega_t| - min |Omega|) (w_max - w_min) / (max |Omega| - min |Omega|),
+        min and max over the micro-batch's loss tokens (all equal: (w_min + w_max) / 2), clamped to [w_min, w_max];
+      ``exp``: w_t = clamp(exp(-k |Omega_t|), w_min, 1), k = -ln(w_min) / max(max |Omega|, 0.02).
+    Non-finite Omega counts as 0; w = 0 off the mask; no gradient flows through w. Defaults w_min 0.8, w_max 1.2,
+    linear (the authors' run_linear script; their exponential run uses w_min 0.8 with w_max 1). Selection per
+    forward pass (micro-batch), as the authors' verl loss computes it per micro-batch.
+    Shapes: logp, old_logp, entropy, mask [N, T]; advantages [N] or [N, T] -> {"pg_mask": [N, T]}.
+    """
+    with torch.no_grad():
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        p = logp.detach().float().exp().clamp(1e-8, 1.0 - 1e-8)
+        q = old_logp.detach().float().exp().clamp(1e-8, 1.0)
+        omega = (adv.float() / q) * p * (1.0 - p) * (p.log() + entropy.detach().float())
+        omega = torch.where(torch.isfinite(omega), omega, torch.zeros_like(omega)).abs()
+        valid = mask > 0
+        w = torch.zeros_like(omega)
+        if bool(valid.any()):
+            om = omega[valid]
+            lo, hi = om.min(), om.max()
+            if mapping == "linear":
+                if hi > lo:
+                    wv = w_max - (om - lo) * (w_max - w_min) / (hi - lo)
+                else:
+                    wv = torch.full_like(om, (w_min + w_max) / 2.0)
+                wv = wv.clamp(w_min, w_max)
+            else:
+                k = -math.log(w_min) / max(float(hi), 0.02)
+                wv = torch.exp(-k * om).clamp(w_min, 1.0)
+            w[valid] = wv
+    return {"pg_mask": w.to(logp.dtype)}
+
+
+steer.no_grad_fields = ("entropy",)  # weights only: the trainer need not differentiate the entropy
+
+
+# ---------------------------------------------------------------------------------------------- ARES dynamic KL
+
+KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"]  # kind kl's names
+
+
+def _after_ares(params: dict, run: Any, where: str) -> dict:
+    """``ares_kl`` reads what the ``ares`` advantage hands on."""
+    if run is not None and getattr(getattr(run, "advantage", None), "name", "ares") != "ares":
+        raise ConfigError(f"{where}: ares_kl reads the HWE windows and difficulties of advantage 'ares' (ares_hwe, "
+                          f"ares_difficulty); set advantage.name=ares, got {run.advantage.name}")
+    return params
+
+
+@register("regularizer", "ares_kl", source="ARES: Multimodal Adaptive Reasoning via Difficulty-Aware Token-Level "
+          "Entropy Shaping (dynamic KL)", check=_after_ares)
+def ares_kl(logp: torch.Tensor, ref_logp: torch.Tensor, ares_hwe: torch.Tensor, ares_difficulty: torch.Tensor, *,
+            estimator: KLName = "k3", relax: Annotated[float, Ge(0), Le(1)] = 0.5,
+            scales: tuple[NonNegative, NonNegative, NonNegative] = (1.0, 1.0, 1.0)) -> torch.Tensor:
+    """KL to the reference, relaxed inside high window-entropy windows, scaled per difficulty (after ARES's dynamic KL).
+
+    ``coef`` is the base coefficient (set ``kl.coef: 0`` to use this KL alone).
+
+    R_{i,t} = s_{d(i)} * (relax if t is in a validated HWE window of row i else 1) * k(logp_t, ref_logp_t)
+    with k the ``estimator`` (kind ``kl``, default k3), the windows and the difficulty d(i) (easy, medium, hard)
+    handed on by the ``ares`` advantage (``ares_hwe``, ``ares_difficulty``: that estimator must be configured), s =
+    ``scales`` per difficulty. Defaults relax 0.5, scales (1, 1, 1) are postrl's: the abstract says the KL budget is
+    "dynamic" and the authors' summary that it "relaxes inside validated HWE windows"; their released code also
+    adapts a coefficient per difficulty toward per-bucket KL targets, which is not implemented (fixed ``scales``).
+    Shapes: logp, ref_logp, ares_hwe [N, T]; ares_difficulty [N] -> [N, T].
+    """
+    k = get("kl", estimator)(logp, ref_logp)
+    s = torch.tensor(scales, dtype=k.dtype, device=k.device)[ares_difficulty.long().clamp(0, 2)]
+    inside = ares_hwe.to(k.dtype)
+    return s.unsqueeze(-1) * (relax * inside + (1.0 - inside)) * k

@@ -9,7 +9,7 @@ Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo/brme
 (clip_prm, delta_prm, min_form, gated, potential, thought_reward, pspo_wrs), ``length`` (overlong_soft,
 truncation_penalty, laser, laser_d, grpo_lambda, kimi_length, cosine_length, conciseness_gated,
 adaptive_length_coef, grsp), ``modes`` (thinkdial_budget, autothink), ``noise``
-(reward_noise), ``diversity`` (diversity_potential); ``attribution`` holds the field producer
+(reward_noise), ``diversity`` (diversity_potential, gardo_diversity); ``attribution`` holds the field producer
 ``occlusion_token_reward`` (token credit by occlusion, read by the advantage ``occlusion_credit``).
 Stateful stages are classes (:class:`postrl.stages.Stateful`, built once per run by :func:`postrl.stages.build`):
 ``__call__`` reads the state, ``observe`` records the step's batches, ``end_step`` updates the state once per step;

@@ -1,4 +1,5 @@
-"""Diversity through potential-based shaping (DIVER): a completion's distance to the others of its batch."""
+"""Diversity-aware shaping: DIVER's potential-based diversity (a completion's distance to the others of its batch) and
+GARDO's diversity-amplified reward (carried over from images to text)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from annotated_types import Ge, Gt, Le
 
 from postrl.groups import group_index
 from postrl.registry import register
-from postrl.shaping._util import NAN, append_column, correctness
+from postrl.shaping._util import NAN, append_column, cols, correctness, group_mean
 
 # DIVER's released code: sentence BLEU (nltk, no smoothing) with these n-gram weights, both directions averaged,
 # on the first 1000 characters of each response.
@@ -124,4 +125,51 @@ def diversity_potential(rewards, reward_names, reward_weights, completions, grou
     return append_column(rewards, reward_names, reward_weights, F, name, weight, "diversity_potential")
 
 
-__all__ = ["diversity_potential", "similarity_matrix", "bleu", "DIVER_BLEU_WEIGHTS"]
+def nearest_distance(texts: list[str], group_ids: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """d_i = min over the other valid rows j of i's group of the Jaccard distance 1 - |A_i & A_j| / |A_i | A_j|
+    of their word n-gram sets (:func:`similarity_matrix`, whole texts; two empty texts: 0); 0 for a row without
+    another valid row in its group or that is not valid. [N] float64."""
+    N = len(texts)
+    dist = 1.0 - similarity_matrix(list(texts), similarity="jaccard", n=n, max_chars=None)
+    inv, _ = group_index(group_ids)
+    v = valid.bool()
+    pair = (inv.unsqueeze(0) == inv.unsqueeze(1)) & v.unsqueeze(0) & v.unsqueeze(1) & ~torch.eye(N, dtype=torch.bool)
+    d = torch.where(pair, dist, torch.full_like(dist, math.inf)).amin(-1) if N else dist.sum(-1)
+    return torch.where(torch.isfinite(d) & v, d, torch.zeros_like(d))
+
+
+@register("shaping", "gardo_diversity", source="GARDO: Reinforcing Diffusion Models without Reward Hacking "
+          "(diversity-aware optimisation)")
+def gardo_diversity(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor, completions: list, *,
+                    sources: list[str] | None = None, lam: Annotated[float, Ge(0)] = 0.5,
+                    ngram: Annotated[int, Ge(1)] = 2) -> dict:
+    """Amplify the reward of completions both above their group's mean and unlike the group (after GARDO).
+
+    GARDO's diversity-aware optimisation, carried over from images to text. Per group g and reward column k
+    (``sources``, default all), with d_i the completion's distance to its nearest neighbour in the group (Jaccard
+    distance of distinct word ``ngram``-grams, default bigrams: :func:`nearest_distance`) and
+    dn_i = d_i / max_{j in g} d_j (0 when the group's distances are all 0):
+      r'_ik = r_ik + lam * dn_i * max(0, r_ik - mean_g r_k)      (lam 0.5)
+    so only above-mean ("high-quality") completions gain, in proportion to their margin and to how unlike the rest
+    of the group they are; a group whose rewards are all equal is unchanged. Assumed where the abstract is open
+    (GARDO measures diversity in an image feature space): the lexical nearest-neighbour distance, the
+    group-relative max normalisation, the additive amplification of the margin above the group mean, and lam 0.5
+    (postrl's). NaN stays NaN; rows with a NaN in a transformed column take no part in that column's mean, rows
+    with any NaN none in the distances. O(N^2) similarities per batch.
+    Shapes: rewards [N, K], group_ids [N], completions list[str] of N -> {"rewards": [N, K]}.
+    """
+    finite = torch.isfinite(rewards).all(-1)
+    d = nearest_distance([str(c) for c in completions], group_ids, finite, ngram)
+    inv, ng = group_index(group_ids)
+    dmax = torch.zeros(ng, dtype=torch.float64).scatter_reduce(0, inv, d, "amax")[inv]
+    dn = torch.where(dmax > 0, d / dmax.clamp(min=1e-300), torch.zeros_like(d))
+    out = rewards.clone()
+    for k in cols(reward_names, sources, "gardo_diversity"):
+        r = rewards[:, k].to(torch.float64)
+        mean = group_mean(r, group_ids, torch.isfinite(r))
+        out[:, k] = (r + lam * dn * torch.relu(r - mean)).to(rewards.dtype)
+    return {"rewards": out}
+
+
+__all__ = ["diversity_potential", "similarity_matrix", "bleu", "DIVER_BLEU_WEIGHTS", "gardo_diversity",
+           "nearest_distance"]

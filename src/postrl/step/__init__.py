@@ -10,10 +10,12 @@ generation, the optimizer, checkpoints, processes):
     step.kl_penalty(batch)                    kl.placement=reward: r -= coef * sum_t KL_t (needs old/ref log-probs)
     step.advantages(ctx, batch)               fields (the estimator's, the regularisers') produced through the
                                               model context, then the estimator
+    step.observe_objective(batch)             with the old / reference log-probs in place: the stateful
+                                              regularisers observe the batch that trains
     fields = step.objective.batch_fields(batch, rows)   the batch's part of the loss's per-token fields
     loss, stats, info = step.objective(fields, weights) the objective (losses/objective.py)
     metrics = step.metrics(batch, info)       the batch's metrics (docs/metrics.md)
-    metrics |= step.end(metrics, n_seq, all_reduce_mean=..., gather=...)   state changes, once
+    metrics |= step.end(metrics, n_seq, all_reduce_mean=..., gather=..., reset_reference=...)   state changes, once
     alarms = step.watchdog.step(metrics)      the monitors (docs/metrics.md)
     state = step.state_dict()                 every stateful stage and the KL controller, for checkpoints
 
@@ -70,6 +72,11 @@ class Step:
     @property
     def all_stages(self) -> list[stages.Stage]:
         return [s for group in self.sections.values() for s in group]
+
+    def needing(self, need: str) -> list[stages.Stage]:
+        """The run's stages (the policy loss included) that declared ``need`` (e.g. ``reference_reset``): a driver
+        that cannot offer it refuses them at start-up."""
+        return [s for s in [*self.all_stages, self.objective.loss] if need in s.needs]
 
     def _check(self) -> list[str]:
         """What the stages declared they need of the run: a ConfigError for a selection that cannot work, warnings
@@ -138,10 +145,24 @@ class Step:
         produce(ctx, batch, self.advantage)
         for reg in self.objective.regularizers:
             produce(ctx, batch, reg)
-        batch.advantages = self.advantage(batch)
+        out = self.advantage(batch)
+        if isinstance(out, dict):  # advantages and per-row fields for later stages (e.g. ares: its HWE windows)
+            out = dict(out)
+            adv = out.pop("advantages")
+            batch.extra.update(out)
+        else:
+            adv = out
+        batch.advantages = adv
         if observe:
             self.advantage.observe(batch)
         return batch.advantages
+
+    def observe_objective(self, batch: RolloutBatch) -> None:
+        """Once per step, on the batch that trains, with its old / reference log-probs in place (a driver computes
+        those first; the regularisers' fields were produced in :meth:`advantages`): every stateful regulariser's
+        ``observe`` (e.g. ``chi2_occupancy``'s discriminator data, which needs ``ref_logprobs``)."""
+        for s in self.objective.regularizers:
+            s.observe(batch)
 
     def metrics(self, batch: RolloutBatch, info: dict) -> dict:
         """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
@@ -164,11 +185,16 @@ class Step:
         return m
 
     def end(self, metrics: dict, n_seq: int, *, all_reduce_mean: Callable[[Any], None] = lambda t: None,
-            gather: Callable[[Any], list] = lambda obj: [obj]) -> dict:
+            gather: Callable[[Any], list] = lambda obj: [obj],
+            reset_reference: Callable[[], None] | None = None) -> dict:
         """The end of the step, once, with the step's metrics reduced over processes and ``n_seq`` sequences over
         all processes: the KL controller's update and every stateful stage's (what they recorded, gathered from
-        every process). Returns their metrics."""
+        every process). ``reset_reference``: the driver's copy of the policy into its reference model, for the
+        stages that declared ``needs=('reference_reset',)`` (e.g. ``gardo_kl`` with ``reset_every``). Returns their
+        metrics."""
         end = stages.StepEnd(metrics, all_reduce_mean, gather)
+        if reset_reference is not None:
+            end.reset_reference = reset_reference
         out = self.objective.end_step(end, n_seq)
         out.update(stages.end_step(self.all_stages, end))
         return out

@@ -95,6 +95,14 @@ class Trainer:
         self.needs_ref = "ref_logp" in self.objective.reads
         self.ref_model = reference_model(cfg, model, self.model_path, self.acc.device, self.accel) \
             if self.needs_ref else None  # (None with LoRA: the policy's disabled adapter)
+        resetting = self.step.needing("reference_reset")
+        if resetting and self.ref_model is None:
+            s = resetting[0]
+            raise ConfigError(f"{s.kind} '{s.name}' resets the reference model to the policy, which needs a separate "
+                              "reference model: " + ("with model.lora the reference is the base weights (the "
+                                                     "adapter disabled); train without LoRA" if self.needs_ref else
+                                                     "set kl.coef > 0 or a stage that reads ref_logp"))
+        self.ref_reset_step: int | None = None  # the step whose policy the reference holds (None: the initial one)
         self.steps = cfg.train.steps  # (a resume may extend it: run_state.resume_steps)
         # optimisation
         torch.manual_seed(cfg.seed)
@@ -179,7 +187,8 @@ class Trainer:
                 say(f"checkpoint {path} is unusable ({problem}): moved to {moved.name}; resuming from {last.name}")
             run_state.record_config(self.run_dir, self.cfg.model_copy(update={
                 "train": self.cfg.train.model_copy(update={"steps": steps})}))
-        state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler)
+        state = ckpt.load_checkpoint(last, self.policy, self.optimizer, self.scheduler, reference=self.ref_model)
+        self.ref_reset_step = state.get("reference_reset")
         self.start_step = step
         self._resumed_state = state
         self.eval_before = state.get("eval_before")
@@ -200,6 +209,12 @@ class Trainer:
             return self.ctx.logprobs(batch, model=self.ref_model)[0]
         with self.policy.disable_adapter():  # (reference_model gives None only with LoRA)
             return self.ctx.logprobs(batch)[0]
+
+    def reset_reference(self, step: int) -> None:
+        """Copy the policy's weights into the reference model (a stage that declared ``needs=('reference_reset',)``
+        asks at the end of a step, on every process alike); checkpoints then carry the reference."""
+        self.ref_model.load_state_dict(self.policy.state_dict())
+        self.ref_reset_step = step
 
     # ------------------------------------------------------------------------------------------------ the step
     def kl_in_reward(self, batch: RolloutBatch) -> None:
@@ -222,6 +237,7 @@ class Trainer:
             batch.old_logprobs = self.ctx.logprobs(batch)[0]
         if self.needs_ref and batch.ref_logprobs is None:
             batch.ref_logprobs = self._ref_logprobs(batch)
+        self.step.observe_objective(batch)  # the stateful regularisers observe the batch (old / ref log-probs in place)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
         counted = obj.rows(batch)
@@ -294,7 +310,7 @@ class Trainer:
         metrics = self.procs.reduce_metrics(metrics)
         # state changes once per step: every stateful stage (what it recorded, from every process), the KL controller
         metrics.update(self.step.end(metrics, len(batch) * self.world, all_reduce_mean=self.procs.all_reduce_mean,
-                                     gather=self.procs.gather))
+                                     gather=self.procs.gather, reset_reference=lambda: self.reset_reference(step + 1)))
         metrics["step"] = step + 1
         if self.main:
             for name, rate in info["failure_rate"].items():  # a string: after the reduce, on the main process
@@ -330,8 +346,9 @@ class Trainer:
         if self.main:
             ckpt.save_checkpoint(self.run_dir, step, self.policy, self.tokenizer, self.optimizer, self.scheduler,
                                  {"seed": self.cfg.seed, "eval_before": self.eval_before, "stages": self.step.state_dict(),
-                                  "diagnostics": self.diag.state_dict()},
-                                 keep_last=self.cfg.train.keep_last)
+                                  "diagnostics": self.diag.state_dict(), "reference_reset": self.ref_reset_step},
+                                 keep_last=self.cfg.train.keep_last,
+                                 reference=self.ref_model if self.ref_reset_step is not None else None)
         self.acc.wait_for_everyone()
 
     def train(self) -> dict:
