@@ -13,7 +13,7 @@ import torch
 from postrl import stages
 from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError
-from postrl.stages import StepEnd, build, call_stage
+from postrl.stages import StepEnd, build
 
 SQRT3 = math.sqrt(3.0)
 

@@ -19,7 +19,7 @@ STATEFUL = [
     "shaping=[{name: weighted_sum}, {name: running_norm}, {name: dataset_median, key: task}, "
     "{name: adaptive_length_coef, max_length: 4, lr: 0.5}, {name: laser_d, max_length: 4, update_every: 1}, "
     "{name: weighted_sum}]",
-    "filters=[{name: pass_rate_curriculum, pool_factor: 2}, {name: dynamic_sampling, max_attempts: 2}]",
+    "filters=[{name: pass_rate_curriculum, pool_factor: 2}]",
     "advantage={name: gae, value_epochs: 1}",
     "regularizers=[{name: adaptive_entropy, target: 0.5, coef: 0.0}]",
 ]
@@ -63,7 +63,8 @@ def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_
     rates = a["filters"]["0:pass_rate_curriculum"]["rate"]
     assert len(rates) >= 8  # prompts of both ranks were recorded (each rank generates 4 of the 8 per round)
     head = a["advantage"]["0:gae"]["head"]
-    assert head is not None  # the value head was fitted with the gradients averaged over processes
+    weights = [v for row in head["weight"]["__tensor__"] for v in row]
+    assert any(v != 0 for v in weights)  # the value head was fitted (from zeros), its gradients averaged
 
 
 def test_discriminator_and_hwe_threshold_are_the_same_on_both_ranks(model_dir, tmp_path):  # noqa: F811

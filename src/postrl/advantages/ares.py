@@ -12,7 +12,7 @@ import math
 from typing import Annotated
 
 import torch
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge, Gt, Lt
 
 from postrl.advantages import Eps, grpo
 from postrl.groups import group_stats, valid_mask
