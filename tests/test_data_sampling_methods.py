@@ -488,3 +488,89 @@ def test_avatar_replay_needs_importance_correction_and_trains(model_dir, tmp_pat
     m1 = tr.train_step(1)
     assert m1["expansion/avatar_replay/slots"] >= 1 and m1["expansion/avatar_replay/replayed"] >= 1
     assert m1["replay/rows"] >= 4 and math.isfinite(m1["pg_loss"]) and "tis/weight" in m1
+
+
+# ================================================================================== ConvSearch-R1, DP-RFT, RLFR
+def test_bm25_hand_values_and_rank_incentive(tmp_path):
+    from postrl.rewards.retrieval import BM25, rank_incentive, rank_incentive_value
+
+    bm = BM25(["the cat sat", "the dog", "cats and dogs"], k1=0.9, b=0.4)
+    # 'cat': N 3, n 1 -> idf = ln(1 + 2.5/1.5) = ln(8/3); d0: tf 1, |d| 3, avgdl 8/3 ->
+    # 1.9 / (1 + 0.9 (0.6 + 0.4 x 9/8)) = 1.9 / 1.945
+    assert float(bm.scores("cat")[0]) == pytest.approx(math.log(8 / 3) * 1.9 / 1.945)
+    assert bm.scores("cat")[1:].tolist() == [0.0, 0.0]
+    # 'the dog': d1 holds both words, d0 only 'the' -> ranks d1 1, d0 2; 'dogs' != 'dog' (no stemming): d2 unseen
+    assert bm.rank("the dog", [1]) == 1 and bm.rank("the dog", [0]) == 2 and bm.rank("the dog", [2]) is None
+    assert [rank_incentive_value(r) for r in (1, 10, 11, 100, 101, None)] == \
+           pytest.approx([2.0, 1.0, 89 / 90, 0.0, 0.0, 0.0])  # (19 - r)/9, then (100 - r)/90
+    corpus = tmp_path / "passages.jsonl"
+    corpus.write_text("\n".join(json.dumps({"id": f"p{i}", "text": t}) for i, t in
+                                enumerate(["the cat sat", "the dog", "cats and dogs"])))
+    comps = ["<think>x</think>\n<rewrite>the dog</rewrite>", "<think>x</think>\n<rewrite>the dog</rewrite>",
+             "<rewrite>the dog</rewrite>", "<think>x</think>\n<rewrite>the dog</rewrite>"]
+    out = rank_incentive(None, comps, gold=["p1", ["p2", "p0"], "p1", "nope"], corpus=str(corpus))
+    # rank 1 -> 2.0; best of p2 (unseen) and p0 (rank 2) -> 17/9; no <think>: the format penalty; unknown id: None
+    assert out[:3] == pytest.approx([2.0, 17 / 9, -0.1]) and out[3] is None
+    assert rank_incentive(None, comps[2:3], gold=["p1"], corpus=str(corpus), extract="rewrite_tag") == [2.0]
+
+
+def test_dp_nn_votes_counts_nearest_neighbour_votes_with_gaussian_noise(tmp_path):
+    from postrl.rewards.private import dp_nn_votes, gaussian_dp_epsilon, hashed_embedding, nn_votes
+
+    e = hashed_embedding(["red apple", "apple red", ""], dim=64)
+    assert torch.allclose(e[0], e[1]) and e[2].abs().sum() == 0 and float(e[0].norm()) == pytest.approx(1.0)
+    priv = tmp_path / "private.jsonl"
+    texts = ["red apple pie", "red apple", "green tea", "apple red juice"]
+    priv.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    comps = ["red apple", "green tea", "blue sky", "green tea"]
+    # group 0 = (red apple, green tea): 3 apple texts vote for 0, the tea text for 1; group 1 = (blue sky, green
+    # tea): the apple texts share no word with either (cosine 0: the first, blue sky), the tea text votes for 1
+    votes = nn_votes(hashed_embedding(texts), hashed_embedding(comps[:2]))
+    assert votes.tolist() == [3.0, 1.0]
+    r = dp_nn_votes(None, comps, [0, 0, 1, 1], private=str(priv), noise_multiplier=0.0)
+    assert r == pytest.approx([3 / 2, 1 / 2, 3 / 2, 1 / 2])  # votes / (M / G) = votes / 2
+    noisy = dp_nn_votes(None, comps, [0, 0, 1, 1], private=str(priv), noise_multiplier=1.0)
+    assert noisy == dp_nn_votes(None, comps, [0, 0, 1, 1], private=str(priv), noise_multiplier=1.0)  # seeded
+    assert noisy != r and abs(sum(noisy) - sum(r)) < 8
+    # RDP of the Gaussian mechanism: T compositions at sigma -> min_a T a / (2 sigma^2) + ln(1/delta) / (a - 1)
+    a = 1 + math.sqrt(2 * math.log(1e5) / 100)
+    assert gaussian_dp_epsilon(1.0, 100, 1e-5) == pytest.approx(100 * a / 2 + math.log(1e5) / (a - 1), rel=1e-3)
+    assert gaussian_dp_epsilon(10.0, 1, 1e-5) < gaussian_dp_epsilon(1.0, 1, 1e-5)
+
+
+def test_rlfr_field_learns_the_successes_latents_and_shapes_the_advantage():
+    from postrl.advantages import grpo
+
+    st = stages.build("advantage", "rlfr", {"beta": 0.5, "flow_epochs": 40, "flow_lr": 3e-2, "width": 32})
+    f = st.fn
+    gen = torch.Generator().manual_seed(0)
+    N, T, H = 4, 3, 2
+    good = torch.tensor([2.0, 2.0]) + 0.05 * torch.randn(N, T, H, generator=gen)  # successes' latents near (2, 2)
+    hidden = good.clone()
+    hidden[2:] = torch.tensor([-2.0, 2.0])                                       # failures' latents elsewhere
+    reward = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    mask, g = torch.ones(N, T), torch.tensor([0, 0, 0, 0])
+    batch = {"reward": reward, "completion_hidden": hidden, "completion_mask": mask, "group_ids": g}
+    a0 = st(batch)
+    assert torch.allclose(a0, grpo(reward, g).unsqueeze(-1).expand(N, T))  # no field yet: GRPO's advantage
+    before = f.deviation(torch.tensor([[2.0, 2.0], [-2.0, 2.0]]))
+    st.observe(batch)
+    m = stages.end_step([st], StepEnd())
+    assert m["advantage/rlfr/flow_tokens"] == 6.0 and f.fits == 1
+    after = f.deviation(torch.tensor([[2.0, 2.0], [-2.0, 2.0]]))
+    assert after[0] < 0.5 * before[0] and after[0] < after[1]  # the field transports noise to the successes' latents
+    a1 = st(batch)
+    shaped = (a1 - grpo(reward, g).unsqueeze(-1)) / 0.5
+    assert shaped[:2].mean() > 0 > shaped[2:].mean() and abs(float(shaped.mean())) < 1e-5  # whitened over tokens
+    state = json.loads(json.dumps(st.state_dict()))
+    twin = stages.build("advantage", "rlfr", {"beta": 0.5, "width": 32})
+    twin.load_state_dict(state)
+    assert torch.allclose(twin.fn.deviation(hidden), f.deviation(hidden))
+
+
+def test_rlfr_trains_in_the_trainer(model_dir, tmp_path):
+    cfg = load_config(None, small(model_dir, tmp_path / "rlfr", "rewards=[{name: data31_coin}]",
+                                  "advantage={name: rlfr, width: 16}"))
+    tr = Trainer(cfg, tmp_path / "rlfr")
+    m0, m1 = tr.train_step(0), tr.train_step(1)
+    assert m0["advantage/rlfr/flow_tokens"] > 0 and math.isfinite(m1["pg_loss"]) and tr.step.advantage.fn.fits >= 1
