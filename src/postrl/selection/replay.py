@@ -63,7 +63,8 @@ class AvatarReplay(Expansion, Stateful):
     greater reward diversity". A slot is a group of the step's batch (after the keep filters) whose rows are all
     valid with finite scalar ``reward`` and max - min <= ``tol`` (1e-6): its group-relative advantages are all 0.
     Each slot is replaced by a stored group of the same size, drawn without replacement with probability
-    proportional to its reward std (seeded per step and process); slots beyond what the buffer holds stay.
+    proportional to its reward std (seeded per step and process: under DDP each process draws on its own, so one
+    stored group may fill a slot on two processes in the same step); slots beyond what the buffer holds stay.
     The buffer: every group of a batch that trained (rollouts only: not replayed, branched or rehearsal rows),
     whole and valid, whose population std of ``reward`` exceeds ``min_std`` (0: any variance), with its tokens,
     the sampler's per-token log-probs (of the policy that generated it), its rewards and columns; it keeps the

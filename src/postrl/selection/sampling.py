@@ -227,8 +227,8 @@ class PromptAugmentation:
     format it asked for (its ``tags`` list, else its ``format`` regex, else None), which the reward
     ``template_format`` checks, so one format reward accepts each template's own format. The completion text the
     rewards see is ``response_prefix + generated text`` (``extra['completion_prefix']``, as for branched rows), so
-    a format that the response prefix opens is judged whole. Assumed: the pool is the user's (the paper's thirteen
-    templates are Qwen-math chat templates); uniform draws (the released code uses ``random.choice``).
+    a format that the response prefix opens is judged whole. Assumed: the pool is the user's (the released code's
+    templates are Qwen chat templates with math instructions); uniform draws (the released code uses ``random.choice``).
     """
 
     def __init__(self, *, templates: Annotated[list[Template], MinLen(1)],

@@ -75,7 +75,10 @@ class TraPO(Stateful):
     visited fewer than ``warmup_visits`` + 1 times (default 8: the released script's ``warm_up`` epochs, labeled
     data only) or without a reference long enough is dropped. Labeled groups are always kept.
 
-    Dropped groups are refilled like ``dynamic_sampling``'s (the entry's ``max_attempts``; 1: masked out instead).
+    The rewards decide what trains: e.g. ``rewards: [correct, {name: majority_vote, only_unlabeled: true}]`` with
+    unlabeled rows that carry no ``answer`` (the verifier gives them None), so labeled rows are paid by the
+    verifier and unlabeled ones by the vote. Dropped groups are refilled like ``dynamic_sampling``'s (the entry's
+    ``max_attempts``; 1: masked out instead).
     Assumed where the paper is silent: trajectories aligned by visit number (the paper by epoch, which is the same
     when every prompt is seen once per epoch), pairwise prefix alignment instead of truncating every trajectory to
     the shortest, and majority_vote's tie rule (the first answer seen) instead of "no majority". Metrics:
