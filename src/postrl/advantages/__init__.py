@@ -113,3 +113,4 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 from postrl.advantages import (  # noqa: E402,F401
     adora, ares, entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
 )
+from postrl.advantages import flow  # noqa: E402,F401  (issue 31: RLFR)

@@ -86,6 +86,14 @@ tokenizer's chat template; a user's reward function then gets prompts as message
 (`columns` keeps a subset); `verifier` names a task whose verifier scores the rows (e.g. `arithmetic`, reading
 `answer`). Files are read as UTF-8; a file in another encoding, a lone surrogate (`\\ud800`) or an empty prompt is
 one error line naming the file and row.
+
+## Prior prompts: options of every task
+
+Every prompt source (a procedural task, `file`, `dataset`, `reasoning_gym`) also takes `prompt_prefix`,
+`prompt_suffix` (text around every training query: prefix + query + suffix), `system_prompt` (a system turn; the
+prompt becomes a conversation, which needs the tokenizer's chat template) and `eval_prior` (default true; false:
+the held-out rows keep their plain queries). "Prior Prompt Engineering for Reinforcement Fine-Tuning";
+`postrl.data.prior_prompt`.
 """
 
 

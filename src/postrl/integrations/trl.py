@@ -342,7 +342,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         batch.group_ids = torch.arange(len(batch)) // G + self.postrl_steps * len(batch)
         batch.extra.update(step=self.state.global_step, max_steps=self.state.max_steps)
         info = self.postrl.score(batch, observe=mode == "train")
-        keep = self.postrl.keep(batch)
+        keep = self.postrl.keep(batch, observe=mode == "train")
         if not keep.all():
             batch.valid = batch.valid & keep
         self._filter_metrics = {"filter/dropped_groups": float(len(torch.unique(batch.group_ids[~keep])))} \

@@ -36,6 +36,7 @@ from postrl.losses.occupancy import Chi2Occupancy
 from postrl.losses.gardo import GardoKL, uncertainty_gate
 from postrl.losses.tis import tis_weights
 from postrl.losses import icr, srpo  # noqa: E402,F401  (register ICR and SRPO: regularisers and their fields)
+from postrl.losses import avatar  # noqa: E402,F401  (registers AVATAR's temporal_advantage_shaping)
 
 __all__ = [
     "ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip_cov", "kl_cov",

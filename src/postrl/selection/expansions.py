@@ -2,6 +2,8 @@
 
 * ``rehearsal``: completions pre-sampled once from the initial policy, with their initial-policy log-probs,
   appended unscored after the keep filters for the ``f_divergence_rehearsal`` regulariser (DPH-RL).
+* ``avatar_replay`` (:mod:`postrl.selection.replay`): stored past groups with reward variance replace the groups
+  without (AVATAR), after the keep filters.
 * ``cure_branching`` / ``retry_from_failure`` (protocol :class:`Expansion`): after
   scoring, ``expand(batch, ctx)`` returns new groups that are
   generated from a prefix of existing completions (the prefix becomes part of the prompt, so only the continuation
@@ -38,10 +40,14 @@ class Expansion:
      or None; ``reads`` names the batch fields it reads beyond the batch's own
     (produced first when missing, like any stage's positional fields). ``scored`` False: the rows it returns are
     not rollouts to score, filter or compare (they carry their own fields, ``valid`` False so that no advantage,
-    policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``)."""
+    policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``).
+    ``mode = "replace"`` (with ``scored`` False): ``expand`` returns the batch itself with some groups swapped for
+    as many rows (``avatar_replay``). A stateful expansion (a :class:`postrl.stages.Stateful` too) records the
+    step's final batch in ``observe``."""
 
     reads: tuple[str, ...] = ()
     scored: bool = True
+    mode: str = "append"
 
     def expand(self, batch: Any, ctx: Any) -> Any:
         return None

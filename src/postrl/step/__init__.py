@@ -119,12 +119,15 @@ class Step:
         """Rewards then shaping, in place (``Scorer.score``); ``observe=False`` for a batch that does not train."""
         return self.scorer.score(batch, observe=observe)
 
-    def keep(self, batch: RolloutBatch) -> torch.Tensor:
-        """bool [N]: the rows every keep-mask filter keeps."""
+    def keep(self, batch: RolloutBatch, observe: bool = True) -> torch.Tensor:
+        """bool [N]: the rows every keep-mask filter keeps; a stateful filter (``trapo``) records the groups it
+        judged (``observe=True``: a generated batch of the step, kept or not; its state changes in ``end``)."""
         keep = torch.ones(len(batch), dtype=torch.bool)
         for f in self.selection:
             if f.kind == "filter":
                 keep &= f(batch).bool()
+                if observe:
+                    f.observe(batch)
         return keep
 
     def kl_penalty(self, batch: RolloutBatch) -> None:
@@ -167,13 +170,15 @@ class Step:
     def metrics(self, batch: RolloutBatch, info: dict) -> dict:
         """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
-        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not rollouts
-        (``extra['rehearsal']``: pre-sampled completions of the initial policy) are left out."""
-        rehearsal = batch.extra.get("rehearsal")
-        if isinstance(rehearsal, torch.Tensor) and bool(rehearsal.any()):
-            m = self.metrics(batch.select(torch.nonzero(~rehearsal.bool()).flatten()), info)
-            m["rehearsal/rows"] = float(rehearsal.sum())
-            return m
+        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not this step's
+        rollouts (``extra['rehearsal']``: pre-sampled completions of the initial policy; ``extra['replayed']``:
+        groups of earlier steps, ``avatar_replay``) are left out and counted (``rehearsal/rows``, ``replay/rows``)."""
+        for key, name in (("rehearsal", "rehearsal/rows"), ("replayed", "replay/rows")):
+            rows = batch.extra.get(key)
+            if isinstance(rows, torch.Tensor) and rows.dim() == 1 and bool(rows.any()):
+                m = self.metrics(batch.select(torch.nonzero(~rows.bool()).flatten()), info)
+                m[name] = float(rows.sum())
+                return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate

@@ -8,7 +8,8 @@ TRL and verl, use only the step's scoring and keep masks):
 * a prompt **selector** picks the step's prompts from a pool of ``pool_factor`` x prompts_per_step rows (every
   process makes the same choice and takes its share) and records the outcome of every group generated that step
   (``observe``; every process's records reach it at the end of the step);
-* a **sampling** plan gives each completion of a group its temperature;
+* a **sampling** plan generates the groups its own way (each completion's temperature; each completion's prompt
+  template, so a group's rows may have different prompts: ``prompt_ids`` are per row);
 * **expansions** (cure_branching, retry_from_failure) append scored groups made from the scored batch;
 * **keep-mask filters** drop groups; with ``max_attempts`` > 1 (the filter entry's), fresh prompts (seed derived from (seed, step,
   attempt)) are generated, scored and filtered until the batch holds as many groups as the unfiltered first round,
@@ -33,7 +34,7 @@ from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.seeding import derive_seed
 from postrl.selection.expansions import ExpandContext
-from postrl.selection.sampling import generate_multi_temperature
+from postrl.selection.sampling import PlanContext
 from postrl.environments import make as make_environment
 from postrl.fields import produce
 from postrl.generation import encode_prompt, fit_prompts
@@ -96,11 +97,21 @@ class BatchSource:
                                      group_ids=group_ids, chat_template=self.chat_template, extra=extra,
                                      step_timeout=env.step_timeout, purify=env.purify,
                                      purify_similarity=env.purify_similarity)
+        row_over = [o for o in over for _ in range(G)]
+        plan_columns: dict[str, list] = {}
         if self.plan is None:
             gen = ctx.generate(prompt_ids, G, ctx.sampling, seeds)
-        else:
-            gen, extra["temperature"] = generate_multi_temperature(ctx.generate, prompt_ids, ctx.sampling,
-                                                                   self.plan.fn.plan(G), seeds, ctx.pad_id)
+        else:  # a sampling plan (postrl.selection.sampling): temperatures, prompt templates ...
+            planned = self.plan.fn.rollout(PlanContext(
+                rows=rows, prompt_ids=prompt_ids, generate=ctx.generate, params=ctx.sampling, seeds=seeds,
+                group_size=G, pad_id=ctx.pad_id, encode=lambda p: encode_prompt(ctx.tokenizer, p, self.chat_template),
+                encode_text=lambda text: list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]),
+                fit=lambda ids: fit_prompts(ids, rc.max_prompt_length)))
+            gen, plan_columns = planned.generation, planned.columns
+            extra.update(planned.extra)
+            if planned.over is not None:  # the plan encoded each row's own prompt: count those
+                self.prompts_over += sum(planned.over) - sum(over)
+                row_over = list(planned.over)
         if gen.kept_logmass is not None:  # top-p / top-k: per-token kept log-mass (sampler/kept_mass_* metrics)
             extra["sampler_kept_logmass"] = gen.kept_logmass
         keys = [k for k in rows[0] if k != "prompt"] if rows else []
@@ -108,9 +119,9 @@ class BatchSource:
             prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
             completion_mask=gen.completion_mask.float(), group_ids=group_ids, sampler_logprobs=gen.logprobs,
             truncated=gen.truncated, prompts=[r["prompt"] for r in rows for _ in range(G)], completions=gen.texts,
-            columns={k: [r.get(k) for r in rows for _ in range(G)] for k in keys}, extra=extra)
-        if rc.prompt_overflow == "drop" and any(over):  # generated from the cut prompt, masked once scored
-            batch.extra["prompt_dropped"] = torch.tensor(over).repeat_interleave(G)
+            columns={**{k: [r.get(k) for r in rows for _ in range(G)] for k in keys}, **plan_columns}, extra=extra)
+        if rc.prompt_overflow == "drop" and any(row_over):  # generated from the cut prompt, masked once scored
+            batch.extra["prompt_dropped"] = torch.tensor(row_over)
         return batch
 
     def _score(self, batch: RolloutBatch) -> dict:
@@ -186,6 +197,9 @@ class BatchSource:
         if self.world > 1:
             batch = batch.pad_rows(self.max_over_processes(len(batch)))
         batch = self._unscored(batch, step)
+        for e in self.stages:  # a stateful expansion (avatar_replay) records the step's final batch
+            if e.kind == "expansion":
+                e.observe(batch)
         if self.keepers:
             self.metrics.update({"filter/attempts": float(attempts), "filter/target_groups": float(target),
                                  "filter/dropped_groups": float(n_dropped), "filter/padded_groups": float(max(short, 0)),
@@ -203,9 +217,13 @@ class BatchSource:
     def _unscored(self, batch: RolloutBatch, step: int) -> RolloutBatch:
         """Append the rows of the expansions that are not rollouts (``scored`` False, e.g. ``rehearsal``), once,
         after the keep filters and the DDP row padding (every process appends as many): a per-row field they
-        carry is 0 (None) on the batch's own rows."""
+        carry is 0 (None) on the batch's own rows. An expansion with ``mode = "replace"`` (``avatar_replay``)
+        returns the batch itself with some groups swapped for as many rows (so DDP's row counts stay equal)."""
         for e in self.unscored:
             more = e.fn.expand(batch, self._context(e, step, 0))
+            if getattr(e.fn, "mode", "append") == "replace":  # the batch itself, groups swapped (same row count)
+                batch = more if more is not None else batch
+                continue
             if more is None or not len(more):
                 continue
             for k, v in more.extra.items():
