@@ -503,7 +503,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         m.update({k: (v if k == "ratio_max" else v / opt_steps) for k, v in self._loss_sums.items()})
         m = self.procs.reduce_metrics(m)
         batch, info, _ = self._scored["train"]
-        m.update(self.postrl.end(m, len(batch), all_reduce_mean=self.procs.all_reduce_mean, gather=self.procs.gather))
+        # every process scored and observed the whole gathered batch: its records are already every process's, so the
+        # end of the step does not gather them again (which would count each record once per process)
+        m.update(self.postrl.end(m, len(batch), all_reduce_mean=self.procs.all_reduce_mean, gather=lambda obj: [obj]))
         self.postrl_steps += 1
         m["step"] = self.postrl_steps
         for name, rate in info.get("failure_rate", {}).items():
