@@ -19,6 +19,7 @@ RM_EPILOG = """examples:
   postrl rm train prefs.jsonl --backbone tiny:nano --rationality annotator --out rm/   (learned beta per annotator)
   postrl rm train prefs.jsonl --backbone models/base --heads 4 --out rm-ens/     (or --seeds 4)
   postrl rm train prefs.jsonl --backbone models/base --odin --out rm-odin/
+  postrl rm train prefs.jsonl --backbone models/base-lm --lm-reg 0.01 --out rm-grm/   (LM head kept, SFT regulariser)
   postrl rm eval rm/ test.jsonl --compare rm-odin/
   postrl rm eval rm/ --samples runs/x/samples.jsonl     within-prompt reward variance under the policy (teacher/*)
 """
@@ -83,7 +84,8 @@ def run_train(args) -> int:
                         margin=args.margin, rationality=args.rationality, beta_max=args.beta_max,
                         beta_min=args.beta_min, rationality_lr=args.rationality_lr,
                         odin_length_weight=args.odin_length_weight, odin_ortho_weight=args.odin_ortho_weight,
-                        smoothing=args.smoothing, seed=args.seed)
+                        smoothing=args.smoothing, lm_reg=args.lm_reg, lm_reg_form=args.lm_reg_form,
+                        lm_reg_beta=args.lm_reg_beta, seed=args.seed)
     cfg.check()
     if args.margin:
         check_margins(pairs, args.data)
@@ -216,6 +218,13 @@ def add_parser(sub) -> None:
     t.add_argument("--odin-ortho-weight", type=float, default=1.0)
     t.add_argument("--smoothing", type=float, default=None, metavar="BETA",
                    help="iterative data smoothing: y <- (1-BETA) y + BETA p_model (e.g. 0.5)")
+    t.add_argument("--lm-reg", type=float, nargs="?", const=0.01, default=None, metavar="ALPHA",
+                   help="keep the backbone's LM head and add a text-generation loss on the chosen responses: L = "
+                   "(1-ALPHA) L_BT + ALPHA L_reg (default ALPHA 0.01; 'Regularizing Hidden States Enables Learning "
+                   "Generalizable Reward Model for LLMs'); needs a causal-LM backbone")
+    t.add_argument("--lm-reg-form", choices=["logsigmoid", "nll"], default="logsigmoid",
+                   help="L_reg = -log sigmoid(beta log pi(chosen | prompt)) (GRM's SFT regulariser) or -log pi(...)")
+    t.add_argument("--lm-reg-beta", type=float, default=0.1, help="beta of the logsigmoid form")
     t.add_argument("--eval", default=None, help="held-out preference file (default: --eval-fraction of DATA)")
     t.add_argument("--eval-fraction", type=float, default=0.1)
     t.set_defaults(fn=run_train)
