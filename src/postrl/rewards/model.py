@@ -46,7 +46,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
 from postrl.registry import register
@@ -160,6 +160,11 @@ def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, 
     from postrl.reward_models import aggregate_ensemble, reduce_steps
 
     model = load_cached(path, device)
+    if (getattr(model, "meta", None) or {}).get("critique"):
+        from postrl.errors import ConfigError
+
+        raise ConfigError(f"rewards.model.path: '{path}' was trained on critiques (postrl rm train --critic): it "
+                          f"reads prompt + response + critique; score with the reward 'cloud'")
     cal = _calibrator(calibrator)
     if calibrator_features == "hidden" and (cal is None or getattr(model, "kind", None) != "prm"):
         from postrl.errors import ConfigError
@@ -324,6 +329,9 @@ class OnlineRewardModel(Stateful):
         if self.model is not None:
             return
         model = load_reward_model(self.path, device=_device(self.device))
+        if (model.meta or {}).get("critique"):
+            raise ConfigError(f"rewards.model_online.path: '{self.path}' reads critiques (postrl rm train --critic); "
+                              f"model_online trains a reward model on prompt + completion")
         if not isinstance(model, RewardModel) or model.kind not in ("bt", "odin"):
             kind = getattr(model, "kind", type(model).__name__)
             raise ConfigError(f"rewards.model_online.path: '{self.path}' is a '{kind}' model; model_online continues "
@@ -411,3 +419,56 @@ class OnlineRewardModel(Stateful):
             self.optimizer.load_state_dict(st["optimizer"])
             self.updates = int(st["updates"])
             self._scores = {}
+
+
+# ================================================================================================ cloud (CLoud)
+
+_CRITICS: dict[tuple, Any] = {}
+
+
+def _cloud_check(params: dict, run, where: str) -> dict:
+    from postrl.errors import ConfigError
+
+    k, t = int(params.get("samples", 1)), float(params.get("temperature", 0.0))
+    if k > 1 and t <= 0:
+        raise ConfigError(f"{where}.temperature: samples={k} critiques need temperature > 0 (greedy decoding writes "
+                          f"{k} identical critiques)")
+    return params
+
+
+@register("reward", "cloud", source="Critique-out-Loud Reward Models", check=_cloud_check)
+def cloud_reward(prompts, completions, *, path: str, critic: str | None = None, samples: Annotated[int, Ge(1)] = 1,
+                 temperature: Annotated[float, Ge(0)] = 0.0, top_p: Annotated[float, Gt(0), Le(1)] = 1.0,
+                 max_new_tokens: Annotated[int, Ge(1)] | None = None, seed: int = 0,
+                 batch_size: Annotated[int, Ge(1)] = 32, device: str = "cpu"):
+    """Critique-out-Loud reward: a critic writes K critiques of the completion, the reward model scores prompt +
+    completion + each critique, and the K scores are averaged (self-consistency).
+
+    r(x, y) = (1 / K) sum_k RM(x, y + "\\n\\nCritique:\\n" + z_k), z_k ~ critic(. | request(x, y)), K = ``samples``
+    (:mod:`postrl.reward_models.critique`, formula, paper and assumptions there). ``path``: a reward-model folder
+    trained with critiques (``postrl rm train --critic SPEC``); ``critic``: a causal-LM folder or
+    ``module:function`` (default: the one the folder was trained with); ``max_new_tokens``: critique length
+    (default: the training one, else 128); ``temperature`` 0 (greedy; ``samples`` > 1 needs > 0, checked with the
+    config), ``top_p`` 1.0, ``seed`` 0 (row i's critiques are seeded by (seed, x_i, y_i): a completion's reward does
+    not depend on its batch); a K-head model's heads are averaged. "Critique-out-Loud Reward Models" (CLoud).
+    Shapes: prompts / completions [N] -> [N] scores.
+    """
+    from postrl.errors import ConfigError
+    from postrl.reward_models.critique import Critic, cloud_scores
+
+    model = load_cached(path, device)
+    meta = (getattr(model, "meta", None) or {}).get("critique") or {}
+    spec = critic or meta.get("critic")
+    if spec is None:
+        raise ConfigError(f"rewards.cloud.critic: '{path}' records no critic (it was not trained with postrl rm train "
+                          f"--critic); name one: a causal-LM folder or module:function")
+    n_new = int(max_new_tokens or meta.get("max_new_tokens") or 128)
+    key = (str(spec), n_new, float(temperature), float(top_p), _device(device))
+    with _LOCK:
+        if key not in _CRITICS:
+            _CRITICS[key] = Critic(str(spec), max_new_tokens=n_new, temperature=temperature, top_p=top_p,
+                                   chat_template=meta.get("chat_template", "auto"), device=_device(device))
+        crit = _CRITICS[key]
+        out, _, _ = cloud_scores(model, crit, list(prompts), list(completions), samples=samples, seed=seed,
+                                 batch_size=batch_size)
+    return out.tolist()
