@@ -34,6 +34,12 @@ recent batches)::
 for a PRM, every step score with the condition ``step_bucket(step index, step_buckets)`` (default 4: steps
 0, 1, 2, 3, 4+) -- to a calibrated probability; with ``calibrator_features: hidden`` a ``conditional_ot``
 calibrator also reads the PRM's hidden state at each step end.
+
+**Two more sources read reward-model folders.** ``model_online`` (:class:`OnlineRewardModel`, "Cooper") is ``model``
+for a Bradley-Terry model that keeps training during RL on pairs of a verifier-correct and a verifier-incorrect
+completion of the same prompt, one optimizer step per RL step, its weights and optimizer in the checkpoint.
+``cloud`` (:func:`cloud_reward`, "Critique-out-Loud Reward Models") scores a model trained with critiques
+(``postrl rm train --critic``): the mean over ``samples`` critiques of the score of prompt + completion + critique.
 """
 
 from __future__ import annotations
