@@ -15,6 +15,9 @@ field           type                      meaning
 ``bias``        number in [0, 1] (opt.)   probability that a cognitive bias shaped this comparison (a judge's
                                           score, precomputed): the per-comparison rationality
                                           (``rationality='judged'``); the column name is configurable
+``ref_prompt``  str (optional)            the prompt the *reference* model reads the completions under in
+                                          ``postrl dpo`` (context distillation: Semantic Soft Bootstrapping's
+                                          hinted teacher prompt, ``postrl pairs --ssb``); default the prompt
 ==============  ========================  ================================================================
 
 Any violation is a one-line :class:`~postrl.errors.DataError` naming the file, the row (1-based) and the field:
@@ -45,6 +48,7 @@ class PreferencePair:
     context: str | None = None
     row: int = 0  # 1-based row in the source file
     bias: float | None = None  # P(a cognitive bias shaped this comparison), from a judge
+    ref_prompt: str | None = None  # what the reference model reads instead of the prompt (postrl dpo)
 
 
 def _label(value: Any, where: str, field: str) -> str | None:
@@ -102,8 +106,12 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
                                  or not 0.0 <= float(bias) <= 1.0):
             raise DataError(f"{where}: field '{bias_column}' must be a probability in [0, 1] (the chance that a "
                             f"cognitive bias shaped the comparison), got {bias!r}")
+        ref_prompt = r.get("ref_prompt")
+        if ref_prompt is not None and not isinstance(ref_prompt, str):
+            raise DataError(f"{where}: field 'ref_prompt' must be a string (the reference model's prompt), got "
+                            f"{type(ref_prompt).__name__}")
         pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i,
-                                None if bias is None else float(bias)) for x in rejected]
+                                None if bias is None else float(bias), ref_prompt) for x in rejected]
         if allow_lists:
             out.append((pairs[0], rejected))
         else:
