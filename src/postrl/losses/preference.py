@@ -275,3 +275,36 @@ def ssb(chosen_logits: torch.Tensor, ref_chosen_logits: torch.Tensor, chosen_mas
     if ce_weight:
         loss = loss + ce_weight * (-chosen_logps / _lengths(chosen_lengths))
     return _out(loss, chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps)
+
+
+# ---------------------------------------------------------------------------------------------- step-level, with a critic
+
+
+@register("preference", "dapo_step", source="Improving Multi-Step Reasoning Abilities of Large Language Models with "
+          "Direct Advantage Policy Optimization (Liu et al. 2024)")
+def dapo_step(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+              ref_rejected_logps: torch.Tensor, chosen_advantage: torch.Tensor, rejected_advantage: torch.Tensor, *,
+              beta: Beta = 1.0):
+    """DAPO (step level, offline): each step's log-ratio regressed onto its critic advantage scaled by 1 / beta.
+
+    Direct Advantage Policy Optimization (abstract: "a novel step-level offline RL algorithm" whose critic
+    "predict[s] the reasoning accuracy at each step, thereby generating dense signals", actor and critic trained
+    independently; its objective is "a quadratic loss that aligns scaled advantages with log-policy ratios"). A
+    pair of ``postrl pairs --dapo`` is a state s (prompt + ``prefix``, the steps so far) and two next steps a_c, a_r
+    sampled there from the reference policy, each with its advantage A(s, a) = V(s + a) - V(s) under a critic V
+    (a PRM: ``postrl prm train``; the verifier's outcome after a final step). With rho = log pi_theta(a | s) - log
+    pi_ref(a | s) summed over the step's tokens:
+
+        L = 1/2 [ (rho_c - A_c / beta)^2 + (rho_r - A_r / beta)^2 ]
+
+    the mean of DAPO's per-action loss over the state's two actions; its minimiser pi(a | s) = pi_ref(a | s)
+    exp(A(s, a) / beta) is the KL-regularised improvement of pi_ref at every step (the partition function is 1 to
+    first order because E_{a ~ pi_ref} A = 0 for the reference's own value). Rewards (TRL's logged names): beta
+    rho_c, beta rho_r. Default beta 1.0. Assumed where the abstract is silent: the quadratic's exact form (log-ratio
+    minus advantage / beta), beta, two actions per state, and the critic's form (a PRM's step score as V).
+    Shapes: every field [B] -> [B].
+    """
+    rho_c = chosen_logps - ref_chosen_logps
+    rho_r = rejected_logps - ref_rejected_logps
+    loss = 0.5 * ((rho_c - chosen_advantage / beta) ** 2 + (rho_r - rejected_advantage / beta) ** 2)
+    return _out(loss, beta * rho_c, beta * rho_r)

@@ -203,21 +203,26 @@ def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], *, chat_template: s
             cache[text] = encode_prompt(tokenizer, text, chat_template)
         return cache[text]
 
-    def completions(texts: list[str]) -> list[list[int]]:
+    def completions(texts: list[str], final: list[bool]) -> list[list[int]]:
         nonempty = [t for t in texts if t]
         toks = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"] if nonempty else [])
         out = []
-        for t in texts:
+        for t, end in zip(texts, final):
             ids = list(next(toks)) if t else []
-            out.append(ids if ids and ids[-1] == eos else ids + [eos])
+            out.append(ids if not end or (ids and ids[-1] == eos) else ids + [eos])
         return out
 
-    chosen, rejected = completions([p.chosen for p in pairs]), completions([p.rejected for p in pairs])
+    def state_ids(p: PreferencePair, prompt: str) -> list[int]:
+        q = prompt_ids(prompt)
+        return q + list(tokenizer(p.prefix, add_special_tokens=False)["input_ids"]) if p.prefix else q
+
+    chosen = completions([p.chosen for p in pairs], [p.chosen_final for p in pairs])
+    rejected = completions([p.rejected for p in pairs], [p.rejected_final for p in pairs])
     enc = EncodedPairs([], [], [], torch.zeros(0), [])
     margins, dropped = [], 0
     for p, c, r in zip(pairs, chosen, rejected):
-        q = prompt_ids(p.prompt)
-        q_ref = q if p.ref_prompt is None else prompt_ids(p.ref_prompt)
+        q = state_ids(p, p.prompt)
+        q_ref = q if p.ref_prompt is None else state_ids(p, p.ref_prompt)
         if max_length is not None:
             longest = max(len(q), len(q_ref))
             if longest >= max_length:
@@ -297,6 +302,13 @@ class PreferenceTrainer:
         if settings.ref is not None and not self.needs_ref:
             raise ConfigError(f"--ref: loss '{settings.loss}' is reference-free (it reads no reference log-probs); "
                               f"drop --ref")
+        self.reads_advantage = bool({"chosen_advantage", "rejected_advantage"} & set(self.stage.reads))
+        if self.reads_advantage:
+            for pairs_, what in ((train, settings.data or "DATA"), (held, settings.eval_data or "the held-out pairs")):
+                bad = next((p for p in pairs_ if p.chosen_advantage is None or p.rejected_advantage is None), None)
+                if bad is not None:
+                    raise DataError(f"{what}: row {bad.row}: loss '{settings.loss}' reads each completion's advantage "
+                                    f"(chosen_advantage, rejected_advantage: postrl pairs --dapo writes them)")
         if "margin" in self.stage.reads and train and not any(p.margin for p in train):
             raise DataError(f"{settings.data or 'DATA'}: loss '{settings.loss}' reads each pair's 'margin' (the reward "
                             f"gap r(chosen) - r(rejected)), and every row's margin is 0 or absent")
@@ -467,6 +479,10 @@ class PreferenceTrainer:
         out = {"chosen_logps": seq[:n], "rejected_logps": seq[n:], "chosen_lengths": lens[:n],
                "rejected_lengths": lens[n:], "margin": enc.margin[idx].to(seq.device),
                "chosen_mask": batch.completion_mask[:n].to(seq.device)}
+        if self.reads_advantage:
+            adv = [(enc.pairs[i].chosen_advantage, enc.pairs[i].rejected_advantage) for i in idx]
+            out["chosen_advantage"] = torch.tensor([a for a, _ in adv], dtype=torch.float32, device=seq.device)
+            out["rejected_advantage"] = torch.tensor([b for _, b in adv], dtype=torch.float32, device=seq.device)
         if want_logits:
             out["chosen_logits"] = logits[:n].float()
         if self.needs_ref:
@@ -787,3 +803,128 @@ def generate_ssb(cfg, prompts: int, *, verifier: str = "correct", threshold: flo
         backend.close()
     return rows, {"prompts": rounds * per_round, "completions": rounds * per_round * cfg.rollout.group_size,
                   "with_both": with_both, "teacher_verified": verified, "rows": len(rows)}
+
+
+# ---------------------------------------------------------------------------------------------- DAPO's step-level data
+
+
+def _last_score(row: torch.Tensor) -> float:
+    vals = [v for v in row.tolist() if v == v]
+    return vals[-1] if vals else math.nan
+
+
+def generate_dapo(cfg, prompts: int, prm_path: str, *, verifier: str | None = None, max_states: int = 4,
+                  log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+    """(step-level pair rows, counts): Direct Advantage Policy Optimization's offline data from ``model.path`` (the
+    reference policy) and a PRM critic.
+
+    ``prompts`` prompts of the config's task, ``rollout.group_size`` trajectories each (the reference's); the states
+    s of a prompt are the step prefixes of its trajectories (the response cut before each step, steps at the PRM's
+    ``delimiter``; the first ``max_states`` distinct ones, the empty prefix first). At each state the reference
+    samples two next steps (``rollout.temperature``, ``rollout.max_new_tokens``, stopping at the delimiter, which
+    the step keeps; a step that ends with EOS ends the response: ``*_final``); a state where a step runs out of
+    tokens is skipped. The critic V (the PRM at ``prm_path``): V(s) = its score at the end of the prefix (before any
+    step: its prompt score), V(s + a) = its score at the end of a, or, when a ends the response and ``verifier``
+    names a reward of the config, that reward's outcome (the true terminal value); A(s, a) = V(s + a) - V(s). Rows:
+    ``prompt``, ``prefix``, ``chosen`` / ``rejected`` (the step with the larger / smaller A), ``chosen_advantage``,
+    ``rejected_advantage``, ``chosen_final``, ``rejected_final``, ``value`` (V(s)), and the prompt's columns;
+    ``postrl dpo ROWS --loss dapo_step`` trains on them. Counts: prompts, states, skipped (a step out of tokens or
+    two equal steps), rows."""
+    from postrl.generation import SamplingParams
+    from postrl.reward_models import load_reward_model
+    from postrl.reward_models.model import step_pieces
+    from postrl.rewards import score_batch
+
+    prm = load_reward_model(prm_path)
+    if getattr(prm, "kind", None) != "prm":
+        raise ConfigError(f"--dapo {prm_path}: the critic must be a process reward model (postrl prm train), got "
+                          f"kind '{getattr(prm, 'kind', type(prm).__name__)}'")
+    backend, step, source, rounds, per_round, tok = _policy_batches(cfg, prompts, log)
+    stage = spec = None
+    if verifier is not None:
+        stage = next((st for st in step.scorer.rewards if st.name == verifier), None)
+        if stage is None:
+            names = [st.name for st in step.scorer.rewards]
+            raise ConfigError(f"--verifier {verifier}: not a reward of the config (rewards: {', '.join(names)})")
+        spec = next(sp for sp in step.scorer.specs if sp.name == verifier)
+    delim = prm.delimiter
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature or 1.0, top_p=r.top_p,
+                            top_k=r.top_k, stop=[delim])
+    eos = set(backend.eos_ids) if hasattr(backend, "eos_ids") else {tok.eos_token_id}
+    rows: list[dict] = []
+    n_states = skipped = 0
+    try:
+        for i in range(rounds):
+            with torch.no_grad():
+                batch, _ = source.next_batch(i, rounds)
+            states: list[tuple[int, str]] = []  # (row of the batch, prefix)
+            for g in batch.group_order():
+                members = torch.nonzero(batch.group_ids == g).flatten().tolist()
+                seen: list[str] = []
+                for m in members:
+                    pieces = step_pieces(batch.completions[m], delim)
+                    for k in range(len(pieces)):
+                        pre = "".join(pieces[:k])
+                        if pre not in seen and len(seen) < max_states:
+                            seen.append(pre)
+                states += [(members[0], pre) for pre in seen]
+            n_states += len(states)
+            if not states:
+                continue
+            ids = [encode_prompt(tok, batch.prompts[m], cfg.model.chat_template)
+                   + list(tok(pre, add_special_tokens=False)["input_ids"]) for m, pre in states]
+            gen = backend.generate(ids, 2, params, seed=[derive_seed(cfg.seed, "dapo", i, j) for j in range(len(ids))])
+            lengths = gen.completion_mask.sum(-1).long().tolist()
+            actions = []
+            for k in range(2 * len(states)):
+                L = lengths[k]
+                final = L > 0 and int(gen.completion_ids[k, L - 1]) in eos
+                ok = not bool(gen.truncated[k]) and L > 0
+                actions.append((gen.texts[k] if final else gen.texts[k] + delim, final, ok))
+            keep = [j for j in range(len(states)) if actions[2 * j][2] and actions[2 * j + 1][2]
+                    and actions[2 * j][0] != actions[2 * j + 1][0]]
+            skipped += len(states) - len(keep)
+            if not keep:
+                continue
+            prompts_k = [batch.prompts[states[j][0]] for j in keep]
+            prefixes = [states[j][1] for j in keep]
+            # V(s): the PRM's prompt score (empty prefix) or its score at the end of the prefix
+            v_s = []
+            with_prefix = [j for j, pre in enumerate(prefixes) if pre]
+            ps, _ = prm.prompt_scores(prompts_k)
+            sc = prm.step_scores([prompts_k[j] for j in with_prefix], [prefixes[j] for j in with_prefix]) \
+                if with_prefix else None
+            for j in range(len(keep)):
+                v_s.append(_last_score(sc[with_prefix.index(j)]) if j in with_prefix else float(ps[j]))
+            # V(s + a): the PRM at the end of the step, or the verifier's outcome after a final step
+            texts = [prefixes[j] + actions[2 * keep[j] + a][0] for j in range(len(keep)) for a in (0, 1)]
+            sa = prm.step_scores([p for p in prompts_k for _ in (0, 1)], texts)
+            v_sa = [_last_score(sa[k]) for k in range(len(texts))]
+            if stage is not None:
+                finals = [k for k in range(len(texts)) if actions[2 * keep[k // 2] + k % 2][1]]
+                if finals:
+                    cols = {c: [v[states[keep[k // 2]][0]] for k in finals] for c, v in batch.columns.items()}
+                    cols["group_ids"] = list(range(len(finals)))
+                    out = score_batch([prompts_k[k // 2] for k in finals], [texts[k] for k in finals], cols, [spec],
+                                      built=[(stage.fn, stage.params)], context=step.scorer.context)
+                    for k, v in zip(finals, out.matrix[:, 0].tolist()):
+                        if math.isfinite(v):
+                            v_sa[k] = v
+            for j in range(len(keep)):
+                (a0, f0, _), (a1, f1, _) = actions[2 * keep[j]], actions[2 * keep[j] + 1]
+                A0, A1 = v_sa[2 * j] - v_s[j], v_sa[2 * j + 1] - v_s[j]
+                if not (math.isfinite(A0) and math.isfinite(A1)):
+                    skipped += 1
+                    continue
+                if A1 > A0:
+                    (a0, f0, A0), (a1, f1, A1) = (a1, f1, A1), (a0, f0, A0)
+                m = states[keep[j]][0]
+                extra = {c: batch.columns[c][m] for c in batch.columns
+                         if c not in ("prompt", "prefix", "chosen", "rejected")}
+                rows.append({**extra, "prompt": prompts_k[j], "prefix": prefixes[j], "chosen": a0, "rejected": a1,
+                             "chosen_advantage": A0, "rejected_advantage": A1, "chosen_final": f0,
+                             "rejected_final": f1, "value": v_s[j]})
+    finally:
+        backend.close()
+    return rows, {"prompts": rounds * per_round, "states": n_states, "skipped": skipped, "rows": len(rows)}
