@@ -227,3 +227,42 @@ def test_no_verifier_is_one_line_naming_the_entry(rm_dir, tmp_path):
             max_length=32).save_pretrained(prm)
     with pytest.raises(ConfigError, match=r"^rewards.1.path: '.*prm' is a process reward model \(postrl prm train\)"):
         load_config(None, [*base, f"rewards=[{{name: correct}}, {{name: model_online, path: '{prm}'}}]"])
+
+
+DDP_SCRIPT = """
+import json, sys
+from pathlib import Path
+from postrl.config import load_config
+from postrl.train.trainer import Trainer
+
+out = Path(sys.argv[1])
+cfg = load_config(None, sys.argv[2:])
+tr = Trainer(cfg, cfg.output_dir)
+tr.train()
+(out / f"rank{tr.rank}.json").write_text(json.dumps({"world": tr.world, "stages": tr.step.state_dict()}))
+"""
+
+
+def test_two_processes_train_one_reward_model(model_dir, rm_dir, tmp_path):
+    """torchrun, 2 processes (DDP over gloo): each rank labels pairs on its own rows; the step gathers them, so
+    both ranks take the same steps and end with the same reward-model weights and optimizer state."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(DDP_SCRIPT)
+    args = online_args(model_dir, rm_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1")
+    args = [a.replace("has_digit_test", "'test_online_rm:has_digit'") for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29547", str(script), str(tmp_path), *args], env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert s0["world"] == s1["world"] == 2
+    a, b = s0["stages"]["rewards"]["1:model_online"], s1["stages"]["rewards"]["1:model_online"]
+    assert a["updates"] == 2 and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    pairs = [m["reward/model_online/pairs"] for m in metrics(tmp_path / "run")]
+    assert all(p > 0 for p in pairs)

@@ -396,6 +396,8 @@ class OnlineRewardModel(Stateful):
 
         pairs = list(self.observed)
         if not pairs:
+            with self._lock:
+                self._scores = {}  # (the cache holds one step's texts at most)
             return {"pairs": 0.0, "updates": float(self.updates)}
         with self._lock:
             self._ensure()
