@@ -242,7 +242,8 @@ def online_step(model: RewardModel, optimizer: torch.optim.Optimizer, prompts: S
 
     L = (1 / P) sum_i l_i with l_i the per-pair loss of :func:`pair_loss` (beta 1, no margin, hard labels), its
     gradient accumulated over micro-batches of ``batch_size`` pairs (each adds sum_i l_i / P, so the step does not
-    depend on ``batch_size`` beyond float rounding), the body's gradient norm clipped to ``max_grad_norm``, then one
+    depend on ``batch_size`` beyond float rounding; for ODIN the length-correlation term is computed per
+    micro-batch and weighted by its share B / P), the body's gradient norm clipped to ``max_grad_norm``, then one
     ``optimizer.step()``. Returns ``loss`` (L before the step), ``pair_accuracy`` (fraction with logit > 0 before
     the step, mean over heads), ``grad_norm``. The model is left in eval mode."""
     P = len(prompts)
