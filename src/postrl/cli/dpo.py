@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from postrl.cli.common import add_import_paths, format_metrics, holdout_split, log, split_args
+from postrl.cli.common import add_import_paths, check_option, format_metrics, holdout_split, log, split_args
 from postrl.errors import ConfigError, PostrlError
 
 DPO_EPILOG = """examples:
@@ -34,6 +34,11 @@ PAIRS_EPILOG = """examples:
 Each prompt of the config's task gets rollout.group_size completions from --model, scored by the config's
 rewards; its best and worst completion (skipped when they tie) become one pair: prompt, chosen, rejected,
 margin (the reward gap), chosen_reward, rejected_reward.
+
+  postrl pairs --model models/sft --out ssb.jsonl --ssb --prompts 256            Semantic Soft Bootstrapping rows
+  postrl dpo ssb.jsonl --model models/sft --out runs/ssb --loss ssb --lora-r 16  ... distilled into the student
+  postrl pairs --model models/sft --out steps.jsonl --dapo prm/ --verifier correct  DAPO's step-level rows
+  postrl dpo steps.jsonl --model models/sft --out runs/dapo --loss dapo_step     ... the offline step-level update
 """
 
 
@@ -146,8 +151,6 @@ def run_dpo(args) -> int:
 
 
 def run_pairs(args) -> int:
-    import os
-
     from postrl.config import load_config
     from postrl.train.preference import generate_pairs
 
@@ -156,17 +159,52 @@ def run_pairs(args) -> int:
     cfg = load_config(path, [*overrides, f"model.path={json.dumps(args.model)}"])  # (a quoted YAML string)
     if args.prompts < 1:
         raise ConfigError(f"--prompts: expected an integer >= 1, got {args.prompts}")
+    if args.ssb and args.dapo:
+        raise ConfigError("--ssb and --dapo write different rows: give one")
+    if args.dapo:
+        from postrl.train.preference import generate_dapo
+
+        check_option("--max-states", args.max_states, low=1)
+        rows, counts = generate_dapo(cfg, args.prompts, args.dapo, verifier=args.verifier, max_states=args.max_states,
+                                     log=log)
+        if not rows:
+            raise PostrlError(f"no step pair from {counts['prompts']} prompts ({counts['states']} states, "
+                              f"{counts['skipped']} skipped: a step ran out of rollout.max_new_tokens or both steps "
+                              f"were the same)")
+        rows_out(args.out, rows)
+        log(format_metrics(counts) + f"  -> {args.out}")
+        return 0
+    if args.ssb:
+        from postrl.train.preference import generate_ssb
+
+        check_option("--teacher-temperature", args.teacher_temperature, low=0)
+        rows, counts = generate_ssb(cfg, args.prompts, verifier=args.verifier or "correct", threshold=args.threshold,
+                                    teacher_temperature=args.teacher_temperature, log=log)
+        if not rows:
+            raise PostrlError(f"no SSB row from {counts['prompts']} prompts: {counts['with_both']} had both a correct "
+                              f"and an incorrect rollout, {counts['teacher_verified']} teacher solutions were verified "
+                              f"(more prompts, rollout.group_size or rollout.temperature)")
+        rows_out(args.out, rows)
+        log(format_metrics(counts) + f"  -> {args.out}")
+        return 0
     rows, counts = generate_pairs(cfg, args.prompts, log=log)
     if not rows:
         raise PostrlError(f"no pair from {counts['prompts']} prompts: every prompt's best and worst completion tied "
                           f"in reward (more completions, rollout.group_size, or a higher rollout.temperature)")
-    out = Path(args.out)
+    rows_out(args.out, rows)
+    log(format_metrics(counts) + f"  -> {args.out}")
+    return 0
+
+
+def rows_out(path: str, rows: list[dict]) -> None:
+    """Write ``rows`` as JSONL to ``path``, atomically."""
+    import os
+
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     os.replace(tmp, out)
-    log(format_metrics(counts) + f"  -> {out}")
-    return 0
 
 
 def add_parser(sub) -> None:
@@ -221,4 +259,16 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="policy folder (from_pretrained) or 'builtin'")
     p.add_argument("--out", required=True, help="pair file to write (JSONL)")
     p.add_argument("--prompts", type=int, default=64, help="prompts to sample (train.prompts_per_step per round)")
+    p.add_argument("--ssb", action="store_true", help="Semantic Soft Bootstrapping rows instead: per prompt the "
+                   "model's own verified solution written after seeing its correct and most common wrong rollout "
+                   "(ref_prompt); train with postrl dpo ROWS --loss ssb")
+    p.add_argument("--dapo", default=None, metavar="PRM", help="Direct Advantage Policy Optimization's step-level "
+                   "rows instead: at step prefixes of the model's trajectories, two next steps and their advantages "
+                   "under the PRM critic (postrl prm train); train with postrl dpo ROWS --loss dapo_step")
+    p.add_argument("--max-states", type=int, default=4, help="--dapo: states (step prefixes) per prompt")
+    p.add_argument("--verifier", default=None, help="--ssb: the reward that labels rollouts correct (default "
+                   "correct); --dapo: the reward whose outcome is the value after a final step (default: the PRM's)")
+    p.add_argument("--threshold", type=float, default=1.0, help="--ssb: correct when the verifier scores >= this")
+    p.add_argument("--teacher-temperature", type=float, default=0.0, help="--ssb: the teacher's sampling "
+                   "temperature (0: greedy)")
     p.set_defaults(fn=run_pairs)

@@ -230,3 +230,81 @@ def alphapo(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_len
         r_r = beta * (1.0 - torch.exp(-alpha * a_r)) / alpha
     return _out(_smoothed(r_c - r_r - gamma, label_smoothing), r_c, r_r)
 
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+
+
+@register("preference", "ssb", source="Semantic Soft Bootstrapping: Long Context Reasoning in LLMs without "
+          "Reinforcement Learning (Mitra & Ulukus 2025)")
+def ssb(chosen_logits: torch.Tensor, ref_chosen_logits: torch.Tensor, chosen_mask: torch.Tensor,
+        chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+        ref_rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor, *,
+        temperature: Annotated[float, Gt(0)] = 2.0, kd_weight: Annotated[float, Ge(0)] = 1.0,
+        ce_weight: Annotated[float, Ge(0)] = 0.0):
+    """SSB: the student (policy, bare prompt) matches the teacher's (reference, hinted prompt) token distributions.
+
+    Semantic Soft Bootstrapping (abstract: "the same base language model plays the role of both teacher and
+    student, but receives different semantic contexts about the correctness of its outcome"; the teacher sees the
+    problem with a correct and the most common incorrect rollout and writes a robust solution y, "a sequence of
+    logits ... which the student model tries to match ... from the bare question alone"). The pair file of
+    ``postrl pairs --ssb``: ``chosen`` = y, ``ref_prompt`` = the hinted teacher prompt x_T (the reference reads it),
+    ``prompt`` = the bare question x; ``rejected`` (the incorrect rollout) only enters the logged rewards. For
+    temperature T and the reply's tokens t (mask m):
+
+        KL_t = sum_v p_T(v) (log p_T(v) - log p_S(v)),  p_T = softmax(z_ref(x_T, y_<t) / T),  p_S = softmax(z(x, y_<t) / T)
+        L    = kd_weight * T^2 * sum_t m_t KL_t / sum_t m_t  +  ce_weight * (-chosen_logps / |y|)
+
+    (the teacher's distribution is fixed: no gradient reaches the reference). Defaults from the authors' code:
+    T = 2.0, kd_weight 1, ce_weight 0 (pure logit distillation). The teacher is the frozen initial model (the
+    reference: a copy of ``--model``, or with LoRA the policy with its adapter disabled, the paper's set-up: "same
+    base weights as teacher (frozen), LoRA adapters on student"); its logits are computed when needed instead of
+    stored (equal, for the same weights). The KD term of one pair equals T^2 times TRL's
+    ``GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=0, temperature=T)`` ('batchmean' over the
+    reply tokens) on the same logits (``tests/test_ssb_dapo.py``). Assumed: the per-pair token mean (the authors'
+    'batchmean' pools the tokens of a batch; equal when the replies have one length). Rewards (TRL's logged
+    names): log pi(y_c | x) - log pi_ref(y_c | x_T) and the same for the rejected rollout.
+    Shapes: logits [B, T, V], chosen_mask [B, T], the rest [B] -> [B].
+    """
+    t = float(temperature)
+    log_s = F.log_softmax(chosen_logits.float() / t, dim=-1)
+    log_t = F.log_softmax(ref_chosen_logits.float().detach() / t, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
+    m = chosen_mask.to(kl.dtype)
+    loss = kd_weight * t * t * (kl * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    if ce_weight:
+        loss = loss + ce_weight * (-chosen_logps / _lengths(chosen_lengths))
+    return _out(loss, chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps)
+
+
+# ---------------------------------------------------------------------------------------------- step-level, with a critic
+
+
+@register("preference", "dapo_step", source="Improving Multi-Step Reasoning Abilities of Large Language Models with "
+          "Direct Advantage Policy Optimization (Liu et al. 2024)")
+def dapo_step(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+              ref_rejected_logps: torch.Tensor, chosen_advantage: torch.Tensor, rejected_advantage: torch.Tensor, *,
+              beta: Beta = 1.0):
+    """DAPO (step level, offline): each step's log-ratio regressed onto its critic advantage scaled by 1 / beta.
+
+    Direct Advantage Policy Optimization (abstract: "a novel step-level offline RL algorithm" whose critic
+    "predict[s] the reasoning accuracy at each step, thereby generating dense signals", actor and critic trained
+    independently; its objective is "a quadratic loss that aligns scaled advantages with log-policy ratios"). A
+    pair of ``postrl pairs --dapo`` is a state s (prompt + ``prefix``, the steps so far) and two next steps a_c, a_r
+    sampled there from the reference policy, each with its advantage A(s, a) = V(s + a) - V(s) under a critic V
+    (a PRM: ``postrl prm train``; the verifier's outcome after a final step). With rho = log pi_theta(a | s) - log
+    pi_ref(a | s) summed over the step's tokens:
+
+        L = 1/2 [ (rho_c - A_c / beta)^2 + (rho_r - A_r / beta)^2 ]
+
+    the mean of DAPO's per-action loss over the state's two actions; its minimiser pi(a | s) = pi_ref(a | s)
+    exp(A(s, a) / beta) is the KL-regularised improvement of pi_ref at every step (the partition function is 1 to
+    first order because E_{a ~ pi_ref} A = 0 for the reference's own value). Rewards (TRL's logged names): beta
+    rho_c, beta rho_r. Default beta 1.0. Assumed where the abstract is silent: the quadratic's exact form (log-ratio
+    minus advantage / beta), beta, two actions per state, and the critic's form (a PRM's step score as V).
+    Shapes: every field [B] -> [B].
+    """
+    rho_c = chosen_logps - ref_chosen_logps
+    rho_r = rejected_logps - ref_rejected_logps
+    loss = 0.5 * ((rho_c - chosen_advantage / beta) ** 2 + (rho_r - rejected_advantage / beta) ** 2)
+    return _out(loss, beta * rho_c, beta * rho_r)

@@ -15,6 +15,14 @@ field           type                      meaning
 ``bias``        number in [0, 1] (opt.)   probability that a cognitive bias shaped this comparison (a judge's
                                           score, precomputed): the per-comparison rationality
                                           (``rationality='judged'``); the column name is configurable
+``ref_prompt``  str (optional)            the prompt the *reference* model reads the completions under in
+                                          ``postrl dpo`` (context distillation: Semantic Soft Bootstrapping's
+                                          hinted teacher prompt, ``postrl pairs --ssb``); default the prompt
+``prefix``      str (optional)            a step-level pair (``postrl pairs --dapo``): the response so far (the
+                                          state); chosen and rejected are two next steps continuing it, each
+                                          ended by EOS only when ``chosen_final`` / ``rejected_final`` is true
+``chosen_advantage``, ``rejected_advantage``  numbers (optional): the critic's advantage A(s, a) of each
+                                          completion (DAPO's step-level target, ``--loss dapo_step``)
 ==============  ========================  ================================================================
 
 Any violation is a one-line :class:`~postrl.errors.DataError` naming the file, the row (1-based) and the field:
@@ -45,6 +53,12 @@ class PreferencePair:
     context: str | None = None
     row: int = 0  # 1-based row in the source file
     bias: float | None = None  # P(a cognitive bias shaped this comparison), from a judge
+    ref_prompt: str | None = None  # what the reference model reads instead of the prompt (postrl dpo)
+    prefix: str | None = None  # a step-level pair: the response so far; chosen / rejected continue it
+    chosen_final: bool = True  # (a step-level pair) the chosen step ends the response: EOS follows it
+    rejected_final: bool = True
+    chosen_advantage: float | None = None  # A(s, a) of each completion, from a critic (DAPO)
+    rejected_advantage: float | None = None
 
 
 def _label(value: Any, where: str, field: str) -> str | None:
@@ -102,8 +116,27 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
                                  or not 0.0 <= float(bias) <= 1.0):
             raise DataError(f"{where}: field '{bias_column}' must be a probability in [0, 1] (the chance that a "
                             f"cognitive bias shaped the comparison), got {bias!r}")
+        ref_prompt = r.get("ref_prompt")
+        if ref_prompt is not None and not isinstance(ref_prompt, str):
+            raise DataError(f"{where}: field 'ref_prompt' must be a string (the reference model's prompt), got "
+                            f"{type(ref_prompt).__name__}")
+        prefix = r.get("prefix")
+        if prefix is not None and not isinstance(prefix, str):
+            raise DataError(f"{where}: field 'prefix' must be a string (the response so far), got "
+                            f"{type(prefix).__name__}")
+        step = {}
+        for f in ("chosen_final", "rejected_final"):
+            v = r.get(f)
+            if v is not None and not isinstance(v, bool):
+                raise DataError(f"{where}: field '{f}' must be true or false, got {v!r}")
+            step[f] = (prefix is None) if v is None else v
+        for f in ("chosen_advantage", "rejected_advantage"):
+            v = r.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise DataError(f"{where}: field '{f}' must be a finite number, got {v!r}")
+            step[f] = None if v is None else float(v)
         pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i,
-                                None if bias is None else float(bias)) for x in rejected]
+                                None if bias is None else float(bias), ref_prompt, prefix, **step) for x in rejected]
         if allow_lists:
             out.append((pairs[0], rejected))
         else:

@@ -97,7 +97,8 @@ class RewardModel(nn.Module):
 
     def __init__(self, backbone, tokenizer, *, kind: str = "bt", num_heads: int = 1, max_length: int = 1024,
                  chat_template: str = "auto", groups: Sequence[str] | None = None, rationality: str | None = None,
-                 delimiter: str = "\n\n", reduce: str = "min", meta: dict | None = None, seed: int = 0):
+                 delimiter: str = "\n\n", reduce: str = "min", meta: dict | None = None, seed: int = 0,
+                 lm_head: nn.Module | None = None):
         super().__init__()
         if kind not in KINDS:
             raise PostrlError(f"reward model kind '{kind}': valid kinds: {', '.join(KINDS)}")
@@ -126,6 +127,7 @@ class RewardModel(nn.Module):
             self.heads.weight.copy_(torch.randn(num_heads, h, generator=gen) / math.sqrt(h))
             self.heads.bias.zero_()
         self.beta_raw = nn.Parameter(torch.zeros(len(self.groups)))
+        self.lm_head = lm_head  # the backbone's LM head, kept for a text-generation loss (rm train --lm-reg)
         self._prompt_cache: dict[str, list[int]] = {}
         self._use_cache_kw = _accepts_use_cache(backbone)
 
@@ -234,10 +236,15 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Every head at the last real token: [B, H] (right padding: position = mask.sum - 1)."""
+        return self.forward_hidden(input_ids, attention_mask)[0]
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every head at the last real token [B, H], the backbone's hidden states [B, T, hidden])."""
         h = self.hidden(input_ids, attention_mask)
         last = (attention_mask.sum(-1) - 1).clamp(min=0)
         pooled = h[torch.arange(h.shape[0], device=h.device), last]
-        return self.heads(pooled)
+        return self.heads(pooled), h
 
     def head_outputs(self, prompts: Sequence[str], completions: Sequence[str], batch_size: int = 32,
                      seqs: list[list[int]] | None = None) -> torch.Tensor:

@@ -23,6 +23,10 @@ generation (:func:`postrl.generation.encode_prompt`: the tokenizer's chat templa
 non-conversational completions); a sequence longer than ``max_length`` keeps its start (TRL's ``keep_start``) and
 a pair whose prompt alone fills ``max_length`` is left out (as TRL drops it), saying how many.
 
+A pair's ``ref_prompt`` column (optional) is the prompt the reference reads its completions under instead of
+``prompt`` (context distillation); a stage that reads ``chosen_logits`` / ``ref_chosen_logits`` (``ssb``) gets the
+policy's and the reference's token logits over the chosen completion [B, T, V] and ``chosen_mask`` [B, T].
+
 The reference: a frozen copy of the initial policy (loaded again from ``model``), the model at ``ref`` (same
 vocabulary required), or with LoRA the policy with its adapter disabled (``postrl.train.policy.reference_model``,
 as ``postrl train``); ``precompute_ref`` computes every pair's reference log-probs once before training (TRL
@@ -36,6 +40,10 @@ out, checkpoints set aside, resumes: :class:`postrl.train.run_state.Notices`), `
 folder; with LoRA as ``lora_save`` says), ``summary.json``; the run lock and ``status.json`` of
 :mod:`postrl.train.run_state`. The pair order of epoch e is a permutation seeded by (seed, e), so a run resumed
 from a checkpoint continues exactly as the uninterrupted run (``tests/test_preference.py`` checks the weights).
+
+:func:`generate_ssb` (``postrl pairs --ssb``) makes Semantic Soft Bootstrapping's rows: per prompt a verified
+solution the policy writes after seeing its own correct and most common wrong rollout, with that hinted prompt as
+``ref_prompt``; ``postrl dpo ROWS --loss ssb`` distils it.
 
 :func:`generate_pairs` (``postrl pairs``) makes pairs from a policy's own completions: the run's prompt source,
 rollout and reward sources (e.g. ``self_judge``, the policy as its own judge) through the step's
@@ -65,7 +73,8 @@ from postrl.train import checkpoint as ckpt
 from postrl.train import run_state
 
 SETTINGS_FILE = "dpo.json"
-REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_logits")
+LOGIT_FIELDS = ("chosen_logits", "ref_chosen_logits")  # [B, T, V]: a distillation stage's token distributions
 
 
 @dataclass
@@ -162,16 +171,23 @@ def build_loss(name: str, params: dict) -> stages.Stage:
 @dataclass
 class EncodedPairs:
     """Token ids of the pairs a run trains or evaluates on (prompt, chosen + EOS, rejected + EOS), the pairs'
-    ``margin`` column, and the pairs themselves (for their texts)."""
+    ``margin`` column, the pairs themselves (for their texts), and the prompt the reference reads (``ref_prompt``:
+    the pair's ``ref_prompt`` column, else its prompt)."""
 
     prompt: list[list[int]]
     chosen: list[list[int]]
     rejected: list[list[int]]
     margin: torch.Tensor
     pairs: list[PreferencePair]
+    ref_prompt: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt)
+
+    @property
+    def has_ref_prompt(self) -> bool:
+        """Some pair's reference reads another prompt than the policy (context distillation)."""
+        return any(p.ref_prompt is not None for p in self.pairs)
 
 
 def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], *, chat_template: str = "auto",
@@ -187,25 +203,33 @@ def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], *, chat_template: s
             cache[text] = encode_prompt(tokenizer, text, chat_template)
         return cache[text]
 
-    def completions(texts: list[str]) -> list[list[int]]:
+    def completions(texts: list[str], final: list[bool]) -> list[list[int]]:
         nonempty = [t for t in texts if t]
         toks = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"] if nonempty else [])
         out = []
-        for t in texts:
+        for t, end in zip(texts, final):
             ids = list(next(toks)) if t else []
-            out.append(ids if ids and ids[-1] == eos else ids + [eos])
+            out.append(ids if not end or (ids and ids[-1] == eos) else ids + [eos])
         return out
 
-    chosen, rejected = completions([p.chosen for p in pairs]), completions([p.rejected for p in pairs])
+    def state_ids(p: PreferencePair, prompt: str) -> list[int]:
+        q = prompt_ids(prompt)
+        return q + list(tokenizer(p.prefix, add_special_tokens=False)["input_ids"]) if p.prefix else q
+
+    chosen = completions([p.chosen for p in pairs], [p.chosen_final for p in pairs])
+    rejected = completions([p.rejected for p in pairs], [p.rejected_final for p in pairs])
     enc = EncodedPairs([], [], [], torch.zeros(0), [])
     margins, dropped = [], 0
     for p, c, r in zip(pairs, chosen, rejected):
-        q = prompt_ids(p.prompt)
+        q = state_ids(p, p.prompt)
+        q_ref = q if p.ref_prompt is None else state_ids(p, p.ref_prompt)
         if max_length is not None:
-            if len(q) >= max_length:
+            longest = max(len(q), len(q_ref))
+            if longest >= max_length:
                 dropped += 1
                 continue
-            c, r = c[:max_length - len(q)], r[:max_length - len(q)]
+            c, r = c[:max_length - longest], r[:max_length - longest]
+        enc.ref_prompt.append(q_ref)
         enc.prompt.append(q)
         enc.chosen.append(c)
         enc.rejected.append(r)
@@ -215,12 +239,14 @@ def encode_pairs(tokenizer, pairs: Sequence[PreferencePair], *, chat_template: s
     return enc, dropped
 
 
-def pair_batch(enc: EncodedPairs, idx: Sequence[int], pad_id: int) -> RolloutBatch:
+def pair_batch(enc: EncodedPairs, idx: Sequence[int], pad_id: int, ref: bool = False) -> RolloutBatch:
     """The 2m rows [chosen of the m pairs, rejected of the m pairs] as a :class:`RolloutBatch` (prompts
-    left-padded, completions right-padded; ``group_ids``: the pair's position, shared by its two rows)."""
+    left-padded, completions right-padded; ``group_ids``: the pair's position, shared by its two rows); ``ref``:
+    under the prompts the reference reads (``EncodedPairs.ref_prompt``)."""
     idx = list(idx)
     comps = [enc.chosen[i] for i in idx] + [enc.rejected[i] for i in idx]
-    prompt_ids, prompt_mask = left_pad([enc.prompt[i] for i in idx] * 2, pad_id)
+    prompts = enc.ref_prompt if ref and enc.ref_prompt else enc.prompt
+    prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx] * 2, pad_id)
     width = max(len(c) for c in comps)
     cids = torch.full((len(comps), width), int(pad_id), dtype=torch.long)
     cmask = torch.zeros((len(comps), width))
@@ -269,9 +295,20 @@ class PreferenceTrainer:
         self.s, self.run_dir, self.log = settings, Path(run_dir), log
         self.stage = build_loss(settings.loss, settings.loss_params)
         self.needs_ref = bool(set(REF_FIELDS) & set(self.stage.reads))
+        self.logit_fields = set(LOGIT_FIELDS) & set(self.stage.reads)
+        if settings.precompute_ref and "ref_chosen_logits" in self.logit_fields:
+            raise ConfigError(f"--precompute-ref: loss '{settings.loss}' reads the reference's token distributions "
+                              f"(ref_chosen_logits), which are not stored; drop --precompute-ref")
         if settings.ref is not None and not self.needs_ref:
             raise ConfigError(f"--ref: loss '{settings.loss}' is reference-free (it reads no reference log-probs); "
                               f"drop --ref")
+        self.reads_advantage = bool({"chosen_advantage", "rejected_advantage"} & set(self.stage.reads))
+        if self.reads_advantage:
+            for pairs_, what in ((train, settings.data or "DATA"), (held, settings.eval_data or "the held-out pairs")):
+                bad = next((p for p in pairs_ if p.chosen_advantage is None or p.rejected_advantage is None), None)
+                if bad is not None:
+                    raise DataError(f"{what}: row {bad.row}: loss '{settings.loss}' reads each completion's advantage "
+                                    f"(chosen_advantage, rejected_advantage: postrl pairs --dapo writes them)")
         if "margin" in self.stage.reads and train and not any(p.margin for p in train):
             raise DataError(f"{settings.data or 'DATA'}: loss '{settings.loss}' reads each pair's 'margin' (the reward "
                             f"gap r(chosen) - r(rejected)), and every row's margin is 0 or absent")
@@ -299,6 +336,9 @@ class PreferenceTrainer:
             if len(self.train_pairs) == 0:
                 why = f" (every prompt fills --max-length {settings.max_length})" if dropped else ""
                 raise DataError(f"{settings.data or 'DATA'}: no pair to train on{why}")
+            if (self.train_pairs.has_ref_prompt or self.held_pairs.has_ref_prompt) and not self.needs_ref:
+                self.notice(f"the pairs' ref_prompt column is not used: loss '{settings.loss}' reads no reference "
+                            f"model", kind="warning")
             if dropped or dropped_held:
                 self.notice(f"{dropped + dropped_held} pairs left out ({dropped} of training, {dropped_held} held "
                             f"out): the prompt alone fills --max-length {settings.max_length}", kind="warning")
@@ -405,12 +445,24 @@ class PreferenceTrainer:
                 logp = self.ctx.logprobs(batch)[0]
         return sequence_logps(logp, batch.completion_mask)[0]
 
+    @torch.no_grad()
+    def _ref_with_logits(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed reference log-probs [2m], the reference's logits over the chosen rows' tokens [m, T, V]), one
+        forward (no gradient)."""
+        rows = torch.arange(len(batch))
+        if self.ref_model is not None:
+            logp, _, logits = self.ctx.token_logprobs(batch, rows, model=self.ref_model, with_logits=True)
+        else:
+            with self.policy.disable_adapter():
+                logp, _, logits = self.ctx.token_logprobs(batch, rows, with_logits=True)
+        return sequence_logps(logp.float(), batch.completion_mask)[0], logits[:len(batch) // 2].float()
+
     def _ref_all(self, enc: EncodedPairs) -> torch.Tensor:
         """[n, 2] reference log-probs (chosen, rejected) of every pair, once (``precompute_ref``)."""
         out = torch.zeros(len(enc), 2)
         for s in range(0, len(enc), self.micro):
             idx = list(range(s, min(s + self.micro, len(enc))))
-            lp = self._ref_logps(pair_batch(enc, idx, self.pad_id))
+            lp = self._ref_logps(pair_batch(enc, idx, self.pad_id, ref=True))
             out[idx, 0], out[idx, 1] = lp[:len(idx)], lp[len(idx):]
         return out
 
@@ -420,16 +472,26 @@ class PreferenceTrainer:
         n = len(idx)
         batch = pair_batch(enc, idx, self.pad_id)
         rows = torch.arange(2 * n)
-        if grad:
-            logp = self.ctx.token_logprobs(batch, rows)[0]
-        else:
-            with torch.no_grad():
-                logp = self.ctx.token_logprobs(batch, rows)[0]
+        want_logits = "chosen_logits" in self.logit_fields
+        with torch.set_grad_enabled(grad):
+            logp, _, logits = self.ctx.token_logprobs(batch, rows, with_logits=want_logits)
         seq, lens = sequence_logps(logp.float(), batch.completion_mask)
         out = {"chosen_logps": seq[:n], "rejected_logps": seq[n:], "chosen_lengths": lens[:n],
-               "rejected_lengths": lens[n:], "margin": enc.margin[idx].to(seq.device)}
+               "rejected_lengths": lens[n:], "margin": enc.margin[idx].to(seq.device),
+               "chosen_mask": batch.completion_mask[:n].to(seq.device)}
+        if self.reads_advantage:
+            adv = [(enc.pairs[i].chosen_advantage, enc.pairs[i].rejected_advantage) for i in idx]
+            out["chosen_advantage"] = torch.tensor([a for a, _ in adv], dtype=torch.float32, device=seq.device)
+            out["rejected_advantage"] = torch.tensor([b for _, b in adv], dtype=torch.float32, device=seq.device)
+        if want_logits:
+            out["chosen_logits"] = logits[:n].float()
         if self.needs_ref:
-            ref = precomputed[idx].T.reshape(-1) if precomputed is not None else self._ref_logps(batch)
+            rbatch = pair_batch(enc, idx, self.pad_id, ref=True) if enc.has_ref_prompt else batch
+            if "ref_chosen_logits" in self.logit_fields:
+                ref, out["ref_chosen_logits"] = self._ref_with_logits(rbatch)
+                out["ref_chosen_logits"] = out["ref_chosen_logits"].to(seq.device)
+            else:
+                ref = precomputed[idx].T.reshape(-1) if precomputed is not None else self._ref_logps(rbatch)
             ref = ref.to(seq.device)
             out["ref_chosen_logps"], out["ref_rejected_logps"] = ref[:n], ref[n:]
         return out
@@ -586,10 +648,10 @@ def best_worst_pairs(batch: RolloutBatch) -> list[dict]:
     return out
 
 
-def generate_pairs(cfg, prompts: int, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
-    """(pair rows, counts): ``prompts`` prompts of the config's task (``train.prompts_per_step`` per round), G =
-    ``rollout.group_size`` completions each sampled from ``model.path``, scored by the config's rewards and
-    shaping (a ``self_judge`` reward: the same policy as the judge), then :func:`best_worst_pairs`."""
+def _policy_batches(cfg, prompts: int, log: Callable[[str], None]):
+    """(generation backend, the step, batch source, rounds, tokenizer) for sampling ``prompts`` prompts of the
+    config's task from ``model.path``, G = ``rollout.group_size`` completions each, scored by the config's rewards
+    and shaping (through the step's :class:`~postrl.step.sampling.BatchSource`)."""
     from postrl import accel
     from postrl.data import load_source
     from postrl.generation import SamplingParams
@@ -619,7 +681,15 @@ def generate_pairs(cfg, prompts: int, *, log: Callable[[str], None] = print) -> 
     per_round = min(cfg.train.prompts_per_step, prompts)
     source = BatchSource(step, load_source(cfg.task.model_dump()), ctx, seed=cfg.seed, prompts_per_step=per_round,
                          rollout=r, chat_template=cfg.model.chat_template, environment=cfg.environment, log=log)
-    rounds = math.ceil(prompts / per_round)
+    return backend, step, source, math.ceil(prompts / per_round), per_round, tok
+
+
+def generate_pairs(cfg, prompts: int, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+    """(pair rows, counts): ``prompts`` prompts of the config's task (``train.prompts_per_step`` per round), G =
+    ``rollout.group_size`` completions each sampled from ``model.path``, scored by the config's rewards and
+    shaping (a ``self_judge`` reward: the same policy as the judge), then :func:`best_worst_pairs`."""
+    backend, _, source, rounds, per_round, _ = _policy_batches(cfg, prompts, log)
+    r = cfg.rollout
     rows, failures = [], 0
     try:
         for i in range(rounds):
@@ -631,3 +701,230 @@ def generate_pairs(cfg, prompts: int, *, log: Callable[[str], None] = print) -> 
         backend.close()
     return rows, {"prompts": rounds * per_round, "completions": rounds * per_round * r.group_size,
                   "pairs": len(rows), "reward_failures": failures}
+
+
+# ---------------------------------------------------------------------------------------------- SSB's teacher data
+
+SSB_TEMPLATE = ("{prompt}\n\nTwo attempts at this problem follow. This attempt is correct:\n{correct}\n\nThis "
+                "attempt is wrong:\n{incorrect}\n\nWrite one careful step-by-step solution that reaches the correct "
+                "answer and avoids the mistake of the wrong attempt.")
+
+
+def _answer_of(text: str) -> str:
+    """The key incorrect rollouts are grouped by: their extracted answer as ``majority_vote`` compares answers
+    (numbers by value), else the whole normalised text."""
+    from postrl.rewards.builtin import extract_answer, normalize_text
+    from postrl.rewards.label_free import _answer_key
+
+    return _answer_key(extract_answer(text, "auto")) or f"text:{normalize_text(text)}"
+
+
+def ssb_candidates(batch: RolloutBatch, verifier: str, threshold: float = 1.0) -> list[dict]:
+    """Per group of a scored batch: the first correct completion (the verifier's raw value >= ``threshold``) and a
+    representative of the most common wrong answer among the incorrect ones (its first completion; ties: the
+    answer seen first), or nothing when the group lacks either. Rows: index, prompt, correct, incorrect."""
+    names = list(batch.extra.get("raw_reward_names") or batch.reward_names)
+    if verifier not in names:
+        raise ConfigError(f"--verifier {verifier}: not a reward of the config (rewards: {', '.join(names)}); SSB "
+                          f"labels rollouts correct or incorrect with it")
+    label = batch.raw_rewards[:, names.index(verifier)]
+    out = []
+    for g in batch.group_order():
+        rows = torch.nonzero(batch.group_ids == g).flatten().tolist()
+        good = [i for i in rows if math.isfinite(float(label[i])) and float(label[i]) >= threshold]
+        bad = [i for i in rows if math.isfinite(float(label[i])) and float(label[i]) < threshold]
+        if not good or not bad:
+            continue
+        keys = {i: _answer_of(batch.completions[i]) for i in bad}
+        count: dict[str, int] = {}
+        for i in bad:
+            count[keys[i]] = count.get(keys[i], 0) + 1
+        top = max(count.values())
+        wrong = next(i for i in bad if count[keys[i]] == top)
+        out.append({"index": good[0], "prompt": batch.prompts[good[0]], "correct": batch.completions[good[0]],
+                    "incorrect": batch.completions[wrong]})
+    return out
+
+
+def generate_ssb(cfg, prompts: int, *, verifier: str = "correct", threshold: float = 1.0,
+                 teacher_temperature: float = 0.0, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+    """(SSB rows, counts): Semantic Soft Bootstrapping's teacher data from the policy's own rollouts.
+
+    ``prompts`` prompts of the config's task, G = ``rollout.group_size`` rollouts each from ``model.path``, scored
+    by the config's rewards; per prompt with a correct and an incorrect rollout (the reward ``verifier``, before
+    shaping, >= / < ``threshold``; :func:`ssb_candidates`), the same model is prompted with
+    ``SSB_TEMPLATE`` (the problem, the correct rollout and the most common wrong answer's rollout) and writes a
+    solution (greedy with ``teacher_temperature`` 0, ``rollout.max_new_tokens``); the solution is kept when the
+    verifier scores it correct for the bare problem. Rows: ``prompt`` (the bare problem), ``chosen`` (the
+    teacher's verified solution), ``rejected`` (the wrong rollout), ``ref_prompt`` (the hinted prompt the teacher
+    read), ``correct`` (the correct rollout) and the prompt's columns. ``postrl dpo ROWS --loss ssb`` then
+    distils the teacher's token distributions (the reference reading ``ref_prompt``) into the student reading the
+    bare problem. Counts: prompts, completions, with_both (prompts with a correct and an incorrect rollout),
+    teacher_verified, rows."""
+    from postrl.generation import SamplingParams
+    from postrl.rewards import score_batch
+
+    backend, step, source, rounds, per_round, tok = _policy_batches(cfg, prompts, log)
+    stage = next((st for st in step.scorer.rewards if st.name == verifier), None)
+    if stage is None:
+        names = [st.name for st in step.scorer.rewards]
+        raise ConfigError(f"--verifier {verifier}: not a reward of the config (rewards: {', '.join(names)}); SSB "
+                          f"labels rollouts correct or incorrect with it")
+    spec = next(sp for sp in step.scorer.specs if sp.name == verifier)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=teacher_temperature,
+                            stop=list(cfg.rollout.stop))
+    rows: list[dict] = []
+    with_both = verified = 0
+    try:
+        for i in range(rounds):
+            with torch.no_grad():
+                batch, _ = source.next_batch(i, rounds)
+            cands = ssb_candidates(batch, verifier, threshold)
+            with_both += len(cands)
+            if not cands:
+                continue
+            hinted = [SSB_TEMPLATE.format(prompt=c["prompt"], correct=c["correct"], incorrect=c["incorrect"])
+                      for c in cands]
+            ids = [encode_prompt(tok, h, cfg.model.chat_template) for h in hinted]
+            gen = backend.generate(ids, 1, params, seed=[derive_seed(cfg.seed, "ssb", i, j) for j in range(len(ids))])
+            columns = {k: [v[c["index"]] for c in cands] for k, v in batch.columns.items()}
+            columns["group_ids"] = list(range(len(cands)))
+            out = score_batch([c["prompt"] for c in cands], gen.texts, columns, [spec],
+                              built=[(stage.fn, stage.params)], context=step.scorer.context)
+            for c, h, reply, v in zip(cands, hinted, gen.texts, out.matrix[:, 0].tolist()):
+                if not (math.isfinite(v) and v >= threshold) or reply == c["incorrect"]:
+                    continue
+                verified += 1
+                extra = {k: batch.columns[k][c["index"]] for k in batch.columns
+                         if k not in ("prompt", "chosen", "rejected", "ref_prompt", "correct")}
+                rows.append({**extra, "prompt": c["prompt"], "chosen": reply, "rejected": c["incorrect"],
+                             "ref_prompt": h, "correct": c["correct"]})
+    finally:
+        backend.close()
+    return rows, {"prompts": rounds * per_round, "completions": rounds * per_round * cfg.rollout.group_size,
+                  "with_both": with_both, "teacher_verified": verified, "rows": len(rows)}
+
+
+# ---------------------------------------------------------------------------------------------- DAPO's step-level data
+
+
+def _last_score(row: torch.Tensor) -> float:
+    vals = [v for v in row.tolist() if v == v]
+    return vals[-1] if vals else math.nan
+
+
+def generate_dapo(cfg, prompts: int, prm_path: str, *, verifier: str | None = None, max_states: int = 4,
+                  log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+    """(step-level pair rows, counts): Direct Advantage Policy Optimization's offline data from ``model.path`` (the
+    reference policy) and a PRM critic.
+
+    ``prompts`` prompts of the config's task, ``rollout.group_size`` trajectories each (the reference's); the states
+    s of a prompt are the step prefixes of its trajectories (the response cut before each step, steps at the PRM's
+    ``delimiter``; the first ``max_states`` distinct ones, the empty prefix first). At each state the reference
+    samples two next steps (``rollout.temperature``, ``rollout.max_new_tokens``, stopping at the delimiter, which
+    the step keeps; a step that ends with EOS ends the response: ``*_final``); a state where a step runs out of
+    tokens is skipped. The critic V (the PRM at ``prm_path``): V(s) = its score at the end of the prefix (before any
+    step: its prompt score), V(s + a) = its score at the end of a, or, when a ends the response and ``verifier``
+    names a reward of the config, that reward's outcome (the true terminal value); A(s, a) = V(s + a) - V(s). Rows:
+    ``prompt``, ``prefix``, ``chosen`` / ``rejected`` (the step with the larger / smaller A), ``chosen_advantage``,
+    ``rejected_advantage``, ``chosen_final``, ``rejected_final``, ``value`` (V(s)), and the prompt's columns;
+    ``postrl dpo ROWS --loss dapo_step`` trains on them. Counts: prompts, states, skipped (a step out of tokens or
+    two equal steps), rows."""
+    from postrl.generation import SamplingParams
+    from postrl.reward_models import load_reward_model
+    from postrl.reward_models.model import step_pieces
+    from postrl.rewards import score_batch
+
+    prm = load_reward_model(prm_path)
+    if getattr(prm, "kind", None) != "prm":
+        raise ConfigError(f"--dapo {prm_path}: the critic must be a process reward model (postrl prm train), got "
+                          f"kind '{getattr(prm, 'kind', type(prm).__name__)}'")
+    backend, step, source, rounds, per_round, tok = _policy_batches(cfg, prompts, log)
+    stage = spec = None
+    if verifier is not None:
+        stage = next((st for st in step.scorer.rewards if st.name == verifier), None)
+        if stage is None:
+            names = [st.name for st in step.scorer.rewards]
+            raise ConfigError(f"--verifier {verifier}: not a reward of the config (rewards: {', '.join(names)})")
+        spec = next(sp for sp in step.scorer.specs if sp.name == verifier)
+    delim = prm.delimiter
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature or 1.0, top_p=r.top_p,
+                            top_k=r.top_k, stop=[delim])
+    eos = set(backend.eos_ids) if hasattr(backend, "eos_ids") else {tok.eos_token_id}
+    rows: list[dict] = []
+    n_states = skipped = 0
+    try:
+        for i in range(rounds):
+            with torch.no_grad():
+                batch, _ = source.next_batch(i, rounds)
+            states: list[tuple[int, str]] = []  # (row of the batch, prefix)
+            for g in batch.group_order():
+                members = torch.nonzero(batch.group_ids == g).flatten().tolist()
+                seen: list[str] = []
+                for m in members:
+                    pieces = step_pieces(batch.completions[m], delim)
+                    for k in range(len(pieces)):
+                        pre = "".join(pieces[:k])
+                        if pre not in seen and len(seen) < max_states:
+                            seen.append(pre)
+                states += [(members[0], pre) for pre in seen]
+            n_states += len(states)
+            if not states:
+                continue
+            ids = [encode_prompt(tok, batch.prompts[m], cfg.model.chat_template)
+                   + list(tok(pre, add_special_tokens=False)["input_ids"]) for m, pre in states]
+            gen = backend.generate(ids, 2, params, seed=[derive_seed(cfg.seed, "dapo", i, j) for j in range(len(ids))])
+            lengths = gen.completion_mask.sum(-1).long().tolist()
+            actions = []
+            for k in range(2 * len(states)):
+                L = lengths[k]
+                final = L > 0 and int(gen.completion_ids[k, L - 1]) in eos
+                ok = not bool(gen.truncated[k]) and L > 0
+                actions.append((gen.texts[k] if final else gen.texts[k] + delim, final, ok))
+            keep = [j for j in range(len(states)) if actions[2 * j][2] and actions[2 * j + 1][2]
+                    and actions[2 * j][0] != actions[2 * j + 1][0]]
+            skipped += len(states) - len(keep)
+            if not keep:
+                continue
+            prompts_k = [batch.prompts[states[j][0]] for j in keep]
+            prefixes = [states[j][1] for j in keep]
+            # V(s): the PRM's prompt score (empty prefix) or its score at the end of the prefix
+            v_s = []
+            with_prefix = [j for j, pre in enumerate(prefixes) if pre]
+            ps, _ = prm.prompt_scores(prompts_k)
+            sc = prm.step_scores([prompts_k[j] for j in with_prefix], [prefixes[j] for j in with_prefix]) \
+                if with_prefix else None
+            for j in range(len(keep)):
+                v_s.append(_last_score(sc[with_prefix.index(j)]) if j in with_prefix else float(ps[j]))
+            # V(s + a): the PRM at the end of the step, or the verifier's outcome after a final step
+            texts = [prefixes[j] + actions[2 * keep[j] + a][0] for j in range(len(keep)) for a in (0, 1)]
+            sa = prm.step_scores([p for p in prompts_k for _ in (0, 1)], texts)
+            v_sa = [_last_score(sa[k]) for k in range(len(texts))]
+            if stage is not None:
+                finals = [k for k in range(len(texts)) if actions[2 * keep[k // 2] + k % 2][1]]
+                if finals:
+                    cols = {c: [v[states[keep[k // 2]][0]] for k in finals] for c, v in batch.columns.items()}
+                    cols["group_ids"] = list(range(len(finals)))
+                    out = score_batch([prompts_k[k // 2] for k in finals], [texts[k] for k in finals], cols, [spec],
+                                      built=[(stage.fn, stage.params)], context=step.scorer.context)
+                    for k, v in zip(finals, out.matrix[:, 0].tolist()):
+                        if math.isfinite(v):
+                            v_sa[k] = v
+            for j in range(len(keep)):
+                (a0, f0, _), (a1, f1, _) = actions[2 * keep[j]], actions[2 * keep[j] + 1]
+                A0, A1 = v_sa[2 * j] - v_s[j], v_sa[2 * j + 1] - v_s[j]
+                if not (math.isfinite(A0) and math.isfinite(A1)):
+                    skipped += 1
+                    continue
+                if A1 > A0:
+                    (a0, f0, A0), (a1, f1, A1) = (a1, f1, A1), (a0, f0, A0)
+                m = states[keep[j]][0]
+                extra = {c: batch.columns[c][m] for c in batch.columns
+                         if c not in ("prompt", "prefix", "chosen", "rejected")}
+                rows.append({**extra, "prompt": prompts_k[j], "prefix": prefixes[j], "chosen": a0, "rejected": a1,
+                             "chosen_advantage": A0, "rejected_advantage": A1, "chosen_final": f0,
+                             "rejected_final": f1, "value": v_s[j]})
+    finally:
+        backend.close()
+    return rows, {"prompts": rounds * per_round, "states": n_states, "skipped": skipped, "rows": len(rows)}
