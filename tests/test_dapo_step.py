@@ -6,7 +6,6 @@ advantages under a PRM critic)."""
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
