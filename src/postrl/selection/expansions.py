@@ -38,10 +38,13 @@ class Expansion:
      or None; ``reads`` names the batch fields it reads beyond the batch's own
     (produced first when missing, like any stage's positional fields). ``scored`` False: the rows it returns are
     not rollouts to score, filter or compare (they carry their own fields, ``valid`` False so that no advantage,
-    policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``)."""
+    policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``).
+    ``joins`` True: the rows it returns join groups of the batch (their ``group_ids`` are the batch's own ids, kept
+    as they are) instead of forming new groups (e.g. ``demonstrations``, ``teacher_hint``)."""
 
     reads: tuple[str, ...] = ()
     scored: bool = True
+    joins: bool = False
 
     def expand(self, batch: Any, ctx: Any) -> Any:
         return None
@@ -52,7 +55,12 @@ class Expansion:
 class ExpandContext:
     """What an expanding stage may use: ``generate(prompt_token_lists, n, seeds)`` -> ``Generation`` with the run's
     sampling parameters; ``decode(token_ids)`` -> text (special tokens skipped); ``encode(text)`` -> token ids
-    (no special tokens); the run's group size and a seed for this step and attempt."""
+    (no special tokens); the run's group size and a seed for this step and attempt. Optional (None where the driver
+    cannot give them): ``score(batch)`` fills a batch's rewards with the run's rewards and shaping (stateful stages
+    do not learn from it); ``logprobs(batch)`` -> [N, T] the current policy's log-probs of the batch's completion
+    tokens at the rollout temperature (no gradient); ``teacher_generate(prompt_token_lists, n, seeds,
+    max_new_tokens)`` -> ``Generation`` with the run's teacher (``model.teacher``) and sampling parameters;
+    ``eos_id``: the policy's end-of-sequence token."""
 
     generate: Callable
     decode: Callable[[list[int]], str]
@@ -60,6 +68,10 @@ class ExpandContext:
     seed: int
     pad_id: int = 0
     encode: Callable[[str], list[int]] | None = None  # text -> token ids, no special tokens (reflection prompts)
+    score: Callable[[Any], Any] | None = None
+    logprobs: Callable[[Any], torch.Tensor] | None = None
+    teacher_generate: Callable | None = None
+    eos_id: int | None = None
 
 
 def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:

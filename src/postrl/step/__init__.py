@@ -146,12 +146,15 @@ class Step:
     def metrics(self, batch: RolloutBatch, info: dict) -> dict:
         """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
-        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not rollouts
-        (``extra['rehearsal']``: pre-sampled completions of the initial policy) are left out."""
-        rehearsal = batch.extra.get("rehearsal")
-        if isinstance(rehearsal, torch.Tensor) and bool(rehearsal.any()):
-            m = self.metrics(batch.select(torch.nonzero(~rehearsal.bool()).flatten()), info)
-            m["rehearsal/rows"] = float(rehearsal.sum())
+        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not the policy's
+        rollouts (``extra['rehearsal']``: pre-sampled completions of the initial policy; ``extra['demonstration']``:
+        external demonstrations) are left out and counted (``rehearsal/rows``, ``demonstration/rows``)."""
+        outside = {k: v.bool() for k in ("rehearsal", "demonstration")
+                   if isinstance(v := batch.extra.get(k), torch.Tensor) and v.dim() == 1 and bool(v.any())}
+        if outside:
+            others = torch.stack(list(outside.values())).any(0)
+            m = self.metrics(batch.select(torch.nonzero(~others).flatten()), info)
+            m.update({f"{k}/rows": float(v.sum()) for k, v in outside.items()})
             return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
