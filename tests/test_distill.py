@@ -370,3 +370,26 @@ def test_teacher_hint_in_the_trainer_joins_the_failed_groups(models, tmp_path):
     assert all(isinstance(h, str) for h in [batch.extra["hint"][i] for i in torch.nonzero(~own).flatten().tolist()])
     m = tr.train_step(0)
     assert math.isfinite(m["pg_loss"])
+
+
+CALLS = {"n": 0, "pass_after": 1}
+
+
+@registry.register("reward", "distill_test_later", source="test: fails the first scoring of a step, passes later ones")
+def distill_test_later(prompts, completions, **_):
+    """0 on the first call (the step's rollouts), 1 on later calls (the hinted retries, scored by the expansion)."""
+    CALLS["n"] += 1
+    return [float(CALLS["n"] > CALLS["pass_after"])] * len(completions)
+
+
+@pytest.mark.parametrize("pass_after,hinted", [(1, 4), (10, 0)])
+def test_teacher_hint_rejection_sampling_scores_with_the_runs_rewards(models, tmp_path, pass_after, hinted):
+    """keep: positive scores the hinted retries with the run's rewards inside the expansion: all accepted when they
+    pass, none when they fail (then the groups stay as they were)."""
+    tr = make(models, tmp_path / f"pos{pass_after}", "rewards=[{name: distill_test_later}]", "train.prompts_per_step=2",
+              "filters=[{name: teacher_hint, reward: distill_test_later, retries: 2, hint_tokens: 4}]")
+    CALLS.update(n=0, pass_after=pass_after)
+    batch, _ = tr.batches.next_batch(0, 1)
+    assert len(batch) == 8 + hinted
+    if hinted:
+        assert batch.reward[8:].tolist() == [1.0] * hinted and batch.extra["guided"][8:].all()
