@@ -5,7 +5,10 @@ teacher's checks, and the real trainer with a nano student and teacher."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -393,3 +396,29 @@ def test_teacher_hint_rejection_sampling_scores_with_the_runs_rewards(models, tm
     assert len(batch) == 8 + hinted
     if hinted:
         assert batch.reward[8:].tolist() == [1.0] * hinted and batch.extra["guided"][8:].all()
+
+
+def test_readme_commands_run(models, tmp_path, monkeypatch):
+    """The README's commands (on-policy distillation, KEPO, RL-PLUS) as written, with the nano models in place of
+    the folders and a one-step, small run appended."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### On-policy distillation and demonstrations", 1)[1].split("\n#", 1)[0]
+    lines = [ln.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+             for ln in block.replace("\\\n", " ").splitlines() if ln.strip().startswith("postrl ")]
+    assert len(lines) == 3
+    monkeypatch.chdir(tmp_path)
+    Path("train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b),
+                                                       "demonstration": str(a + b)}) + "\n"
+                                           for a in range(4) for b in range(3)))
+    fast = ["train.steps=1", "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "train.eval_size=2", "train.eval_k=1", "--quiet"]
+    names = {"models/student": str(models["student"]), "models/teacher": str(models["teacher"])}
+    for i, line in enumerate(lines):
+        argv = []
+        for a in shlex.split(line)[1:]:
+            key, _, value = a.partition("=")
+            argv.append(f"{key}={names[value]}" if value in names else a)
+        if not any(a.startswith("model.path=") for a in argv):
+            argv.append(f"model.path={models['student']}")
+        assert main([*argv, *fast, f"output_dir=run{i}"]) == 0, line
+        assert (tmp_path / f"run{i}" / "final").is_dir()

@@ -56,7 +56,7 @@ def reference_model(cfg: Any, model: Any, path: Path | None, device: Any, accel:
     return ref
 
 
-def frozen_model(path: str | Path, policy: Any, tokenizer: Any, device: Any, accel: Any, *, what: str,
+def frozen_model(path: str | Path, tokenizer: Any, device: Any, accel: Any, *, what: str,
                  policy_name: str = "the policy") -> Any:
     """The model folder ``path`` loaded frozen (float32, eval mode, no gradient, the speed layer's layers), after
     checking that it reads the policy's tokens: its tokenizer's vocabulary (token -> id) must be the policy's and
@@ -79,7 +79,7 @@ def frozen_model(path: str | Path, policy: Any, tokenizer: Any, device: Any, acc
     return model
 
 
-def teacher_model(cfg: Any, policy: Any, tokenizer: Any, device: Any, accel: Any) -> Any:
+def teacher_model(cfg: Any, tokenizer: Any, device: Any, accel: Any) -> Any:
     """The frozen teacher (``model.teacher.path``, :func:`frozen_model`), or None when no teacher is set."""
     path = cfg.model.teacher.path
-    return None if path is None else frozen_model(path, policy, tokenizer, device, accel, what="model.teacher.path")
+    return None if path is None else frozen_model(path, tokenizer, device, accel, what="model.teacher.path")

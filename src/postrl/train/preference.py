@@ -344,7 +344,7 @@ class PreferenceTrainer:
         (:func:`postrl.train.policy.frozen_model`)."""
         from postrl.train.policy import frozen_model
 
-        return frozen_model(path, self.policy, self.tokenizer, self.device, self.accel, what="--ref",
+        return frozen_model(path, self.tokenizer, self.device, self.accel, what="--ref",
                             policy_name=f"the policy {self.s.model}")
 
     def _open(self) -> None:

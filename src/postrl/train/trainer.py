@@ -94,7 +94,7 @@ class Trainer:
         self.objective = self.step.objective
         # the frozen models whose per-token log-probs are batch fields a stage reads (train/policy.py FROZEN): the
         # reference (ref_logp; None with LoRA: the policy with its adapter disabled) and the teacher (teacher_logp)
-        self.teacher = teacher_model(cfg, model, self.tokenizer, self.acc.device, self.accel)
+        self.teacher = teacher_model(cfg, self.tokenizer, self.acc.device, self.accel)
         self.frozen: dict[str, Any] = {}
         if "ref_logp" in self.objective.reads:
             self.frozen["ref_logp"] = reference_model(cfg, model, self.model_path, self.acc.device, self.accel)
