@@ -170,3 +170,18 @@ def test_a_missing_demonstration_column_is_one_line(model_dir, tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("postrl: error: filters.demonstrations.column: the prompt rows have no column "
                           "'demonstration' (columns: answer, solution, task)"), err
+
+
+def test_step_concat_keeps_row_flags_only_some_batches_carry():
+    """The step's concat gives rows without an expansion's per-row field its zero / None (RolloutBatch.concat alone
+    keeps only the first batch's keys: a flag like 'guided' or 'demonstration' would be dropped)."""
+    from postrl.step.sampling import concat
+
+    own = _batch({"answer": ["1"] * 5})
+    more = own.select([0, 1])
+    more.extra.update(guided=torch.tensor([True, False]), hint=["h", "g"])
+    plain = RolloutBatch.concat([own.select([0]), more.select([0])])
+    assert "guided" not in plain.extra  # (what RolloutBatch.concat does on its own)
+    out = concat([own, more])
+    assert out.extra["guided"].tolist() == [False] * 5 + [True, False]
+    assert out.extra["hint"] == [None] * 5 + ["h", "g"] and len(out.extra["branch"]) == 7
