@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from postrl import registry, stages
+from postrl import registry
 from postrl.batch import RolloutBatch
 from postrl.cli import main
 from postrl.config import load_config
@@ -193,7 +193,7 @@ def test_expectation_over_the_vocabulary_equals_trls_generalized_jsd():
         return loss, g
 
     reverse, g_reverse = trl(1.0)
-    forward, g_forward = trl(0.0)
+    _, g_forward = trl(0.0)
     val, g = _vocab_expectation(student, teacher, estimator="k1")
     assert val.item() == pytest.approx(reverse.item(), rel=1e-5)
     assert torch.allclose(g, g_reverse, atol=1e-5)
@@ -293,6 +293,12 @@ def test_the_quality_gate_keeps_failed_trajectories_out(models, tmp_path):
     m = tr.train_step(0)
     assert m["reg/distill"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(w0, tr.policy.parameters()))
+
+
+def test_a_teacher_no_stage_uses_is_not_loaded(models, tmp_path):
+    with pytest.warns(UserWarning, match="no configured stage uses a teacher .* so it is not loaded"):
+        tr = make(models, tmp_path / "unused", "rewards=[{name: distill_test_zero}]")
+    assert tr.teacher is None and tr.frozen == {} and tr.ctx.teacher_generate is None
 
 
 def test_a_teacher_with_another_vocabulary_is_one_line(models, tmp_path, capsys):

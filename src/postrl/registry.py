@@ -59,7 +59,7 @@ def register(kind: str, name: str | None = None, *, source: str = "", descriptio
     ``source`` names the paper or anchor the method comes from; ``description`` defaults to the docstring's
     first line; ``needs`` declares what the stage requires of the run, checked at start-up
     (``postrl.step``): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
-    sandbox). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
+    sandbox), ``teacher`` (the teacher model, ``model.teacher.path``: the trainer loads it only for such a stage). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
     (``run``: the config being read, or None; ``where``: the config key), called when the config is read; it raises ``ConfigError`` naming the keys and returns
     the parameters with what it derived from the run filled in. Registering a name twice replaces the earlier entry
     only if it is the same object (re-import).

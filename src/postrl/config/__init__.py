@@ -116,8 +116,9 @@ class LoraConfig(_Strict):
 
 
 class TeacherConfig(_Strict):
-    """A frozen teacher model (on-policy distillation): loaded when ``path`` is set; it must use the policy's
-    vocabulary (its per-token log-probs are compared with the policy's on the same token ids)."""
+    """A frozen teacher model (on-policy distillation), loaded when ``path`` is set and a configured stage needs it
+    (registered with ``needs=("teacher",)``); it must use the policy's vocabulary (its per-token log-probs are
+    compared with the policy's on the same token ids)."""
 
     path: str | None = Field(None, description="a from_pretrained folder with the policy's vocabulary (None: no "
                              "teacher); its per-token log-probs of the batch's completions are the field teacher_logp "

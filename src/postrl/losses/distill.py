@@ -106,7 +106,7 @@ def _distill_check(params: dict, run: Any, where: str) -> dict:
     return params
 
 
-@register("regularizer", "distill", source=SOURCE, check=_distill_check)
+@register("regularizer", "distill", source=SOURCE, needs=("teacher",), check=_distill_check)
 def distill(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor, distill_gate: torch.Tensor, *,
             estimator: str = "k1", mode: Literal["policy_gradient", "direct"] = "policy_gradient",
             eps_low: ClipLow = 0.2, eps_high: ClipHigh = 0.2, dual_clip: Annotated[float, Gt(1)] | None = 3.0,

@@ -135,7 +135,7 @@ def _teacher_hint_check(params: dict, run: Any, where: str) -> dict:
     return params
 
 
-@register("expansion", "teacher_hint", source=KEPO, check=_teacher_hint_check)
+@register("expansion", "teacher_hint", source=KEPO, needs=("teacher",), check=_teacher_hint_check)
 class TeacherHint(Expansion):
     """Resample the groups where every completion failed with a hint the teacher writes (KEPO's hint exploration).
 

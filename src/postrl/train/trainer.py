@@ -94,7 +94,13 @@ class Trainer:
         self.objective = self.step.objective
         # the frozen models whose per-token log-probs are batch fields a stage reads (train/policy.py FROZEN): the
         # reference (ref_logp; None with LoRA: the policy with its adapter disabled) and the teacher (teacher_logp)
-        self.teacher = teacher_model(cfg, self.tokenizer, self.acc.device, self.accel)
+        # the teacher (model.teacher.path) is loaded for the stages that declare they need it (distill, teacher_hint)
+        uses_teacher = "teacher_logp" in self.objective.reads or any("teacher" in s.needs
+                                                                     for s in self.step.all_stages)
+        if cfg.model.teacher.path is not None and not uses_teacher:
+            self._warn(f"model.teacher.path={cfg.model.teacher.path}: no configured stage uses a teacher (regularizer "
+                       f"distill, expansion teacher_hint), so it is not loaded")
+        self.teacher = teacher_model(cfg, self.tokenizer, self.acc.device, self.accel) if uses_teacher else None
         self.frozen: dict[str, Any] = {}
         if "ref_logp" in self.objective.reads:
             self.frozen["ref_logp"] = reference_model(cfg, model, self.model_path, self.acc.device, self.accel)
