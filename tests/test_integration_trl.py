@@ -249,6 +249,15 @@ def test_trl_options_the_section_replaces_are_refused(model_dir, tmp_path):
                     train_dataset=_dataset())
 
 
+def test_a_teacher_is_refused_in_one_line(model_dir, tmp_path):
+    """The adapter cannot give a teacher's log-probs (on-policy distillation): refused before TRL loads anything."""
+    with pytest.raises(ConfigError, match=r"regularizer 'distill' reads teacher_logp: the TRL adapter cannot give a "
+                                          r"teacher model's log-probs"):
+        GRPOTrainer(model=model_dir, postrl={"model": {"teacher": {"path": model_dir}},
+                                             "regularizers": [{"name": "distill"}]},
+                    args=_args(tmp_path), train_dataset=_dataset())
+
+
 def test_readme_snippet_runs(model_dir, tmp_path, monkeypatch):
     """The README's 'Many GPUs: TRL' code, as written, with the tiny model in place of the hub name."""
     section = README.read_text().split("### Many GPUs: TRL", 1)[1]

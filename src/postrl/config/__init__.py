@@ -115,6 +115,16 @@ class LoraConfig(_Strict):
         return self
 
 
+class TeacherConfig(_Strict):
+    """A frozen teacher model (on-policy distillation), loaded when ``path`` is set and a configured stage needs it
+    (registered with ``needs=("teacher",)``); it must use the policy's vocabulary (its per-token log-probs are
+    compared with the policy's on the same token ids)."""
+
+    path: str | None = Field(None, description="a from_pretrained folder with the policy's vocabulary (None: no "
+                             "teacher); its per-token log-probs of the batch's completions are the field teacher_logp "
+                             "(regularizer distill) and it writes the hints of the expansion teacher_hint")
+
+
 class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
@@ -125,6 +135,8 @@ class ModelConfig(_Strict):
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters (model.lora.r enables)")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="a frozen teacher model "
+                                   "(model.teacher.path enables; docs/losses.md, on-policy distillation)")
 
 
 class TaskConfig(StageSpec):

@@ -30,7 +30,8 @@ metrics, alarms) after the last micro-batch of a generation.
 TRL options the postrl section replaces are refused when set (``loss_type``, ``epsilon``, ``scale_rewards``, ...:
 the error names the postrl key to use); ``beta`` follows ``kl.coef`` (TRL then keeps the reference model, or the
 PEFT adapter disabled, as usual). A stage that needs what TRL's batch does not carry (logits, a differentiated
-entropy, a greedy generation, a prompt selector or a sampling plan) is refused at construction.
+entropy, a greedy generation, a teacher's log-probs, a prompt selector or a sampling plan) is refused at
+construction.
 
 Several processes: every process gathers the completions of all of them (TRL spreads a group over processes),
 scores and shapes that batch, runs the filters and the advantage on it and keeps its own rows, so every process
@@ -103,7 +104,9 @@ _REPLACED = {
 }
 # fields a stage may read that TRL's batch cannot give
 _UNAVAILABLE = {"logits": "the logits (TRL's forward returns log-probs and entropies only)",
-                "greedy_reward": "a greedy generation (TRL owns generation)"}
+                "greedy_reward": "a greedy generation (TRL owns generation)",
+                "teacher_logp": "a teacher model's log-probs (TRL's GRPOTrainer runs no teacher; TRL's "
+                                "DistillationTrainer distils with its full-vocabulary generalized JSD)"}
 
 
 def _text(x: Any) -> str:

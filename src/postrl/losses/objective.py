@@ -12,11 +12,11 @@ accumulation changes nothing):
 
 The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
 tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
-``sampler_logp``, ``ref_logp``, ``lengths`` and any per-row tensor of ``batch.extra``); :meth:`batch_fields` takes
-the batch's part of them for some rows, the model's part (``logp``, ``entropy``, ``logits``) is the caller's.
-``reads`` is what the stages read: a reference model is needed when it holds ``ref_logp``, logits only when it
-holds ``logits``, and the entropy is differentiated only when a stage reads it without listing it in its
-``no_grad_fields``.
+``sampler_logp``, ``ref_logp``, ``teacher_logp``, ``lengths`` and any per-row tensor of ``batch.extra``);
+:meth:`batch_fields` takes the batch's part of them for some rows, the model's part (``logp``, ``entropy``,
+``logits``) is the caller's. ``reads`` is what the stages read: a reference model is run when it holds
+``ref_logp``, the teacher when it holds ``teacher_logp``, logits are kept only when it holds ``logits``, and the
+entropy is differentiated only when a stage reads it without listing it in its ``no_grad_fields``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ from postrl.losses import KLController, check_aggregation
 from postrl.losses.tis import tis_weights
 from postrl.stages import StepEnd
 
-_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs"}
+# per-token fields of the batch read by name: the advantages, the sampler's log-probs and the frozen models'
+# (the reference's, the teacher's: the trainer fills them when a stage reads them, postrl.train.policy.FROZEN)
+_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs",
+                 "teacher_logp": "teacher_logprobs"}
 _OBSERVED = {"ref_logprobs": "ref_logp", "old_logprobs": "old_logp", "sampler_logprobs": "sampler_logp"}
 """A stateful regulariser's ``observe`` reads batch fields (``ref_logprobs`` ...); what the objective must have for
 it (e.g. a reference model for ``ref_logprobs``) is named as the loss's fields are."""

@@ -172,13 +172,16 @@ class Step:
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
         in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not this step's
         rollouts (``extra['rehearsal']``: pre-sampled completions of the initial policy; ``extra['replayed']``:
-        groups of earlier steps, ``avatar_replay``) are left out and counted (``rehearsal/rows``, ``replay/rows``)."""
-        for key, name in (("rehearsal", "rehearsal/rows"), ("replayed", "replay/rows")):
-            rows = batch.extra.get(key)
-            if isinstance(rows, torch.Tensor) and rows.dim() == 1 and bool(rows.any()):
-                m = self.metrics(batch.select(torch.nonzero(~rows.bool()).flatten()), info)
-                m[name] = float(rows.sum())
-                return m
+        groups of earlier steps, ``avatar_replay``; ``extra['demonstration']``: external demonstrations) are left
+        out and counted (``rehearsal/rows``, ``replay/rows``, ``demonstration/rows``)."""
+        names = {"rehearsal": "rehearsal/rows", "replayed": "replay/rows", "demonstration": "demonstration/rows"}
+        outside = {k: v.bool() for k in names
+                   if isinstance(v := batch.extra.get(k), torch.Tensor) and v.dim() == 1 and bool(v.any())}
+        if outside:
+            others = torch.stack(list(outside.values())).any(0)
+            m = self.metrics(batch.select(torch.nonzero(~others).flatten()), info)
+            m.update({names[k]: float(v.sum()) for k, v in outside.items()})
+            return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate
