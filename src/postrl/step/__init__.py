@@ -86,28 +86,16 @@ class Step:
         selectors = [s.name for s in self.selection if s.kind == "selector"]
         if len(selectors) > 1:
             raise ConfigError(f"filters: at most one prompt selector per run, got {', '.join(selectors)}")
-        for s in [*self.selection, self.advantage]:
+        for s in [*self.selection, self.advantage]:  # (a stage declares its needs, from its parameters if they matter)
             if "groups" in s.needs and G < 2:
-                if s.kind == "advantage" and s.params.get("singleton") == "raw":
-                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
-                                f"with singleton: raw (verl's convention) every group is one completion, so each "
-                                f"advantage comes from its own reward with no baseline")
-                elif s.kind == "advantage":
-                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
-                                f"every advantage is 0 (use reinforce_pp, remax or gae for one completion per prompt)")
-                elif s.params.get("singletons") == "keep":  # verl's convention: a group of one is kept
-                    warn.append(f"filters.{s.name}: singletons: keep and rollout.group_size=1: every group is one "
-                                f"completion and is kept, so the filter only drops completions whose reward failed")
-                elif s.params.get("min_rows") == 1:  # failure_governance: a comparable completion alone is kept
-                    warn.append(f"filters.{s.name}: min_rows: 1 and rollout.group_size=1: every group is one "
-                                f"completion, so nothing is compared within a group")
-                elif "singletons" in stages.parameters(s.fn):
-                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (a group of one "
-                                      f"completion has no reward variance, so every group would be dropped; "
-                                      f"singletons: keep keeps groups of one, verl's convention)")
+                if s.kind == "advantage":
+                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: a "
+                                f"group of one completion has no baseline (use reinforce_pp, remax or gae for one "
+                                f"completion per prompt)")
                 else:
-                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group is one "
-                                      f"completion, so every group would be dropped)")
+                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group would be one "
+                                      f"completion, which this filter drops; `postrl methods {s.name}` lists its "
+                                      f"options)")
             if s.kind == "sampling":
                 s.fn.plan(G)  # raises when the group cannot hold the plan
         if self.objective.warning:
