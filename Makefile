@@ -1,7 +1,8 @@
 # `make demo`: create the virtual environment if needed, install postrl, run the main job (postrl train).
 # `make test`: same set-up plus the test extras, then the whole test suite.
 # `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch;
-# `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model.
+# `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model; `make builtin-tool-calls`:
+# the tool_calls recipe's (ToolRL call prediction).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test soak install clean builtin builtin-calculator
+.PHONY: demo test soak install clean builtin builtin-calculator builtin-tool-calls
 
 install: $(DEV)
 
@@ -21,11 +22,15 @@ $(CORE): pyproject.toml
 	@touch $(CORE)
 
 # verl (the plug-in's tests) without its dependency pins (verl 0.9.1 pins transformers < 5.11): only what its
-# registries, DataProto, configs and compute_advantage need on a CPU.
+# registries, DataProto, configs and compute_advantage need on a CPU. OpenEnv (the openenv environment's tests)
+# without its web UI (gradio, which pins pillow < 13): openenv.core and the MCP client it imports (fastmcp, with
+# the mcp version verifiers 0.4 pins).
 $(DEV): $(CORE)
 	$(PIP) -e '.[dev]'
 	$(PIP) --no-deps verl==0.9.1
 	$(PIP) ray 'tensordict>=0.8,<0.11,!=0.9.0' hydra-core codetiming torchdata
+	$(PIP) --no-deps openenv==0.4.1
+	$(PIP) fastmcp 'mcp==2.0.0'
 	@touch $(DEV)
 
 demo: $(CORE)
@@ -43,6 +48,9 @@ builtin: $(CORE)
 
 builtin-calculator: $(CORE)
 	$(PY) -m postrl.train.builtin calculator
+
+builtin-tool-calls: $(CORE)
+	$(PY) -m postrl.train.builtin tool_calls
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

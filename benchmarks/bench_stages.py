@@ -5,8 +5,8 @@
 
 The batch is processed in chunks of ``--chunk`` completions (whole groups), so that every [N, T] tensor of a chunk
 stays small (131072 x 256 float32 = 134 MB); batch-level statistics (whitening, GDPO's batch normalisation, GPG's
-alpha) are therefore per chunk. Inputs are random: binary rewards (plus a second reward component for GDPO and
-role_aware), lengths uniform in [1, T], sampler log-probs, token entropies, values, and for the estimators that read
+alpha) are therefore per chunk. Inputs are random: binary rewards (plus a second reward component for GDPO),
+lengths uniform in [1, T], sampler log-probs, token entropies, values, and for the estimators that read
 a trainer-produced input (greedy_reward, token_entropy, prompt_logprob, info_gain, values) that input is given, so
 the time is the estimator's own, not the model forward that produces it. A loss is timed forward + backward through
 ``logp`` (a leaf tensor), with its aggregation's weights (token_mean, or the loss's own pairing). Times are the
@@ -22,7 +22,7 @@ import time
 import torch
 
 from postrl import registry
-from postrl.pipeline import call_stage
+from postrl.stages import call_stage
 
 
 def make_chunk(n: int, T: int, G: int, seed: int) -> dict:
@@ -39,7 +39,7 @@ def make_chunk(n: int, T: int, G: int, seed: int) -> dict:
         "completion_mask": mask, "lengths": lens.float(), "sampler_logprobs": logp,
         "token_entropy": torch.rand(n, T, generator=gen) * mask, "greedy_reward": torch.rand(n, generator=gen),
         "prompt_logprob": -torch.rand(n, generator=gen) - 1.0, "info_gain": torch.randn(n, generator=gen),
-        "values": torch.randn(n, T, generator=gen) * mask, "columns": {"role": ["a", "b"] * (n // 2)},
+        "values": torch.randn(n, T, generator=gen) * mask,
         "prompts": ["q"] * n, "completions": [""] * n,
         # loss inputs
         "logp": logp, "old_logp": logp + 0.05 * torch.randn(n, T, generator=gen) * mask, "mask": mask,

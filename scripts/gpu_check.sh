@@ -7,7 +7,8 @@
 # wheels in .whl/ (pydantic, trl, datasets, ...): see docs/DEVELOPING.md, "GPU checks".
 set -u
 OUT=${OUT:-gpu-check}
-mkdir -p "$OUT"
+RUNS=${RUNS:-/tmp/postrl-gpu-runs}  # models and run directories (only logs go to $OUT)
+mkdir -p "$OUT" "$RUNS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, trl, peft, accelerate, pydantic; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 
-python3 - "$OUT" <<'EOF'
+python3 - "$RUNS" <<'EOF'
 import json, sys, time
 from pathlib import Path
 from postrl.models.tiny import build_local
@@ -35,13 +36,13 @@ for variant in "model.dtype=float32" "model.dtype=bfloat16" "model.dtype=bfloat1
   name=$(echo "$variant" | tr ' =.' '___')
   echo "== postrl train on CUDA: $variant"
   t0=$(date +%s.%N)
-  python3 -m postrl train --quiet model.path="$OUT/m20" output_dir="$OUT/run_$name" $common $variant \
+  python3 -m postrl train --quiet model.path="$RUNS/m20" output_dir="$RUNS/run_$name" $common $variant \
     > "$OUT/train_$name.log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
   echo "exit $rc, wall $(python3 -c "print(round($t1-$t0,1))")s"
   tail -n 3 "$OUT/train_$name.log"
-  python3 - "$OUT/run_$name" <<'EOF'
+  python3 - "$RUNS/run_$name" <<'EOF'
 import json, sys, statistics
 from pathlib import Path
 rows = [json.loads(l) for l in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
@@ -55,7 +56,7 @@ EOF
 done
 
 echo "== TRL adapter vs TRL's GRPOTrainer on CUDA"
-python3 - "$OUT" <<'EOF'
+python3 - "$RUNS" <<'EOF'
 import sys, time, statistics
 from pathlib import Path
 import torch
@@ -77,9 +78,12 @@ class Clock(TrainerCallback):
 def correct(prompts, completions, answer, **kw):
     return [1.0 if c.strip().startswith(str(a)) else 0.0 for c, a in zip(completions, answer)]
 
+import logging
+logging.getLogger("postrl.trl").setLevel(logging.ERROR)  # (the alarms of an untrained model, every step)
 def args(d): return GRPOConfig(output_dir=str(out / d), report_to="none", save_strategy="no", max_steps=10,
                                per_device_train_batch_size=32, num_generations=8, max_completion_length=64,
-                               learning_rate=1e-4, logging_steps=1, bf16=True, beta=0.0, disable_tqdm=True)
+                               learning_rate=1e-4, logging_steps=1000, bf16=True, beta=0.0, disable_tqdm=True,
+                               log_level="error")
 for name, make in (("trl", lambda c: TRLTrainer(model=str(out / "m20"), reward_funcs=[correct], args=args("trl"),
                                                 train_dataset=ds, callbacks=[c])),
                    ("postrl adapter", lambda c: GRPOTrainer(model=str(out / "m20"),
@@ -94,5 +98,6 @@ for name, make in (("trl", lambda c: TRLTrainer(model=str(out / "m20"), reward_f
     torch.cuda.reset_peak_memory_stats()
 EOF
 
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 echo "== postrl bench --device cuda --quick"
 python3 -m postrl bench --device cuda --quick --markdown "$OUT/bench.md" 2>&1 | tail -n 25

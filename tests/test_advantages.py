@@ -16,8 +16,7 @@ from postrl.advantages import grpo, masked_whiten
 from postrl.advantages.gae import GAE, gae_advantages_returns, token_rewards
 from postrl.advantages.process import step_return
 from postrl.advantages.outcome import dr_grpo, gpg, opo, pass_at_k, reinforce_pp, reinforce_pp_baseline, remax, rloo
-from postrl.advantages.shaped import (aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp,
-                                      role_aware)
+from postrl.advantages.shaped import aem, confidence_scaled, gdpo, information_gain, mapo, riskpo, rl_zvp
 from postrl.advantages.tournament import bracket_order, rank_tournament
 from postrl import stages
 from postrl.stages import call_stage
@@ -113,22 +112,6 @@ def test_gdpo_motivating_case_differs_from_grpo():
     assert close(gdpo(r2, w, g, batch_norm=False), [-S2, S2, -S2, S2], atol=1e-3)
 
 
-def test_role_aware_per_role_statistics_and_weights():
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 1.0], [1.0, 1.0]])
-    names, w = ["acc", "fmt"], torch.tensor([1.0, 0.0])
-    cols = {"role": ["a", "a", "b", "b"]}
-    a = role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols)
-    assert close(a, [S2, -S2, S2, -S2])  # each role normalised on its own
-    # role b weighs only fmt -> its rewards are equal (1, 1): no signal; role a unchanged
-    a = role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols,
-                   role_weights={"b": {"acc": 0.0, "fmt": 1.0}})
-    assert close(a, [S2, -S2, 0.0, 0.0])
-    with pytest.raises(ValueError, match="no column 'role'.*columns: task"):
-        role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), {"task": ["x"] * 4})
-    with pytest.raises(ValueError, match="unknown reward 'len'; rewards: acc, fmt"):
-        role_aware(rewards, names, w, torch.zeros(4, dtype=torch.long), cols, role_weights={"a": {"len": 1.0}})
-
-
 def test_mapo_mix():
     r = torch.tensor([1.0, 0.0, 3.0, 3.0])
     g = torch.tensor([0, 0, 1, 1])
@@ -177,6 +160,64 @@ def test_riskpo_hand_values():
     assert torch.all(riskpo(torch.ones(3), torch.zeros(3, dtype=torch.long)) == 0)
 
 
+def test_riskpo_bundling_hand_values():
+    # two questions of three completions, one bundle of 2: papers j = (row j of q1, row j of q2)
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    g = torch.tensor([7, 7, 7, 3, 3, 3])  # q1 (id 7) appears first: ids need not be sorted
+    # paper scores S = [1 + 0, 0 + 0, 1 + 1] = [1, 0, 2]; alpha 0.25 of 3 papers: q = the 1st smallest = 0,
+    # psi = 0 everywhere (no paper below 0); u = 0.5 S = [0.5, 0, 1]; GRPO over papers: [0, -1, 1] (std 0.5)
+    a = riskpo(r, g, bundle_size=2)
+    assert close(a, [0.0, -1.0, 1.0, 0.0, -1.0, 1.0])
+    # without bundling each question is its own risk pool: q1 [1, 0, 1] -> GRPO of 0.5 r
+    assert close(riskpo(r, g), torch.cat([grpo(r[:3], g[:3]), grpo(r[3:], g[3:])]))
+    assert not close(riskpo(r, g), a)
+    # unequal questions: q2 has 2 valid completions -> 2 papers; q1's third completion is in none (0)
+    v = torch.tensor([True, True, True, True, False, True])
+    # papers: (r0 + r3) = 1, (r1 + r5) = 1 -> equal scores, advantage 0
+    assert close(riskpo(r, g, v, bundle_size=2), [0.0] * 6)
+    # bundle_size 1 is the unbundled estimator (exactly)
+    r2 = torch.tensor([0.0, 1.0, 2.0, 3.0, 0.5, 0.25])
+    g2 = torch.tensor([0, 0, 0, 0, 1, 1])
+    assert torch.equal(riskpo(r2, g2, alpha=0.5, bundle_size=1), riskpo(r2, g2, alpha=0.5))
+
+
+def test_riskpo_rvar_cvar_is_the_authors_estimator():
+    # one bundle of 5 papers S = [0, 1, 2, 3, 4] (one question, B = 1), alpha 0.2, beta 0.9:
+    # torch.quantile: q_a = S at position 0.8 = 0.8, q_b = position 3.6 = 3.6
+    S = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    g = torch.zeros(5, dtype=torch.long)
+    eps = 1e-6
+    rvar = torch.tensor([-2.8, 0.2 - 2.8, 1.2 - 2.8, 2.2 - 2.8, 3.2 - 0.4 - 2.8]) / (0.7 + eps)  # [-4, -3.71, ...]
+    cvar = torch.tensor([-0.8, 0.0, 0.0, 0.0, 0.0]) / (0.2 + eps)  # only S = 0 lies below q_a
+    mixed = (1.5 * cvar + rvar) / 2.5  # [-4.0, -1.4857, -0.9143, -0.3429, 0.0]
+    sd = math.sqrt(2.5)  # unbiased std of 0..4
+    a = riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar")
+    assert close(a, mixed / (sd + eps))
+    assert close(riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar", scale="none"), mixed)
+    # credit 'std': divided by the question's reward std as well
+    assert close(riskpo(S, g, alpha=0.2, beta=0.9, form="rvar_cvar", credit="std"), mixed / (sd + eps) / (sd + eps))
+    # a single paper: q_a = q_b = S -> 0
+    assert close(riskpo(torch.tensor([1.0]), torch.zeros(1, dtype=torch.long), form="rvar_cvar"), [0.0])
+    from postrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="alpha < beta"):
+        stages.build("advantage", "riskpo", {"form": "rvar_cvar", "alpha": 0.9, "beta": 0.5})
+
+
+def test_r3l_positive_amplification_hand_values():
+    from postrl.advantages.shaped import r3l
+
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.2, 0.4, 0.5])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    # group 0: mean 0.375 -> success 1.0 gets 1; 0 -> -0.375 (unchanged); 0.5 -> 3 * 0.125 = 0.375
+    # group 1: mean 0.3 -> 0.2: -0.1; 0.4: 3 * 0.1 = 0.3; group 2 (one completion): 0
+    assert close(r3l(r, g), [1.0, -0.375, -0.375, 0.375, -0.1, 0.3, 0.0])
+    assert close(r3l(r, g, singleton="raw")[-1:], [1.5])  # the code's baseline 0: 3 * 0.5
+    assert close(r3l(r, g, success=None)[:4], [1.875, -0.375, -0.375, 0.375])  # 3 * (1 - 0.375)
+    assert close(r3l(r, g, alpha=1.0, success=None), dr_grpo(r, g))  # alpha 1, no success rule: r - mean_g
+    assert close(r3l(torch.ones(3), torch.zeros(3, dtype=torch.long)), [1.0, 1.0, 1.0])  # all-correct group: 1
+
+
 def test_aem_hand_values():
     r = torch.tensor([1.0, 0.0])
     lp = torch.tensor([[-1.0], [-3.0]])  # surprisal 1 and 3 -> z = -0.707 / +0.707
@@ -218,6 +259,36 @@ def test_rank_tournament_bracket_and_ranks():
     # 3 players: the best seed gets the bye; an invalid row does not play
     a3 = rank_tournament(torch.tensor([0.1, 0.4, 0.3, nan]), g, ["q"] * 4, ["a"] * 4)
     assert close(a3, grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g, torch.tensor([True, True, True, False])))
+
+
+def test_rank_tournament_rubric_judge_is_lexicographic_over_columns():
+    # columns (correct, format); scalar reward = correct + 2 format pays format more than correctness
+    cols = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # A, B, C, D
+    r = cols[:, 0] + 2 * cols[:, 1]  # A 1, B 3, C 2, D 0 -> seeds B, C, A, D
+    g = torch.zeros(4, dtype=torch.long)
+    args = (r, g, ["q"] * 4, ["a"] * 4, None, cols, ["correct", "format"])
+    # round 1: B vs D, C vs A; reward judge: C beats A (2 > 1), final B beats C
+    assert close(rank_tournament(*args), grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g))
+    # rubric: correctness decides first: A beats C; final B vs A ties on correct, B wins on format
+    assert close(rank_tournament(*args, judge="rubric"), grpo(torch.tensor([1.0, 2.0, 0.0, 0.0]), g))
+    # rubric order reversed (format first): C beats A again
+    assert close(rank_tournament(*args, judge="rubric", rubric=["format", "correct"]),
+                 grpo(torch.tensor([0.0, 2.0, 1.0, 0.0]), g))
+    # margin: differences up to the margin do not decide; the next level does
+    near = torch.tensor([[0.9, 0.0], [1.0, 1.0], [0.2, 1.0], [0.0, 0.0]])
+    a = rank_tournament(near[:, 0] + 2 * near[:, 1], g, ["q"] * 4, ["a"] * 4, None, near,
+                        ["correct", "format"], judge="rubric", margin=0.15)
+    # round 1: B (3) vs D, C (2.2) vs A (0.9): correct 0.7 apart > 0.15 -> A; final B vs A: 0.1 <= 0.15 -> format: B
+    assert close(a, grpo(torch.tensor([1.0, 2.0, 0.0, 0.0]), g))
+    # completions with identical rubric vectors share their mean score
+    same = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    a = rank_tournament(torch.tensor([1.0, 0.9, 0.2, 0.1]), g, ["q"] * 4, ["a"] * 4, None, same,
+                        ["correct", "format"], judge="rubric")
+    assert close(a, grpo(torch.tensor([1.5, 1.5, 0.0, 0.0]), g))  # seeds 1, 2 reach the final: 2 and 1 -> 1.5
+    with pytest.raises(registry.ConfigError, match="advantage.rubric: expected reward columns of this run"):
+        rank_tournament(*args, judge="rubric", rubric=["length"])
+    stage = stages.build("advantage", "rank_tournament", {"judge": "rubric", "rubric": ["correct", "format"]})
+    assert {"rewards", "reward_names"} <= set(stage.reads)
 
 
 JUDGE = (
@@ -446,17 +517,45 @@ def batch_fields(N=12, G=3, T=5, seed=0, equal=False):
             "info_gain": torch.zeros(N), "values": torch.zeros(N, T), "completion_hidden": torch.randn(N, T, 8), "columns": {"role": ["r"] * N},
             "red_token_reward": torch.randn(N, T, generator=gen) * mask,
             "attention_token_reward": torch.rand(N, T, generator=gen) * mask,
+            "critic_token_reward": torch.randn(N, T, generator=gen) * mask,
+            "mle_token_reward": -torch.rand(N, T, generator=gen) * mask,
+            "occlusion_token_reward": torch.randn(N, T, generator=gen) * mask,
             "prompts": ["q"] * N, "completions": [f"c{i}" for i in range(N)],
             # process reward in column a: one step per completion, scored a, ending on its last token
             "step_rewards": rewards[:, :1].clone(), "step_ends": (lens - 1).unsqueeze(-1), "step_reward_source": "a",
             # multi-turn: one turn per episode, rewarded with the episode's reward
             "turn_rewards": reward.unsqueeze(-1).clone(), "turn_ends": (lens - 1).unsqueeze(-1),
-            "turn_info_gain": torch.zeros(N, 1)}
+            "turn_info_gain": torch.zeros(N, 1), "turn_scores": torch.rand(N, 1, generator=gen),
+            "turn_tool_errors": torch.zeros(N, 1, dtype=torch.long),
+            "turn_malformed_calls": torch.zeros(N, 1, dtype=torch.long),
+            # token ids (an implicit PRM scores them: oprl)
+            "prompt_ids": torch.randint(5, 40, (N, 3), generator=gen), "prompt_mask": torch.ones(N, 3, dtype=torch.long),
+            "completion_ids": torch.randint(5, 40, (N, T), generator=gen)}
+
+
+_PRM: list = []
 
 
 def make(name):
     fn = registry.get("advantage", name)
+    if name == "oprl":  # its one required parameter: an implicit PRM's model folder (a nano model, built once)
+        if not _PRM:
+            import atexit
+            import shutil
+            import tempfile
+
+            from postrl.models.tiny import build_local
+
+            _PRM.append(tempfile.mkdtemp(prefix="postrl-prm-"))
+            atexit.register(shutil.rmtree, _PRM[0], True)
+            build_local(_PRM[0], size="nano", seed=0)
+        return fn(prm_model=_PRM[0])
     return fn() if isinstance(fn, type) else fn
+
+
+def advantages_of(out):
+    """An estimator's advantages (one that hands on more fields, e.g. ares, returns a dict with them)."""
+    return out["advantages"] if isinstance(out, dict) else out
 
 
 @pytest.mark.parametrize("name", registry.names("advantage"))
@@ -468,19 +567,23 @@ def test_every_estimator_excludes_invalid_rows_and_is_finite(name):
     f["rewards"][1] = nan
     f["valid"] = torch.isfinite(f["reward"])
     f["valid"][4] = False  # excluded by a filter
-    a = call_stage(make(name), f, {})
+    a = advantages_of(call_stage(make(name), f, {}))
     assert a.shape[0] == 12 and a.dtype == torch.float32 and torch.isfinite(a).all()
     assert torch.all(a[1] == 0) and torch.all(a[4] == 0)
 
 
 @pytest.mark.parametrize("name", sorted(set(registry.names("advantage")) - {"rl_zvp", "remax", "reinforce_pp", "gae",
-                                                                            "red", "attention_credit"}))
+                                                                            "red", "attention_credit",
+                                                                            "critic_dense", "teacher_forcing",
+                                                                            "occlusion_credit", "ares"}))
 def test_all_equal_rewards_and_g1_give_zero(name):
-    # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal)
-    params = {"baseline": "step"} if name == "step_return" else {}
-    a = call_stage(make(name), batch_fields(equal=True), params)
+    # (step_return's default baseline is per token, PURE's: equal totals over unequal lengths do carry signal;
+    # r3l's success rule pays every success, an all-correct group included, as R^3L's code does; ares adds its
+    # entropy reward to equal rewards)
+    params = {"baseline": "step"} if name == "step_return" else {"success": None} if name == "r3l" else {}
+    a = advantages_of(call_stage(make(name), batch_fields(equal=True), params))
     assert torch.all(a.abs() < 1e-6), name  # all-equal rewards: no signal (rl_zvp's entropy shaping aside)
-    a = call_stage(make(name), batch_fields(N=4, G=1, seed=3), params)
+    a = advantages_of(call_stage(make(name), batch_fields(N=4, G=1, seed=3), params))
     if name != "mapo":  # mapo's batch term is defined for singleton groups
         assert torch.all(a.abs() < 1e-6), name
 
@@ -495,12 +598,11 @@ def test_unknown_parameter_values_are_errors():
              ("riskpo", {"alpha": 0}, "advantage.alpha: expected a value > 0 and <= 1, got 0"),
              ("grpo", {"eps": -1}, "advantage.eps: expected a value >= 0, got -1"),
              ("grpo", {"scale": "sideways"}, "advantage.scale: expected 'group', 'batch' or 'none', got 'sideways'"),
-             ("turn_mapo", {"gamma": -0.1}, "advantage.gamma: expected a value >= 0 and <= 1, got -0.1"),
-             ("role_aware", {"role_weights": {"a": 1.0}}, "advantage.role_weights.a: expected a mapping")]
+             ("turn_mapo", {"gamma": -0.1}, "advantage.gamma: expected a value >= 0 and <= 1, got -0.1")]
     for name, params, message in cases:
         with pytest.raises(registry.ConfigError) as e:
             stages.build("advantage", name, params)
-        assert str(e.value) == message if not message.endswith("mapping") else str(e.value).startswith(message)
+        assert str(e.value) == message
     assert stages.build("advantage", "grpo", {"eps": 0, "scale": "none"}).params == {"eps": 0.0, "scale": "none"}
     with pytest.raises(registry.ConfigError, match="unknown parameter 'lambda' for advantage 'gae'; valid: gamma, lam"):
         stages.check_params("advantage", "gae", {"lambda": 0.9}, where="advantage")

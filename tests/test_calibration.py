@@ -276,3 +276,123 @@ def test_calibrator_applied_at_reward_time(tmp_path):
     want = [cal.apply([raw[j].item()], [step_bucket(j)])[0] for j in range(3)]
     assert got.tolist() == pytest.approx(want, abs=1e-5)
     assert got[0] == pytest.approx(0.15, abs=0.05) and got[1] == pytest.approx(0.75, abs=0.05)  # by condition
+
+
+def test_calibrator_with_the_prms_hidden_state_at_reward_time(tmp_path):
+    """``calibrator_features: hidden``: each step score is calibrated with the PRM's hidden state at that step's
+    end (what "Distributional Process Reward Models" conditions on); the old path could not apply such a
+    calibrator (scores and step buckets only)."""
+    from postrl import registry
+    from postrl.reward_models import RMTrainConfig, StepRecord, fit_prm
+
+    recs = [StepRecord(f"q{i}", "a\n\nb\n\nc", [0.2, 0.5, 1.0]) for i in range(8)]
+    prm = fit_prm("bag:4", recs, RMTrainConfig(epochs=1, lr=1e-2), max_length=32)
+    folder = prm.save_pretrained(tmp_path / "prm")
+    sc, hid = prm.step_scores(["q0"], ["a\n\nb\n\nc"], return_hidden=True)
+    H = hid.shape[-1]  # the bag backbone's width
+    assert sc.shape == (1, 3) and hid.shape == (1, 3, H) and torch.isfinite(hid).all()
+    # outcomes driven by the first feature: success fraction ~ sigmoid(3 f0)
+    rng = np.random.default_rng(7)
+    f = rng.normal(size=(600, H))
+    y = rng.binomial(16, 1 / (1 + np.exp(-3 * f[:, 0]))) / 16
+    cal = ConditionalOT().fit(rng.uniform(size=600), y, ["0"] * 300 + ["1"] * 300, features=f)
+    cal_path = cal.save(tmp_path / "cal.json")
+    fn = registry.get("reward", "model")
+    with pytest.raises(ConfigError, match=f"fitted with {H} features per row"):  # scores and buckets only
+        fn(["q0"], ["a\n\nb\n\nc"], path=str(folder), calibrator=str(cal_path))
+    got = fn(["q0"], ["a\n\nb\n\nc"], path=str(folder), calibrator=str(cal_path), calibrator_features="hidden")[0]
+    want = [cal.apply([sc[0, j].item()], [step_bucket(j)], features=hid[0, j][None].numpy())[0] for j in range(3)]
+    assert got == pytest.approx(want, abs=1e-5)
+    iso = Isotonic().fit(rng.uniform(size=50), rng.uniform(size=50))
+    with pytest.raises(ConfigError, match="needs a conditional_ot calibrator"):
+        fn(["q0"], ["a"], path=str(folder), calibrator=str(iso.save(tmp_path / "iso.json")),
+           calibrator_features="hidden")
+    wide = ConditionalOT(steps=5).fit(rng.uniform(size=100), y[:100], features=rng.normal(size=(100, 3)))
+    with pytest.raises(ConfigError, match=f"fitted on 3 features per row, the PRM .* has a hidden state of {H}"):
+        fn(["q0"], ["a"], path=str(folder), calibrator=str(wide.save(tmp_path / "w.json")),
+           calibrator_features="hidden")
+
+
+def test_ias_samples_by_hand():
+    from postrl.calibration import ias_samples
+
+    # N = ceil(log(1 - C) / log(1 - p)): C = 0.9, p = 0.5 -> log 0.1 / log 0.5 = 3.32 -> 4; p = 0.9 -> exactly 1;
+    # p = 0.1 -> 21.85 -> 22, clipped to 16; p = 0 -> n_max; p >= C -> n_min
+    assert ias_samples([0.5, 0.9, 0.1, 0.0, 1.0, 0.95], target=0.9, n_max=16).tolist() == [4, 1, 16, 16, 1, 1]
+    assert ias_samples([0.5], target=0.99).tolist() == [7]  # log 0.01 / log 0.5 = 6.64
+    assert ias_samples([0.9], target=0.99, n_min=3).tolist() == [3]  # 2, raised to n_min
+    with pytest.raises(ConfigError, match="target must be in"):
+        ias_samples([0.5], target=1.0)
+
+
+def test_success_bound_is_the_conditional_quantile():
+    from postrl.calibration import success_bound
+
+    rng = np.random.default_rng(3)
+    s, c, y = make_prm_scores(800, rng)
+    cal = ConditionalOT().fit(s, y, c)
+    b = success_bound(cal, s[:20], quantile=0.1, conditions=c[:20])
+    assert np.allclose(b, cal.quantiles(s[:20], [0.1], c[:20])[:, 0])
+    assert np.all(b <= cal.apply(s[:20], c[:20]) + 1e-9)  # a lower bound sits below the calibrated mean
+    assert np.allclose(success_bound(None, [0.3, 1.7]), [0.3, 1.0])  # uncalibrated: the raw score
+
+
+class _FakePRM:
+    kind = "prm"
+
+    def __init__(self, prompt_scores, sample_scores):
+        self.p, self.s = prompt_scores, sample_scores
+
+    def prompt_scores(self, prompts):
+        return torch.tensor(self.p), torch.zeros(len(prompts), 4)
+
+    def score(self, prompts, completions):
+        return torch.tensor(self.s)[:, None]
+
+
+class _TextBackend:
+    """Completion text 'p<i>s<j>' for problem i, sample j."""
+
+    def generate(self, prompt_ids, n, params, seed):
+        from postrl.generation import Generation, left_pad
+
+        N = len(prompt_ids) * n
+        pid, pmask = left_pad([p for p in prompt_ids for _ in range(n)], 0)
+        return Generation(prompt_ids=pid, prompt_mask=pmask, completion_ids=torch.ones(N, 1, dtype=torch.long),
+                          completion_mask=torch.ones(N, 1), logprobs=torch.zeros(N, 1),
+                          truncated=torch.zeros(N, dtype=torch.bool),
+                          texts=[f"p{i}s{j}" for i in range(len(prompt_ids)) for j in range(n)])
+
+
+def test_evaluate_ias_budget_and_best_of_n():
+    from postrl.evaluate import evaluate_ias
+    from postrl.models.tiny import build_tokenizer
+
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    # problem 0: p = 0.9 -> N = ceil(log 0.05 / log 0.1) = 2; problem 1: p = 0.1 -> 28.4 -> n_max 4
+    # PRM sample scores (4 per problem): the best of the first 2 of problem 0 is s1; of all 4: s3
+    prm = _FakePRM([0.9, 0.1], [0.2, 0.8, 0.1, 0.9, 0.5, 0.4, 0.3, 0.6])
+    correct = {"p0s1", "p1s3"}  # the IAS pick of problem 0 is right, fixed Best-of-4 picks p0s3 (wrong)
+    res = evaluate_ias(_TextBackend(), build_tokenizer(), rows, prm, target=0.95, n_max=4, condition=None,
+                       max_new_tokens=1, score=lambda texts, rs: [float(t in correct) for t in texts])
+    assert res["ias/mean_n"] == 3.0 and res["ias/compute_saved"] == pytest.approx(0.25)
+    assert res["ias/n_hist"] == {"2": 1, "4": 1}
+    assert res["ias/accuracy"] == 1.0 and res["ias/fixed_accuracy"] == 0.5
+    assert res["ias/oracle"] == 1.0 and res["ias/fixed_oracle"] == 1.0
+
+
+def test_cli_eval_ias(tmp_path, capsys):
+    from postrl.models.tiny import build_local
+    from postrl.reward_models import RMTrainConfig, StepRecord, fit_prm
+
+    policy = tmp_path / "policy"
+    build_local(policy, size="nano", seed=0)
+    recs = [StepRecord(f"{i}+1=", "a\n\nb", [0.5, float(i % 2)]) for i in range(8)]
+    prm = fit_prm("bag:4", recs, RMTrainConfig(epochs=1, lr=1e-2), max_length=32).save_pretrained(tmp_path / "prm")
+    assert cli_main(["eval", str(policy), "task.name=arithmetic", "task.digits=1", "--n", "3", "--k", "1",
+                     "--max-new-tokens", "3", "--ias", str(prm), "--ias-max", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 1.0 <= res["ias/mean_n"] <= 3.0 and sum(res["ias/n_hist"].values()) == 3
+    assert 0.0 <= res["ias/accuracy"] <= res["ias/oracle"] <= res["ias/fixed_oracle"] <= 1.0
+    assert cli_main(["eval", str(policy), "--n", "2", "--ias", str(tmp_path / "policy")]) == 2
+    assert "no reward_model.json" in capsys.readouterr().err  # a policy is not a PRM: one line, status 2

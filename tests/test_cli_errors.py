@@ -104,6 +104,14 @@ def _cases() -> list[tuple[str, list[str], str]]:
         ("rm-negative-margin", ["rm", "train", "{d}/pairs.jsonl", "--backbone", "tiny:nano", "--out", "{d}/rm",
                                 "--margin", "--eval-fraction", "0"], r".*pairs\.jsonl: row 2: field 'margin' is -2; "
          r"the margin loss \(--margin\) needs a preference strength >= 0"),
+        ("rm-beta-min-above-max", ["rm", "train", "{d}/pairs.jsonl", "--backbone", "tiny:nano", "--out", "{d}/rm",
+                                   "--rationality", "judged", "--beta-min", "2"],
+         r"rm train: expected 0 <= beta_min <= beta_max and beta_max > 0, got beta_min=2.0, beta_max=1.0"),
+        ("rm-beta-max-inf", ["rm", "train", "{d}/pairs.jsonl", "--backbone", "tiny:nano", "--out", "{d}/rm",
+                             "--rationality", "judged", "--beta-max", "inf"], r"rm train: expected 0 <= beta_min"),
+        ("rm-judge-timeout-0", ["rm", "train", "{d}/pairs.jsonl", "--backbone", "tiny:nano", "--out", "{d}/rm",
+                                "--rationality", "judged", "--bias-judge", "x:y", "--bias-judge-timeout", "0"],
+         r"--bias-judge-timeout must be .*> 0.*, got 0"),
         ("prm-max-length-0", ["prm", "train", "--records", "{d}/pairs.jsonl", "--backbone", "tiny:nano", "--out",
                               "{d}/prm", "--max-length", "0"], r"--max-length must be an integer >= 1, got 0"),
     ]

@@ -19,7 +19,7 @@ STATEFUL = [
     "shaping=[{name: weighted_sum}, {name: running_norm}, {name: dataset_median, key: task}, "
     "{name: adaptive_length_coef, max_length: 4, lr: 0.5}, {name: laser_d, max_length: 4, update_every: 1}, "
     "{name: weighted_sum}]",
-    "filters=[{name: pass_rate_curriculum, pool_factor: 2}, {name: dynamic_sampling, max_attempts: 2}]",
+    "filters=[{name: pass_rate_curriculum, pool_factor: 2}]",
     "advantage={name: gae, value_epochs: 1}",
     "regularizers=[{name: adaptive_entropy, target: 0.5, coef: 0.0}]",
 ]
@@ -63,7 +63,29 @@ def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_
     rates = a["filters"]["0:pass_rate_curriculum"]["rate"]
     assert len(rates) >= 8  # prompts of both ranks were recorded (each rank generates 4 of the 8 per round)
     head = a["advantage"]["0:gae"]["head"]
-    assert head is not None  # the value head was fitted with the gradients averaged over processes
+    weights = [v for row in head["weight"]["__tensor__"] for v in row]
+    assert any(v != 0 for v in weights)  # the value head was fitted (from zeros), its gradients averaged
+
+
+def test_discriminator_and_hwe_threshold_are_the_same_on_both_ranks(model_dir, tmp_path):  # noqa: F811
+    """ares' smoothed HWE threshold and chi2_occupancy's discriminator (trained once per step on both ranks'
+    tokens, gathered in rank order) come out identical on both ranks."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    args = small(model_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1",
+                 "train.eval_size=4", "train.eval_k=1", "advantage={name: ares, window: 1}",
+                 "regularizers=[{name: chi2_occupancy, coef: 0.1, max_tokens: 64}, {name: ares_kl, coef: 0.0}]")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29542",
+           str(script), str(tmp_path), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    a, b = s0["stages"], s1["stages"]
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert a["regularizers"]["0:chi2_occupancy"]["steps"] == 2 and a["regularizers"]["0:chi2_occupancy"]["net"]
+    assert a["advantage"]["0:ares"]["tau"] > 0
 
 
 @pytest.mark.parametrize("n", [1])

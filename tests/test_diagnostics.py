@@ -471,6 +471,20 @@ def test_proxy_gold_gap_is_quiet_when_the_environment_reward_is_the_gold():
     assert any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, evals)[1])
 
 
+def test_proxy_gold_gap_is_quiet_when_the_gold_is_at_its_ceiling_and_stays():
+    """A proxy reward (tool_call) rising while greedy held-out accuracy stays at 1.0 -> 1.0 (no room to rise) is
+    not hacking; the same rise with the gold falling 1.0 -> 0.9 is flagged."""
+    h = _healthy_history(12)
+    for i, m in enumerate(h):
+        m["reward/mean"] = 2.0 + 0.1 * i
+        m.pop("accuracy")
+    cfg = load_config(None, ["rewards=[{name: tool_call}, {name: correct, weight: 0.0}]"]).model_dump(mode="json")
+    flat = [{"step": 0, "tag": "before", "accuracy": 1.0}, {"step": 12, "tag": "after", "accuracy": 1.0}]
+    assert not any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, flat)[1])
+    fell = [{"step": 0, "tag": "before", "accuracy": 1.0}, {"step": 12, "tag": "after", "accuracy": 0.9}]
+    assert any(a.name == "proxy_gold_gap" for a in _run_watchdog(h, cfg, fell)[1])
+
+
 def test_stale_config_keys_fall_back_to_defaults():
     w = Watchdog({"diagnostics": {"truncation": {"max_frac": 0.5, "old_key": 1}, "gone_monitor": {}}})
     assert w.cfg.truncation.max_frac == 0.5 and w.cfg.zero_variance_groups == DiagnosticsConfig().zero_variance_groups

@@ -252,3 +252,25 @@ def test_adapters_named_in_the_config_train(model_dir, tmp_path):
     row = metrics(tmp_path / "vf")[0]
     # HintEnv's max_turns 2 ends every episode on turn 2 (the answer never appears): reward 0 + 0.5 * 2
     assert row["turns/per_episode"] == 2.0 and row["reward/environment/mean"] == 1.0
+
+
+class DictEnv:
+    """OpenEnv's shape without the package: reset / step return observations with done, reward, metadata."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return {"board": "___", "done": False, "reward": None, "metadata": {}}
+
+    def step(self, action):
+        return {"board": action["move"], "done": action["move"] == "XXX", "reward": 0.5, "metadata": {}}
+
+
+def as_move(text):
+    return {"move": text}
+
+
+def test_openenv_adapter_duck_typed_without_the_package():
+    """The openenv adapter's text mode reads any object of OpenEnv's shape (here dicts), with or without openenv."""
+    env = make("openenv", {"env": f"{__name__}:DictEnv", "action": f"{__name__}:as_move"})
+    assert env.reset({"prompt": "Play."}) == "Play.\n\n___"
+    assert env.step("X__") == ("X__", 0.5, False, {})
+    assert env.step("XXX") == ("", 0.5, True, {})

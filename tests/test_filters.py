@@ -54,6 +54,46 @@ def test_dynamic_sampling_keeps_groups_with_raw_variance_only():
         dynamic_sampling(rewards, ["correct", "len"], g, reward="acc")
 
 
+def test_dynamic_sampling_singletons_keep_is_verl_convention():
+    # groups: 0 = one completion (r=1), 1 = two equal (0, 0), 2 = varies (0, 1), 3 = one finite value (1, NaN)
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [0.0], [1.0], [1.0], [nan]])
+    g = torch.tensor([0, 1, 1, 2, 2, 3, 3])
+    # default (postrl): a group with fewer than two finite values is dropped -> only group 2 trains
+    assert dynamic_sampling(rewards, ["correct"], g).tolist() == [False, False, False, True, True, False, False]
+    # verl: evict only len >= 2 with std 0 -> the group of one is kept; so is the group with one finite value
+    keep = dynamic_sampling(rewards, ["correct"], g, singletons="keep")
+    assert keep.tolist() == [True, False, False, True, True, True, True]
+
+
+def _verl_dapo_keep(values_by_uid: dict) -> dict:
+    """verl 0.9.1 ReplayBuffer._dapo_filtered_keys: a group is evicted iff len(values) > 1 and np.std == 0."""
+    import numpy as np
+
+    return {uid: not (len(v) > 1 and float(np.std(v)) == 0.0) for uid, v in values_by_uid.items()}
+
+
+def test_dynamic_sampling_singletons_keep_equals_verl_on_random_tensors():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        sizes = torch.randint(1, 5, (12,), generator=gen).tolist()  # groups of 1..4 completions
+        g = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
+        g = g[torch.randperm(len(g), generator=gen)]  # groups need not be contiguous
+        if trial % 2:
+            r = torch.randint(0, 2, (len(g),), generator=gen).float()  # 0/1 accuracy (many zero-std groups)
+        else:
+            r = torch.randint(0, 3, (len(g),), generator=gen).float() / 2  # graded scores
+        by_uid: dict = {}
+        for uid, val in zip(g.tolist(), r.tolist()):
+            by_uid.setdefault(uid, []).append(val)
+        ref = _verl_dapo_keep(by_uid)
+        keep = dynamic_sampling(r[:, None], ["correct"], g, singletons="keep")
+        assert keep.tolist() == [ref[uid] for uid in g.tolist()]
+        # the default differs exactly on the groups of one
+        default = dynamic_sampling(r[:, None], ["correct"], g)
+        differ = {uid for uid, v in by_uid.items() if len(v) == 1}
+        assert [a != b for a, b in zip(keep.tolist(), default.tolist())] == [uid in differ for uid in g.tolist()]
+
+
 def test_range_filter_hand_values():
     r = torch.tensor([[0.0], [0.0], [1.0], [0.0], [1.0], [1.0], [1.0], [0.5]])
     g = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # means 0, 0.5, 1, 0.75
@@ -227,12 +267,79 @@ def test_retry_restarts_at_the_failing_step_and_trains_the_suffix():
     assert RetryFromFailure().expand(fake_batch([1.0, 1.0], [0, 0]), fake_ctx(be)) is None  # nothing failed
 
 
+class ReflectBackend(FakeBackend):
+    """The first call (one sample per failed row) is the reflection: it returns ``replies``; later calls retry."""
+
+    def __init__(self, replies):
+        super().__init__()
+        self.replies, self.contexts = replies, []
+
+    def generate(self, prompt_ids, n, params, seed):
+        self.contexts.append([list(p) for p in prompt_ids])
+        gen = super().generate(prompt_ids, n, params, seed)
+        if len(self.calls) == 1:
+            gen.texts = list(self.replies)
+        return gen
+
+
+def test_retry_reflects_then_retries_from_the_diagnosed_step_with_guidance():
+    # row 0 failed: steps [7 '\n'] [8 '\n'] [9 9]; the most surprising token (8) is in step 1
+    b = fake_batch([0.0, 1.0], [0, 0], comp=[[7, 3, 8, 3, 9, 9], [7, 7, 7, 7, 7, 7]],
+                   logp=[[-0.1, -0.1, -3.0, -0.1, -0.2, -0.2], [-1.0] * 6])
+    encoded = []
+
+    def encode(text):
+        encoded.append(text)
+        return [1000 + len(encoded)]  # one token per encoded text: 1001 the reflection prompt, 1002 the guidance
+
+    be = ReflectBackend(['ok {"retry_from_step": 2, "improvement_suggestion": "check the 9s"}'])
+    ctx = fake_ctx(be)
+    ctx.encode = encode
+    out = RetryFromFailure(retries=2, reflect=True).expand(b, ctx)
+    # the reflection read prompt + failed completion + the template listing the numbered steps
+    assert be.contexts[0] == [[5, 6, 7, 3, 8, 3, 9, 9, 1001]]
+    assert "Step 0: <7>\nStep 1: <8>\nStep 2: <9><9>\n" in encoded[0] and "0 to 2" in encoded[0]
+    assert encoded[1] == "\n(Hint from a previous attempt: check the 9s)\n"
+    # retries generated from prompt + guidance + the kept steps 0 and 1 ...
+    assert be.contexts[1] == [[5, 6, 1002, 7, 3, 8, 3]]
+    # ... and trained as continuations of prompt + prefix, without the guidance
+    assert out.prompt_ids[1].tolist()[-6:] == [5, 6, 7, 3, 8, 3] and 1002 not in out.prompt_ids.flatten().tolist()
+    assert out.completion_ids[0, :2].tolist() == [9, 9]  # the failed suffix from step 2
+    assert out.group_ids.tolist() == [0, 0, 0]
+    assert out.extra["guided"].tolist() == [False, True, True]
+    assert out.extra["retry_step"].tolist() == [2, 2, 2] and out.extra["reflected"].all()
+    # a reply without a usable step: the surprisal pivot (step 1, token 2) and no guidance
+    be = ReflectBackend(["I am not sure"])
+    ctx = fake_ctx(be)
+    ctx.encode = lambda text: [1]
+    out = RetryFromFailure(retries=2, reflect=True).expand(b, ctx)
+    assert be.contexts[1] == [[5, 6, 7, 3]] and out.completion_ids[0, :4].tolist() == [8, 3, 9, 9]
+    assert out.extra["retry_step"].tolist() == [-1, -1, -1] and not out.extra["reflected"].any()
+    assert "guided" not in out.extra
+
+
+def test_parse_reflection():
+    from postrl.selection.expansions import parse_reflection
+
+    assert parse_reflection('{"retry_from_step": 1, "improvement_suggestion": "x"}', 3) == (1, "x")
+    assert parse_reflection('retry_from_step: 2, improvement_suggestion: "y"', 3) == (2, "y")  # not JSON
+    assert parse_reflection('{"retry_from_step": 3}', 3) == (None, "")  # out of range
+    assert parse_reflection('{"retry_from_step": true}', 3) == (None, "")
+
+
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
-    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+    with pytest.raises(ConfigError, match="group_size must be >= 2.*postrl methods dynamic_sampling"):
         Step(cfg)
+    # singletons: keep (verl's convention) keeps every group of one: the stage then needs no group (its needs follow
+    # its parameters), so it is accepted without a warning
+    cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling, singletons: keep}]",
+                             "advantage.name=reinforce_pp"])
+    assert Step(cfg).warnings == []
+    assert stages.build("filter", "dynamic_sampling", {"singletons": "keep"}).needs == ()
+    assert stages.build("filter", "dynamic_sampling").needs == ("groups",)
     cfg = load_config(None, ["rollout.group_size=1"])
-    assert "every advantage is 0" in Step(cfg).warnings[0]
+    assert "has no baseline" in Step(cfg).warnings[0]
     assert Step(load_config(None, ["rollout.group_size=1", "advantage.name=reinforce_pp"])).warnings == []
     cfg = load_config(None, ["filters=[{name: insight}, {name: pass_rate_curriculum}]"])
     with pytest.raises(ConfigError, match="at most one prompt selector"):

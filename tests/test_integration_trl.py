@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
 
+from logprob_reference import renormalised_reference  # noqa: E402
 from postrl.errors import ConfigError  # noqa: E402
 from postrl.integrations.trl import GRPOTrainer, TRLConfigError  # noqa: E402
 from postrl.models.tiny import build_local  # noqa: E402
@@ -259,6 +260,15 @@ def test_trl_options_that_cannot_carry_over_are_one_line_errors(model_dir, tmp_p
         GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"advantage": {"name": "grpoo"}},
                     args=_args(tmp_path), train_dataset=_dataset())
     assert isinstance(e.value, ConfigError)
+
+
+def test_a_teacher_is_refused_in_one_line(model_dir, tmp_path):
+    """The adapter cannot give a teacher's log-probs (on-policy distillation): refused before TRL loads anything."""
+    with pytest.raises(ConfigError, match=r"regularizer 'distill' reads teacher_logp: the TRL adapter cannot give a "
+                                          r"teacher model's log-probs"):
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"model": {"teacher": {"path": model_dir}},
+                                                                     "regularizers": [{"name": "distill"}]},
+                    args=_args(tmp_path), train_dataset=_dataset())
 
 
 def test_readme_snippet_runs(model_dir, tmp_path, monkeypatch):
@@ -542,13 +552,99 @@ def test_mixture_of_experts_logs_trls_aux_loss(tmp_path):
     assert len(a) == len(b) > 0 and b == pytest.approx(a, abs=1e-6)
 
 
-def test_postrl_entropy_regularizer_gets_trls_differentiable_entropy(model_dir, tmp_path):
+@pytest.mark.parametrize("logprobs", ["full", "filtered"])
+def test_postrl_entropy_regularizer_gets_trls_differentiable_entropy(model_dir, tmp_path, logprobs):
     """A postrl regulariser that differentiates the entropy (entropy_bonus) trains through TRL's entropy (TRL
-    1.16's fused head gives it a gradient): with every advantage 0 the entropy term alone moves the weights."""
+    1.16's fused head gives it a gradient; with top-p and rollout.logprobs=filtered, the adapter's own forward
+    does): with every advantage 0 the entropy term alone moves the weights."""
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    section = {"rewards": [{"name": f"{MODULE}:always_zero"}]}
-    flat = _run_postrl(model_dir, tmp_path / "flat", section)
+    section = {"rewards": [{"name": f"{MODULE}:always_zero"}], "rollout": {"logprobs": logprobs}}
+    kw = {"top_p": 0.9} if logprobs == "filtered" else {}
+    flat = _run_postrl(model_dir, tmp_path / "flat", section, **kw)
     assert _max_diff(_weights(flat), start) == 0  # no signal without the regulariser
     bonus = _run_postrl(model_dir, tmp_path / "bonus",
-                        {**section, "regularizers": [{"name": "entropy_bonus", "coef": 1.0}]})
+                        {**section, "regularizers": [{"name": "entropy_bonus", "coef": 1.0}]}, **kw)
+    assert bool(bonus._logprob_filter) == (logprobs == "filtered")
     assert bonus.postrl.objective.entropy_grad and _max_diff(_weights(bonus), start) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- top-p / top-k
+def test_top_p_top_k_correction_equals_the_renormalised_reference(model_dir, tmp_path):
+    """rollout.logprobs=filtered: TRL's log-prob function (update, old and reference log-probs) returns the
+    log-probs of the renormalised filtered distribution, on the same logits TRL's forward computes; TRL's own
+    (fused) function returns the full log-softmax; the difference is the kept log-mass the adapter logs."""
+    # float32 logits (bf16's coarse logits tie, and the order of tied tokens decides top-p's boundary)
+    args = _args(tmp_path, top_p=0.8, temperature=0.7, generation_kwargs={"top_k": 20}, bf16=False)
+    t = GRPOTrainer(model=model_dir, postrl={"rewards": [{"name": f"{MODULE}:char_score"}],
+                                             "rollout": {"logprobs": "filtered"}}, args=args,
+                    train_dataset=_dataset())
+    r = t.postrl_config.rollout
+    assert (r.top_p, r.top_k, r.logprobs) == (0.8, 20, "filtered")
+    gen = torch.Generator().manual_seed(0)
+    P, T, V = 5, 6, t.model.config.vocab_size
+    ids = torch.randint(3, V, (3, P + T), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[0, :2] = 0  # left-padded prompt
+    attn[1, -2:] = 0  # a completion that ended early
+    logp, ent, _ = t._get_per_token_logps_and_entropies(t.model, ids, attn, T, batch_size=2, compute_entropy=True)
+    mask = attn[:, -T:].bool()
+    with torch.no_grad(), t.accelerator.autocast():  # TRL's forward (its autocast)
+        scaled = t.model(input_ids=ids, attention_mask=attn).logits[:, -(T + 1):-1].float() / 0.7
+    ref = renormalised_reference(scaled, ids[:, -T:], 0.8, 20)
+    assert torch.allclose(logp.detach()[mask], ref[mask], atol=1e-5)
+    full = torch.log_softmax(scaled, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+    theirs, their_ent, _ = TRLGRPOTrainer._get_per_token_logps_and_entropies(t, t.model, ids, attn, T,
+                                                                              compute_entropy=True)
+    assert torch.allclose(theirs.detach()[mask], full[mask], atol=1e-5)
+    assert torch.allclose(ent[mask], their_ent.detach()[mask], atol=1e-4)  # the entropy stays the unfiltered one
+    kept = t._sampler_kept_logmass({"prompt_ids": ids[:, :P], "prompt_mask": attn[:, :P],
+                                    "completion_ids": ids[:, P:], "completion_mask": attn[:, P:]})
+    assert (kept[mask] < -0.05).all() and (kept[~mask] == 0).all()
+    assert torch.allclose(logp.detach()[mask], (full - kept)[mask], atol=1e-5)  # log q = log pi - log M
+    # the gradient flows through the kept logits: it is that of the renormalised log-prob
+    logp.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in t.model.parameters())
+
+
+def test_trl_sampling_settings_are_read_and_min_p_is_refused(model_dir, tmp_path):
+    from postrl.integrations.trl import trl_sampling
+
+    s = trl_sampling(_args(tmp_path, top_p=0.9, generation_kwargs={"top_k": -1, "top_p": 0.95}), "filtered")
+    assert (s.top_p, s.top_k, s.filters, s.logprob_filter()) == (0.95, 0, True, {"top_p": 0.95, "top_k": 0})
+    assert trl_sampling(_args(tmp_path, top_k=5), "full").logprob_filter() == {}  # uncorrected: TRL's own
+    assert not trl_sampling(_args(tmp_path, top_p=0.5, generation_kwargs={"do_sample": False}), "filtered").filters
+    assert not trl_sampling(_args(tmp_path)).filters  # TRL's defaults: top_p 1, top_k 0
+    with pytest.raises(ConfigError, match="min_p"):
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"rollout": {"logprobs": "filtered"}},
+                    args=_args(tmp_path, min_p=0.1), train_dataset=_dataset())
+
+
+def test_top_p_kept_mass_is_logged_and_the_alarm_fires_only_uncorrected(model_dir, tmp_path):
+    """top_p=0.7 on a near-uniform random model keeps ~70% of the mass per token: logged in both modes; with TRL's
+    unfiltered log-probs (rollout.logprobs=full) the filtered_sampling alarm fires at the second step, with the
+    correction it does not, and the two updates differ (the gradient of log q is not that of log pi)."""
+    runs = {}
+    for mode in ("full", "filtered"):
+        runs[mode] = _run_postrl(model_dir, tmp_path / mode, {"rewards": [{"name": f"{MODULE}:char_score"}],
+                                                              "rollout": {"logprobs": mode}},
+                                 top_p=0.7, temperature=0.9)
+    for mode, t in runs.items():
+        rows = [r for r in t.state.log_history if "postrl/sampler/kept_mass_mean" in r]
+        assert len(rows) == 2 and all(0.6 < r["postrl/sampler/kept_mass_mean"] < 0.8 for r in rows), mode
+        assert all(r["postrl/sampler/kept_mass_min"] >= 0.7 - 1e-6 for r in rows)  # top-p keeps at least 0.7
+    assert [a["step"] for a in runs["full"].alarms if a["name"] == "filtered_sampling"] == [2]
+    assert not [a for a in runs["filtered"].alarms if a["name"] == "filtered_sampling"]
+    assert _max_diff(_weights(runs["full"]), _weights(runs["filtered"])) > 1e-4
+
+
+def test_regularizers_get_their_fields_and_observe_under_trl(model_dir, tmp_path):
+    """Under TRL: chi2_occupancy's features are produced through the adapter's model context,
+    its discriminator learns from TRL's reference log-probs once per generation; steer's weights reach the loss."""
+    t = _run_postrl(model_dir, tmp_path, {
+        "rewards": [{"name": f"{MODULE}:char_score"}], "kl": {"coef": 0.01},
+        "regularizers": [{"name": "chi2_occupancy", "coef": 0.1, "max_tokens": 64}, {"name": "steer"}]})
+    rows = [r for r in t.state.log_history if "postrl/reg/chi2_occupancy/chi2" in r]
+    assert len(rows) == 2 and all(r["postrl/reg/chi2_occupancy/disc_loss"] > 0 for r in rows)
+    assert t.postrl.objective.regularizers[0].fn.steps == 2
+    assert any(0.8 <= r.get("postrl/reg/steer/kept", 0) <= 1.2 for r in t.state.log_history)
+    assert _losses(t) and all(x == x for x in _losses(t))

@@ -1,6 +1,9 @@
 """The verl plug-in (postrl.integrations.verl) against verl's own registries, call paths and config schema, on CPU."""
 
+import math
+import re
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -263,6 +266,19 @@ def test_compute_score_runs_postrl_rewards_with_fault_isolation(tmp_path, monkey
     assert load_extern_object("pkg://postrl.integrations.verl", "compute_score") is plugin.compute_score
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["model.teacher.path=/t", "regularizers=[{name: distill}]"],
+     "regularizer 'distill' reads teacher_logp, a teacher model's log-probs, which the verl plug-in cannot give; use "
+     "verl's own on-policy distillation"),
+    (["loss.name=rl_plus", "filters=[{name: demonstrations}]"], "loss 'rl_plus' reads batch field 'demonstration'"),
+])
+def test_teacher_and_demonstrations_are_refused_for_verl(overrides, message):
+    from postrl.config import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plugin.check_config(load_config(None, ["rewards=[{name: correct}]", *overrides]))
+
+
 def test_group_shaping_is_refused_for_verl(postrl_config):
     postrl_config("shaping: [{name: weighted_sum}]\n", "rowwise.yaml")
     plugin.check_config(plugin.run_config())  # row-wise shaping: accepted
@@ -349,8 +365,6 @@ def test_readme_shows_this_config_and_command():
 
 
 def test_export_is_accepted_by_verl_config_schema(tmp_path, capsys):
-    import shlex
-
     from hydra import compose, initialize_config_dir
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -408,3 +422,143 @@ def test_a_diagnostics_failure_is_reported_and_does_not_stop_the_step(monkeypatc
     out = metric_utils.compute_data_metrics(batch=_metrics_batch([1.0, 0.0, 0.0, 1.0]), use_critic=False)
     assert out["postrl/alarm/diagnostics_failed"] == 1.0 and "critic/score/mean" in out
     assert "postrl diagnostics failed on verl's batch: RuntimeError: no such column" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ top-p / top-k
+
+FILTERED = "rollout: {top_p: 0.8, top_k: 20, temperature: 0.7, logprobs: filtered}\n"
+UNCORRECTED = "rollout: {top_p: 0.8, top_k: 20, temperature: 0.7}\n"
+
+
+def test_verl_trainer_logprobs_are_renormalised_through_verls_own_function(postrl_config):
+    """The plug-in's logprobs_from_logits is verl's function everywhere verl looks it up (its module, and the
+    engines that import it by name, loaded before or after the plug-in); it is verl's own result without the
+    correction and the renormalised reference with it, also through verl's own callers (log-probs of a response
+    from a whole sequence's logits)."""
+    from verl.utils import torch_functional as tf
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from logprob_reference import renormalised_reference
+
+    assert tf.logprobs_from_logits.postrl_hook and transformer_impl.logprobs_from_logits is tf.logprobs_from_logits
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 50, generator=gen) * 2  # temperature-scaled, as the engines pass them
+    labels = torch.randint(0, 50, (2, 7), generator=gen)
+    verls = tf.logprobs_from_logits.original(logits, labels)
+    postrl_config(UNCORRECTED, "uncorrected.yaml")
+    assert torch.equal(tf.logprobs_from_logits(logits, labels), verls)
+    postrl_config(FILTERED, "filtered.yaml")
+    ref = renormalised_reference(logits, labels, 0.8, 20)
+    assert torch.allclose(tf.logprobs_from_logits(logits, labels), ref, atol=1e-5)
+    assert not torch.allclose(verls, ref, atol=1e-2)  # the filter drops mass here
+    assert torch.allclose(plugin.filtered_logprobs_from_logits(logits, labels, 0.8, 20, chunk=3), ref, atol=1e-5)
+    # verl's own helper (response log-probs from the logits of [prompt; response]) goes through it
+    ids = torch.randint(0, 50, (2, 8), generator=gen)
+    resp = tf.log_probs_from_logits_response(ids, logits.new_zeros(2, 8, 50) + logits[:, :1], 4)
+    want = renormalised_reference((logits.new_zeros(2, 8, 50) + logits[:, :1])[:, 3:7], ids[:, 4:], 0.8, 20)
+    assert torch.allclose(resp, want, atol=1e-5)
+    z = logits.clone().requires_grad_(True)
+    tf.logprobs_from_logits(z, labels).sum().backward()
+    assert z.grad.abs().sum() > 0  # differentiable: the update's log-probs
+
+
+def test_worker_check_refuses_what_cannot_be_corrected(postrl_config):
+    from omegaconf import OmegaConf
+
+    def worker(**rollout):
+        base = {"rollout": {"top_p": 0.8, "top_k": 20, "do_sample": True, "calculate_log_probs": False,
+                            "logprobs_mode": "processed_logprobs"},
+                "actor": {"strategy": "fsdp"}, "model": {"use_fused_kernels": False}}
+        for k, v in rollout.items():
+            section, key = k.split("__")
+            base[section][key] = v
+        return OmegaConf.create(base)
+
+    postrl_config(UNCORRECTED, "uncorrected.yaml")
+    plugin.check_worker_config(worker(rollout__top_p=1.0, actor__strategy="megatron"))  # uncorrected: no check
+    postrl_config(FILTERED, "filtered.yaml")
+    plugin.check_worker_config(worker())
+    for bad, match in ((dict(rollout__top_p=0.9), "rollout.top_p=0.9.*postrl config has rollout.top_p=0.8"),
+                       (dict(rollout__top_k=-1), "top_k=-1.*top_k=20"),
+                       (dict(actor__strategy="megatron"), "strategy=megatron.*vocab_parallel"),
+                       (dict(model__use_fused_kernels=True), "use_fused_kernels"),
+                       (dict(rollout__calculate_log_probs=True, rollout__logprobs_mode="raw_logprobs"),
+                        "processed_logprobs")):
+        with pytest.raises(ConfigError, match=match):
+            plugin.check_worker_config(worker(**bad))
+
+
+def _filtered_batch(kept_mass: float, rollout: bool = True):
+    """verl's batch after a top-p rollout: vLLM's processed log-probs are log pi - log M."""
+    data = _metrics_batch([1.0, 0.0, 1.0, 0.0])
+    old = data.batch["old_log_probs"]
+    if rollout:
+        data.batch["rollout_log_probs"] = old - math.log(kept_mass)
+    else:
+        data.batch.pop("rollout_log_probs")
+    return data
+
+
+def test_kept_mass_and_the_filtered_sampling_alarm_on_verls_batch(postrl_config, caplog):
+    postrl_config(UNCORRECTED, "uncorrected.yaml")
+    m = plugin.batch_metrics(_filtered_batch(0.7))
+    assert m["sampler/kept_mass_mean"] == pytest.approx(0.7) and m["sampler/kept_mass_min"] == pytest.approx(0.7)
+    assert m["sampler/kept_logmass_seq"] == pytest.approx((3 + 6 * 3) / 4 * math.log(0.7))  # rows of 3, 6, 6, 6
+    seen = [plugin.diagnose(_filtered_batch(0.7)) for _ in range(2)]
+    assert "postrl/alarm/filtered_sampling" not in seen[0] and seen[1]["postrl/alarm/filtered_sampling"] == 1.0
+    # measured kept mass above the threshold: no alarm
+    postrl_config(UNCORRECTED, "uncorrected2.yaml")
+    assert not any("postrl/alarm/filtered_sampling" in plugin.diagnose(_filtered_batch(0.99)) for _ in range(3))
+    # no rollout log-probs: the mass is unmeasured, the alarm is raised at every step and said once
+    postrl_config(UNCORRECTED, "uncorrected3.yaml")
+    with caplog.at_level("WARNING", logger="postrl.integrations.verl"):
+        seen = [plugin.diagnose(_filtered_batch(0.7, rollout=False)) for _ in range(3)]
+    assert all(s["postrl/alarm/filtered_sampling"] == 1.0 and "postrl/sampler/kept_mass_mean" not in s for s in seen)
+    assert sum("calculate_log_probs" in r.message for r in caplog.records) == 1
+    # corrected: old and rollout log-probs agree, no kept mass from their difference and no alarm
+    postrl_config(FILTERED, "filtered.yaml")
+    for rollout in (True, False):
+        seen = [plugin.diagnose(_filtered_batch(1.0, rollout)) for _ in range(3)]
+        assert not any(k.startswith(("postrl/alarm/filtered", "postrl/sampler/kept")) for s in seen for k in s)
+    # a verl that returns the kept log-mass (the documented patch point): logged as is
+    data = _filtered_batch(1.0)
+    data.batch["kept_logmass"] = torch.full_like(data.batch["old_log_probs"], math.log(0.5))
+    assert plugin.batch_metrics(data)["sampler/kept_mass_mean"] == pytest.approx(0.5)
+
+
+def test_a_fresh_verl_process_checks_its_workers_when_corrected(tmp_path):
+    """What a Ray worker does: importing verl loads the plug-in, which (correction on) wraps the worker class, so
+    a worker whose sampling is not the postrl config's fails at construction, in one line."""
+    cfg = tmp_path / "filtered.yaml"
+    cfg.write_text(FILTERED)
+    code = ("import verl\nfrom omegaconf import OmegaConf\n"
+            "from verl.workers.engine_workers import ActorRolloutRefWorker as W\n"
+            "from verl.utils import torch_functional as tf\nassert tf.logprobs_from_logits.postrl_hook\n"
+            "c = OmegaConf.create({'rollout': {'top_p': 1.0, 'top_k': -1}, 'actor': {}, 'model': {}})\n"
+            "try:\n    W(c, 'actor')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, plugin.ENV_CONFIG: str(cfg)}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("ConfigError actor_rollout_ref.rollout.top_p=1.0")
+
+
+def test_export_of_a_corrected_top_p_run_passes_the_worker_check(tmp_path, capsys, monkeypatch):
+    """postrl export verl with top_p and rollout.logprobs=filtered: verl's config (composed by verl's Hydra schema)
+    samples with the postrl config's filter and returns the rollout log-probs, and its worker config passes the
+    plug-in's worker check under the written postrl config."""
+    from hydra import compose, initialize_config_dir
+
+    run = tmp_path / "run.yaml"
+    run.write_text(RUN)
+    out = tmp_path / "o"
+    assert cli_main(["export", "verl", str(run), "rollout.top_p=0.9", "rollout.logprobs=filtered", "--out",
+                     str(out)]) == 0
+    toks = shlex.split(capsys.readouterr().out.replace("\\\n", " "))
+    with initialize_config_dir(config_dir=VERL_CONFIG, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=toks[5:])
+    r = cfg.actor_rollout_ref.rollout
+    assert (r.top_p, r.top_k, r.calculate_log_probs, r.logprobs_mode) == (0.9, -1, True, "processed_logprobs")
+    monkeypatch.setenv(plugin.ENV_CONFIG, str(out / "postrl.yaml"))
+    assert plugin.logprob_filter() == {"top_p": 0.9, "top_k": 0}
+    plugin.check_worker_config(cfg.actor_rollout_ref)

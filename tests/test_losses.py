@@ -619,6 +619,28 @@ def test_entropy_smoothing_band_and_history():
     assert copy.reference == reg.reference
 
 
+def test_entropy_smoothing_phase_weight_is_epos_schedule():
+    from postrl.losses.regularizers import phase_weight
+
+    # K = 10, h = 5: w_k = 1 - 0.2 (1 - exp(-2 k / 5)) up to k = 5, then 0.8 exp(-3 (k - 5) / 5)
+    assert phase_weight(0, 10) == 1.0
+    assert phase_weight(5, 10) == pytest.approx(1 - 0.2 * (1 - math.exp(-2.0)))  # 0.827067
+    assert phase_weight(6, 10) == pytest.approx(0.8 * math.exp(-0.6))  # 0.439049
+    assert phase_weight(10, 10) == pytest.approx(0.8 * math.exp(-3.0)) == phase_weight(25, 10)  # 0.039829, clamped
+    assert phase_weight(7, None) == 1.0
+    reg = EntropySmoothing(window=2, band=0.1, phase_steps=10)
+    for h in (1.0, 0.6, 0.8):  # history [0.6, 0.8] -> reference 0.7; three steps taken
+        reg.end_step(StepEnd({"entropy": h}))
+    w = 1 - 0.2 * (1 - math.exp(-2 * 3 / 5))  # 0.860239
+    assert reg.phase_weight == pytest.approx(w)
+    r = reg(torch.tensor([[1.5, 0.5]]), torch.ones(1, 2))  # s = +1 as without phases, scaled by w
+    assert torch.allclose(r, w * torch.tensor([[0.8, -0.2]]), atol=1e-6)
+    assert reg.end_step(StepEnd({"entropy": 0.7}))["phase_weight"] == pytest.approx(w)  # the weight the step used
+    copy = EntropySmoothing(window=2, phase_steps=10)
+    copy.load_state_dict(reg.state_dict())
+    assert copy.steps == 4 and copy.phase_weight == pytest.approx(reg.phase_weight)
+
+
 def test_f_divergence_unbiased_for_forward_kl_and_js():
     p_ref = torch.tensor([0.1, 0.6, 0.3])
     p_th = torch.tensor([0.3, 0.3, 0.4])

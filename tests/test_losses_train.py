@@ -90,6 +90,7 @@ REGULARIZERS = [
     ("entropy_smoothing", "{name: entropy_smoothing, coef: 0.1, band: 0.0}"),
     ("f_divergence_fkl", "{name: f_divergence, coef: 0.1}"),
     ("f_divergence_js", "{name: f_divergence, coef: 0.1, divergence: js}"),
+    ("srpo", "{name: srpo}"),  # arithmetic has no <evidence> / <perception> sections: every weight is 1
 ]
 
 
@@ -107,6 +108,8 @@ def test_each_regularizer_trains_without_nan(model_dir, tmp_path, name, spec):
     m = run_steps(tr)
     if reg == "top_entropy_tokens":
         assert 0.3 < m[0][f"reg/{reg}/kept"] < 0.7  # about half the tokens (q = 0.5) keep their gradient
+    elif reg == "srpo":
+        assert m[0][f"reg/{reg}/kept"] == pytest.approx(1.0)  # the mean token weight: no role token here
     elif reg == "adaptive_entropy":
         # the alpha each step used: init 0, then +delta (entropy below the target of 10 nats)
         assert m[0][f"reg/{reg}/alpha"] == 0.0 and m[1][f"reg/{reg}/alpha"] == pytest.approx(0.01)
@@ -117,6 +120,22 @@ def test_each_regularizer_trains_without_nan(model_dir, tmp_path, name, spec):
         assert m[0][f"reg/{reg}"] == 0.0 and m[1][f"reg/{reg}"] > 0.0  # history starts after step 1
     if reg == "f_divergence":
         assert m[0][f"reg/{reg}"] == pytest.approx(0.0, abs=1e-6) and m[1][f"reg/{reg}"] > 0.0  # drifts from ref
+
+
+@registry.register("reward", "loss_test_short", source="test: 1 for a completion under 6 characters")
+def loss_test_short(prompts, completions, **_):
+    return [float(len(c) < 6) for c in completions]
+
+
+def test_icr_trains_through_the_trainer(model_dir, tmp_path):
+    """ICR's field is produced by the step, read by the objective: stop strings make lengths vary and the 'short'
+    column (weight 0: the policy gradient ignores it) makes shorter completions the correct ones, so the batch
+    overthinks and the regulariser pulls toward each group's shortest correct completion."""
+    tr = make(model_dir, tmp_path / "icr", "regularizers=[{name: icr, coef: 0.1, source: loss_test_short}]",
+              "rewards=[{name: loss_test_sevens}, {name: loss_test_short, weight: 0.0}]",
+              "rollout.stop=['3', '5']", "rollout.max_new_tokens=8")
+    m = run_steps(tr)
+    assert m[0]["reg/icr"] > 0.0 and all(math.isfinite(x["reg/icr"]) for x in m)
 
 
 def test_default_run_keeps_entropy_a_diagnostic(model_dir, tmp_path):

@@ -224,6 +224,32 @@ def test_environment_error_fails_the_episode_reward():
     assert env_reward(None, None, b.columns["env_turn_rewards"]) == [None]
 
 
+def test_an_environment_whose_constructor_raises_fails_its_episode_only():
+    """One environment that cannot be made ends its episode (counted), the others run; a configuration mistake
+    (a PostrlError) stops the rollout in one line."""
+    from postrl.errors import ConfigError
+
+    tok = build_tokenizer()
+    made = iter([RuntimeError("no connection"), None])
+
+    def make():
+        err = next(made)
+        if err is not None:
+            raise err
+        return Environment()
+
+    b = episodes.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 2, [0], make, max_turns=1,
+                          max_total_tokens=50, group_ids=torch.tensor([0, 0]), chat_template="none")
+    assert b.extra["env_errors"].tolist() == [1, 0] and b.extra["num_turns"].tolist() == [0, 1]
+
+    def misconfigured():
+        raise ConfigError("environment.x: expected a number, got 'a'")
+
+    with pytest.raises(ConfigError, match="environment.x"):
+        episodes.rollout(ctx_for(tok, scripted(tok, ["a</s>"])), [{"prompt": "q"}], 1, [0], misconfigured,
+                         max_turns=1, max_total_tokens=50, group_ids=torch.tensor([0]), chat_template="none")
+
+
 def test_max_total_tokens_cuts_turns_and_observations():
     tok = chat_tokenizer()
     b = episodes.rollout(ctx_for(tok, scripted(tok, ["abcdefgh", "ijklmnop"]), max_new=6), [{"prompt": "q"}], 1,

@@ -47,7 +47,8 @@ def tiny(model_dir: Path, out: Path, name: str) -> list[str]:
 
 
 def test_the_issue_recipes_are_bundled():
-    assert set(recipes.names()) == EXPECTED | {"calculator"}  # calculator: a task recipe (tests/test_multiturn_train.py)
+    # task recipes: calculator (tests/test_calculator_learns.py), tool_calls (tests/test_tool_calls_learns.py)
+    assert set(recipes.names()) == EXPECTED | {"calculator", "tool_calls"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -19,7 +19,7 @@ import torch
 
 from postrl import registry
 from postrl.cli import main as cli_main
-from postrl.errors import DataError
+from postrl.errors import ConfigError, DataError
 from postrl.reward_models import (
     PreferencePair,
     RewardEnsemble,
@@ -173,8 +173,33 @@ def test_rationality_per_annotator_needs_the_column(tmp_path):
     with pytest.raises(DataError, match="row 2: missing field 'annotator'"):
         preference_groups(pairs, "annotator")
     assert preference_groups(pairs, "context") == (["math", "chat"], [0, 1, 0])
-    assert preference_groups(pairs, "global") == (["*"], [0, 0, 0])
+    assert preference_groups(pairs, "judged") == ([], [0, 0, 0])  # per comparison, not per label
     assert preference_groups(pairs, None) == ([], [0, 0, 0])
+
+
+def test_judged_rationality_betas_by_hand_and_the_bias_column(tmp_path):
+    """beta_i = beta_max - (beta_max - beta_min) p_i; at r_c = r_r a comparison's gradient is -beta_i / 2, so a
+    likely biased one pulls with a fraction of an unbiased one's strength."""
+    from postrl.reward_models import comparison_betas
+
+    pairs = [PreferencePair("", "a", "b", bias=p, row=i + 1) for i, p in enumerate([0.0, 0.5, 0.9, 1.0])]
+    betas = comparison_betas(pairs)  # defaults beta_max 1.0, beta_min 0.1
+    assert betas.tolist() == pytest.approx([1.0, 0.55, 0.19, 0.1])
+    assert comparison_betas(pairs, 2.0, 0.0).tolist() == pytest.approx([2.0, 1.0, 0.2, 0.0])
+    d = torch.zeros(4, requires_grad=True)
+    (g,) = torch.autograd.grad(bt_loss(d, torch.zeros(4), beta=betas).sum(), d)
+    assert g.tolist() == pytest.approx([-0.5, -0.275, -0.095, -0.05])
+    with pytest.raises(DataError, match="row 2: no bias score"):
+        comparison_betas([pairs[0], PreferencePair("", "a", "c", row=2)])
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "", "chosen": "a", "rejected": "b", "judge_p": 0.25},
+                                           {"prompt": "", "chosen": "a", "rejected": "c"}])
+    got = read_preferences(f, bias_column="judge_p")
+    assert [p.bias for p in got] == [0.25, None]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "", "chosen": "a", "rejected": "b", "bias": 1.5}])
+    with pytest.raises(DataError, match=r"row 1: field 'bias' must be a probability in \[0, 1\]"):
+        read_preferences(bad)
+    with pytest.raises(ConfigError, match="beta_min <= beta_max"):
+        RMTrainConfig(rationality="judged", beta_min=2.0).check()
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -225,8 +250,9 @@ def annotator_pairs(n: int, seed: int, biased: bool = True) -> list[PreferencePa
 
 
 def test_demo_learned_rationality_downweights_biased_annotators():
-    """Nano Llama backbone. Learned per-annotator beta: the biased annotators get a much lower beta and the
-    held-out accuracy against the true quality beats plain Bradley-Terry."""
+    """Nano Llama backbone. Learned per-annotator beta (postrl's own variant, not the paper's per-comparison beta):
+    the biased annotators get a much lower beta and the held-out accuracy against the true quality beats plain
+    Bradley-Terry."""
     train, test = annotator_pairs(1200, 0), annotator_pairs(400, 1, biased=False)
     cfg = dict(epochs=3, batch_size=32, lr=3e-3)
     plain = fit_reward_model("tiny:nano", train, RMTrainConfig(**cfg), max_length=32)
@@ -239,6 +265,50 @@ def test_demo_learned_rationality_downweights_biased_annotators():
     assert max(betas["ann2"], betas["ann3"]) < 0.3 * min(betas["ann0"], betas["ann1"])
     assert acc_rat > acc_plain + 0.08
     assert acc_rat > 0.85
+
+
+def judged_pairs(n: int, seed: int, frac: float = 0.5, flag_noise: float = 0.1) -> list[PreferencePair]:
+    """A fraction ``frac`` of injected biased comparisons, labelled by a spurious feature (count of 'c') instead of
+    the quality (BT slope 2 either way); every pair carries a judge's bias probability: 0.7-1.0 when flagged,
+    0-0.2 otherwise, and the judge is wrong on ``flag_noise`` of the pairs."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        x, y = rand_text(rng), rand_text(rng)
+        if x == y or quality(x) == quality(y):
+            continue
+        biased = rng.random() < frac
+        d = (x.count("c") - y.count("c")) if biased else (quality(x) - quality(y))
+        prefer_x = rng.random() < sigmoid(2.0 * d)
+        c, r = (x, y) if prefer_x else (y, x)
+        flagged = biased != (rng.random() < flag_noise)
+        p = rng.uniform(0.7, 1.0) if flagged else rng.uniform(0.0, 0.2)
+        out.append(PreferencePair("", c, r, row=len(out) + 1, bias=round(p, 3)))
+    return out
+
+
+def test_demo_judged_rationality_downweights_biased_pairs():
+    """Half the training comparisons are biased (a judge flags them, with 10% errors). The per-comparison beta
+    ('Mitigating Cognitive Bias in RLHF by Altering Rationality') orders held-out unbiased pairs better than a fixed
+    beta, both beta = 1 (plain Bradley-Terry) and beta = the judged betas' mean."""
+    from postrl.reward_models import comparison_betas
+
+    train, test = judged_pairs(800, 0), judged_pairs(400, 1, frac=0.0)
+    betas = comparison_betas(train)
+    cfg = dict(epochs=3, batch_size=32, lr=3e-2)
+    plain = fit_reward_model("bag:4", train, RMTrainConfig(**cfg), max_length=32)
+    mean_beta = float(betas.mean())
+    fixed = fit_reward_model("bag:4", train, RMTrainConfig(**cfg, rationality="judged", beta_max=mean_beta,
+                                                           beta_min=mean_beta), max_length=32)
+    judged = fit_reward_model("bag:4", train, RMTrainConfig(**cfg, rationality="judged"), max_length=32)
+    acc = {k: truth_accuracy(m, test) for k, m in (("plain", plain), ("fixed", fixed), ("judged", judged))}
+    print(f"\njudged rationality demo: held-out accuracy vs truth {json.dumps({k: round(v, 3) for k, v in acc.items()})}")
+    summary = judged.meta["train"]["comparison_betas"]
+    assert summary["mean"] == pytest.approx(mean_beta)
+    assert summary["likely_biased"] == pytest.approx(sum(p.bias >= 0.5 for p in train) / 800)
+    assert 0.4 < summary["likely_biased"] < 0.6
+    assert acc["judged"] > acc["plain"] + 0.08 and acc["judged"] > acc["fixed"] + 0.08
+    assert acc["judged"] > 0.85
 
 
 def length_biased_pairs(n: int, seed: int, gamma: float = 0.5) -> list[PreferencePair]:
@@ -391,7 +461,9 @@ def test_cli_rm_train_and_eval(tmp_path, capsys):
     edata = write_jsonl(tmp_path / "eval.jsonl", evals)
     odin = tmp_path / "odin"
     assert cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(odin), "--odin",
-                     "--lr", "3e-2", "--max-length", "32"]) == 0
+                     "--lr", "3e-2", "--max-length", "32", "--chat-template", "none"]) == 0
+    assert json.loads((odin / "reward_model.json").read_text())["chat_template"] == "none"  # the option reaches it
+    assert cfg["chat_template"] == "auto"
     capsys.readouterr()
     assert cli_main(["rm", "eval", str(out), str(edata), "--compare", str(out), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -504,6 +576,22 @@ def test_hf_sampler_and_prm_cli(tmp_path, capsys):
     assert rc == 0
     calib = [json.loads(x) for x in (tmp_path / "calib.jsonl").read_text().splitlines()]
     assert len(calib) == 12 * N_STEPS and {c["condition"] for c in calib} == {"0", "1", "2", "3"}
+    # with the PRM's hidden state at each step end (conditional_ot's features) and one row per held-out prompt
+    rc = cli_main(["prm", "train", "--records", str(tmp_path / "steps.jsonl"), "--backbone", "bag:4",
+                   "--out", str(tmp_path / "prm3"), "--lr", "3e-2", "--epochs", "1",
+                   "--calibration-out", str(tmp_path / "calib2.jsonl"), "--calibration-features",
+                   "--calibration-prompts"])
+    assert rc == 0
+    calib = [json.loads(x) for x in (tmp_path / "calib2.jsonl").read_text().splitlines()]
+    steps_rows = [c for c in calib if c["condition"] != "prompt"]
+    prompt_rows = [c for c in calib if c["condition"] == "prompt"]
+    assert len(steps_rows) == 12 * N_STEPS and 1 <= len(prompt_rows) <= 12
+    width = len(calib[0]["features"])
+    assert width > 0 and all(len(c["features"]) == width for c in calib)
+    assert all(0.0 <= c["outcome"] <= 1.0 for c in prompt_rows)
+    rc = cli_main(["calibrate", str(tmp_path / "calib2.jsonl"), "--method", "conditional_ot", "--features-field",
+                   "features", "--out", str(tmp_path / "cal2.json")])
+    assert rc == 0
 
 
 # ------------------------------------------------------------------------------------------------ in `postrl train`
@@ -550,3 +638,92 @@ def test_parquet_preferences(tmp_path):
                              "annotator": [0.5, 1.5]}), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match=r"row 1: field 'annotator' must be a string or integer id, got float"):
         read_preferences(tmp_path / "bad.parquet")
+
+
+class _BiasJudge:
+    """A local OpenAI-compatible endpoint standing in for an LLM judge: a comparison whose task carries a
+    bandwagon cue ('Most people prefer') is likely biased (score 9 of 10), others not (1); 'BROKEN' replies
+    without a score."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        requests = self.requests = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                requests.append(body)
+                user = body["messages"][-1]["content"]
+                text = ('{"grade": 1}' if "BROKEN" in user else
+                        '{"score": 9, "reason": "bandwagon"}' if "Most people prefer" in user else '{"score": 1}')
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_cli_rm_train_judged_by_an_llm_judge_endpoint_and_by_a_function(tmp_path, capsys, monkeypatch):
+    rows = []
+    for p in judged_pairs(120, 5):
+        cue = "Most people prefer c. " if p.bias >= 0.5 else ""
+        rows.append({"prompt": cue, "chosen": p.chosen, "rejected": p.rejected})
+    data = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    judge = _BiasJudge()
+    try:
+        out = tmp_path / "rm"
+        rc = cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(out), "--lr", "3e-2",
+                       "--rationality", "judged", "--bias-judge", judge.url, "--bias-judge-model", "critic",
+                       "--eval-fraction", "0.25", "--max-length", "32"])
+        text = capsys.readouterr().out
+        assert rc == 0 and "bias judge: 90 pairs" in text and "comparison betas" in text
+        assert len(judge.requests) == 90 and judge.requests[0]["model"] == "critic"
+        assert "cognitive bias" in judge.requests[0]["messages"][0]["content"]
+        assert "Preferred response (A):" in judge.requests[0]["messages"][1]["content"]
+        cfg = json.loads((out / "reward_model.json").read_text())
+        assert cfg["rationality"] == "judged"
+        betas = cfg["meta"]["train"]["comparison_betas"]
+        cued = sum(r["prompt"] != "" for r in rows)
+        # score 9 -> p 0.9 -> beta 1 - 0.9 * 0.9 = 0.19; score 1 -> beta 1 - 0.9 * 0.1 = 0.91
+        assert betas["min"] == pytest.approx(0.19) and betas["max"] == pytest.approx(0.91) and 0 < cued < 120
+        broken = write_jsonl(tmp_path / "broken.jsonl", rows[:3] + [{**rows[3], "chosen": "BROKEN"}])
+        rc = cli_main(["rm", "train", str(broken), "--backbone", "bag:4", "--out", str(tmp_path / "x"),
+                       "--rationality", "judged", "--bias-judge", judge.url, "--eval-fraction", "0"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.count("\n") == 0 and "no bias probability for 1 of 4 pairs; first: row 4" in err
+    finally:
+        judge.close()
+    # any judge postrl can call: a function (system, user) -> reply text, e.g. a local model
+    (tmp_path / "my_judge.py").write_text("def judge(system, user):\n"
+                                          "    return '{\"score\": 8}' if 'Most people' in user else '{\"score\": 0}'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out2 = tmp_path / "rm2"
+    assert cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(out2), "--rationality", "judged",
+                     "--bias-judge", "my_judge:judge", "--eval-fraction", "0", "--max-length", "32"]) == 0
+    betas = json.loads((out2 / "reward_model.json").read_text())["meta"]["train"]["comparison_betas"]
+    assert betas["min"] == pytest.approx(1 - 0.9 * 0.8) and betas["max"] == pytest.approx(1.0)
+    assert betas["likely_biased"] == pytest.approx(sum(r["prompt"] != "" for r in rows) / 120)
+    capsys.readouterr()
+    # the offline route: the precomputed column; without it, one line naming the row
+    nocol = write_jsonl(tmp_path / "nocol.jsonl", rows[:4])
+    rc = cli_main(["rm", "train", str(nocol), "--backbone", "bag:4", "--out", str(tmp_path / "y"),
+                   "--rationality", "judged", "--eval-fraction", "0"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "row 1: no bias score" in err
+    assert cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(tmp_path / "z"),
+                     "--bias-judge", "my_judge:judge"]) == 2
+    assert "add --rationality judged" in capsys.readouterr().err

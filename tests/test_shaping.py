@@ -14,11 +14,11 @@ from postrl.errors import ConfigError
 
 from postrl import registry
 from postrl.stages import Stage, call_stage
-from postrl.reasoning_steps import split_steps, step_lengths, step_token_ends
+from postrl.reasoning_steps import split_steps, step_token_ends
 from postrl.shaping import weighted_sum
 from postrl.stages import StepEnd, build, load_state, reads, state_of
 from postrl.shaping.length import (AdaptiveLengthCoef, LaserD, conciseness_gated, cosine_length, grpo_lambda,
-                                   kimi_length, laser, overlong_soft, step_length_regularizer, truncation_penalty)
+                                   kimi_length, laser, overlong_soft, truncation_penalty)
 from postrl.shaping.process import clip_prm, delta_prm, gated, min_form, potential
 from postrl.shaping.transforms import (DatasetMedian, RunningNorm, centered, ensemble_mean, ensemble_min,
                                        ensemble_uwo, par)
@@ -238,6 +238,42 @@ def test_truncation_penalty_zeroes_over_cap():
     close(out["rewards"], [[1.0, 0.5], [1.0, 0.5], [nan, 1.0]])
 
 
+def test_difficulty_truncation_tightens_cap_on_easy_prompts():
+    from postrl.shaping.length import difficulty_truncation
+
+    # max_length 100, tighten 0.5: group 0 all correct -> cap floor(100 (1 - 0.5)) = 50; group 1 half correct
+    # -> 75; group 2 none correct -> 100 (the plain truncation cap)
+    r = T([[1.0], [1.0], [1.0], [0.0], [0.0], [0.0]])
+    L = T([40.0, 60.0, 70.0, 80.0, 90.0, 99.0])
+    tr = T([False] * 6)
+    g = T([0, 0, 1, 1, 2, 2])
+    out = difficulty_truncation(r, ["correct"], L, tr, g, max_length=100)
+    close(out["truncation_cap"], [50, 50, 75, 75, 100, 100])
+    close(out["rewards"], [[1.0], [0.0], [1.0], [0.0], [0.0], [0.0]])  # 60 > 50 zeroed; 70 <= 75 kept
+    # the plain DLER truncation with the same cap zeroes nothing here
+    close(truncation_penalty(r, ["correct"], L, tr, max_length=100)["rewards"], r)
+    # min_length floors the cap; a truncated completion is over the cap; NaN stays NaN
+    out = difficulty_truncation(T([[1.0], [nan]]), ["correct"], T([30.0, 5.0]), T([False, True]), T([0, 0]),
+                                max_length=100, tighten=0.9, min_length=40)
+    close(out["truncation_cap"], [40, 40])  # acc over finite entries = 1 -> floor(100 * 0.1) = 10 -> 40
+    close(out["rewards"], [[1.0], [nan]])
+    with pytest.raises(ConfigError, match="max_length: required"):
+        difficulty_truncation(r, ["correct"], L, tr, g)
+
+
+def test_difficulty_truncation_cap_defaults_to_max_new_tokens():
+    from postrl.config import load_config
+
+    cfg = load_config(None, ["rollout.max_new_tokens=48",
+                             "shaping=[{name: difficulty_truncation}, {name: weighted_sum}]"])
+    assert cfg.shaping[0].params["max_length"] == 48
+    with pytest.raises(ConfigError, match="tighten: expected a value >= 0 and < 1, got 1.5"):
+        load_config(None, ["shaping=[{name: difficulty_truncation, tighten: 1.5}, {name: weighted_sum}]"])
+    with pytest.raises(ConfigError, match="expected min_length <= max_length"):
+        load_config(None, ["rollout.max_new_tokens=16",
+                           "shaping=[{name: difficulty_truncation, min_length: 20}, {name: weighted_sum}]"])
+
+
 def test_laser_step_bonus():
     r = T([[1.0], [1.0], [0.0], [nan]])
     out = laser(r, ["correct"], T([1.0]), T([3.0, 9.0, 2.0, 2.0]), target_length=5, alpha=0.5)
@@ -345,48 +381,6 @@ def test_stateful_shaping_changes_state_once_per_step(name, state):
     assert getattr(many.fn, state) == getattr(one.fn, state)
 
 
-def test_step_length_regularizer_hand_value():
-    # row 0: steps of 1 and 3 tokens (ends 0, 3); row 1: one step of 8 tokens (end 7); row 2: no steps
-    ends = T([[0, 3], [7, -1], [-1, -1]])
-    out = step_length_regularizer(T([[1.0]] * 3), ["c"], T([1.0]), ends, ratio=0.5, coef=1.0)
-    x = [0.0, math.log(3.0), math.log(8.0)]
-    mu = sum(x) / 3
-    sd = math.sqrt(sum((v - mu) ** 2 for v in x) / 3)
-    d = math.log(0.5)
-
-    def log_ratio(v):  # log N(v; mu, sd) - log N(v; mu + d, sd): P over the target Q (each length halved)
-        return (-(v - mu) ** 2 + (v - mu - d) ** 2) / (2 * sd * sd)
-
-    expect = [-(log_ratio(x[0]) + log_ratio(x[1])) / 2, -log_ratio(x[2]), 0.0]
-    close(out["rewards"][:, 1], expect, 1e-6)
-    close(step_lengths(ends), [[1.0, 3.0], [8.0, nan], [nan, nan]])
-
-
-def test_step_length_regularizer_prefers_shorter_steps():
-    """4 steps of 5, 20 and 80 tokens: short > typical > long (the old histogram KL gave short and long the same
-    penalty, -0.186, and typical -0.037); scaling every length leaves the rewards unchanged."""
-    def ends(n):
-        return [n * (j + 1) - 1 for j in range(4)]
-
-    def reward(lengths, **kw):
-        e = T([ends(n) for n in lengths])
-        return step_length_regularizer(torch.zeros(len(lengths), 1), ["c"], T([1.0]), e, **kw)["rewards"][:, 1]
-
-    for ratio in (0.5, 0.8, 0.95):
-        short, typical, long = reward([5, 20, 80], ratio=ratio).tolist()
-        assert short > typical > long, (ratio, short, typical, long)
-    close(reward([10, 40, 160]), reward([5, 20, 80]), 1e-6)
-    g = torch.Generator().manual_seed(0)  # one completion's steps vs the others: longer steps, lower reward
-    base = torch.randint(3, 30, (12,), generator=g).tolist()
-    r = reward(base)
-    order = torch.tensor(base).argsort()
-    assert (r[order].diff() <= 1e-9).all()
-    same = reward([5, 5, 5])
-    close(same, same[:1].expand(3))  # one length: no preference
-    with pytest.raises(ConfigError, match=r"^shaping.min_sd: expected a value > 0, got 0.0$"):
-        build("shaping", "step_length_regularizer", {"min_sd": 0.0})
-
-
 # ------------------------------------------------------------------------------------------------ steps
 
 
@@ -415,7 +409,7 @@ def test_every_methods_md_shaping_entry_is_registered_with_a_docstring():
     want = ["weighted_sum", "par", "centered", "running_norm", "clip_prm", "delta_prm", "min_form", "gated",
             "ensemble_mean", "ensemble_min", "ensemble_uwo", "dataset_median", "overlong_soft", "truncation_penalty",
             "laser", "laser_d", "grpo_lambda", "kimi_length", "cosine_length", "conciseness_gated",
-            "adaptive_length_coef", "step_length_regularizer", "potential"]
+            "adaptive_length_coef", "potential"]
     for name in want:
         e = registry.entry("shaping", name)
         assert e.description and e.source, name

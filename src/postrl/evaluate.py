@@ -1,5 +1,6 @@
 """Held-out evaluation: greedy accuracy, unbiased pass@k, mean completion length; of single completions or, when
-the run names an environment, of multi-turn episodes (:func:`episode_runner`)."""
+the run names an environment, of multi-turn episodes (:func:`episode_runner`); instance-adaptive Best-of-N with a
+calibrated PRM (:func:`evaluate_ias`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from math import comb
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from postrl.batch import RolloutBatch
@@ -45,7 +47,8 @@ def episode_runner(backend, tokenizer, environment: Any, chat_template: str = "a
         return episodes.rollout(ctx, rows, k, [stable_hash(seed, i) % 2**62 for i in range(len(rows))],
                                  lambda: make_environment(env.name, env.params), max_turns=env.max_turns,
                                  max_total_tokens=env.max_total_tokens,
-                                 group_ids=torch.arange(len(rows)).repeat_interleave(k), chat_template=chat_template)
+                                 group_ids=torch.arange(len(rows)).repeat_interleave(k), chat_template=chat_template,
+                                 step_timeout=getattr(env, "step_timeout", None))
 
     return run
 
@@ -74,6 +77,10 @@ def _evaluate_episodes(episodes: Episodes, rows: list[dict], *, max_new_tokens: 
         "truncated": float(greedy.truncated.float().mean()) if rows else 0.0,
         "n": len(rows),
     }
+    reported = greedy.columns.get("env_scores") or []
+    for name in sorted({key for sc in reported for key in sc}):
+        vals = [sc[name] for sc in reported if name in sc]
+        out[f"env/{name}"] = sum(vals) / len(vals)
     if k > 1:
         sampled = episode_success(episodes(rows, k, SamplingParams(max_new_tokens=max_new_tokens,
                                                                    temperature=temperature, stop=stops), seed + 1))
@@ -102,7 +109,9 @@ def evaluate(backend, tokenizer, source: PromptSource, rows: list[dict], *, max_
     environment reward is >= 1 (:func:`episode_success`; the environment's own check, e.g. the calculator's answer
     turn, so environments without a task verifier are scored too): ``scored_by`` is "environment", ``reward`` the
     greedy episodes' mean environment reward, ``turns`` their mean number of model turns, ``mean_length`` their mean
-    number of model tokens, ``truncated`` the fraction the environment did not end. Prompts are not cut there (as
+    number of model tokens, ``truncated`` the fraction the environment did not end, and ``env/<name>`` the mean of
+    each named score the environment reported (``info['scores']``) over the greedy episodes that reported it (e.g.
+    ``adversarial_user``'s consistency and its parts). Prompts are not cut there (as
     in multi-turn training: ``environment.max_total_tokens`` bounds an episode)."""
     if episodes is not None:
         return _evaluate_episodes(episodes, rows, max_new_tokens=max_new_tokens, k=k, temperature=temperature,
@@ -147,3 +156,56 @@ def evaluate(backend, tokenizer, source: PromptSource, rows: list[dict], *, max_
         out["pass@1"] = p1 / max(1, len(rows))
         out[f"pass@{k}"] = pk / max(1, len(rows))
     return out
+
+
+def evaluate_ias(backend, tokenizer, rows: list[dict], prm: Any, *, calibrator: Any = None, target: float = 0.95,
+                 quantile: float = 0.1, n_min: int = 1, n_max: int = 16, condition: str | None = "prompt",
+                 max_new_tokens: int, temperature: float = 1.0, seed: int = 0, chat_template: str = "auto",
+                 stop: list[str] | None = None, score: Callable[[list[str], list[dict]], list[float]] | None = None
+                 ) -> dict:
+    """Instance-adaptive Best-of-N (:mod:`postrl.calibration.ias`) on ``rows`` against fixed Best-of-``n_max``.
+
+    Per problem: the PRM ``prm`` (a ``postrl prm train`` model) reads the prompt (``prompt_scores``: its score
+    and hidden state); the success bound p_i = ``success_bound(calibrator, score, quantile, condition,
+    features=hidden when the calibrator was fitted with features)``; N_i = ``ias_samples(p_i, target, n_min,
+    n_max)``. ``n_max`` completions are sampled per problem once (at ``temperature``); IAS keeps the first N_i,
+    fixed Best-of-N all n_max, and each answers with the completion the PRM scores highest (``prm.score``, its
+    own step reduction). A completion is correct when the row's task verifier (or ``score(completions, rows)``)
+    gives it >= 1. Returns ``ias/accuracy``, ``ias/mean_n``, ``ias/compute_saved`` (1 - mean_n / n_max),
+    ``ias/oracle`` (a correct completion among the N_i), ``ias/fixed_accuracy`` and ``ias/fixed_oracle``
+    (Best-of-n_max), ``ias/mean_bound`` (mean p_i), ``ias/n_hist`` (problems per N)."""
+    from postrl.calibration import ias_samples, success_bound
+
+    if not rows:
+        return {}
+    prompts = [r["prompt"] for r in rows]
+    sc, hidden = prm.prompt_scores(prompts)
+    feats = hidden.numpy() if getattr(calibrator, "n_features", 0) else None
+    conds = [condition] * len(rows) if condition is not None else None
+    bound = success_bound(calibrator, sc.numpy(), quantile=quantile, conditions=conds, features=feats)
+    n = ias_samples(bound, target=target, n_min=n_min, n_max=n_max)
+    ids = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
+    gen = backend.generate(ids, n_max, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                      stop=list(stop or [])), seed + 2)
+    all_rows = [r for r in rows for _ in range(n_max)]
+    if score is not None:
+        ok = [float(x) >= 1.0 if x is not None and math.isfinite(float(x)) else False
+              for x in score(gen.texts, all_rows)]
+    else:
+        ok = [float(verify_row(t, r) or 0.0) >= 1.0 for t, r in zip(gen.texts, all_rows)]
+    ps = prm.score([p for p in prompts for _ in range(n_max)], gen.texts)[:, 0]
+    ps = torch.nan_to_num(ps.float(), nan=-math.inf).reshape(len(rows), n_max)
+    okt = torch.tensor(ok, dtype=torch.bool).reshape(len(rows), n_max)
+    keep = torch.arange(n_max)[None, :] < torch.as_tensor(n)[:, None]
+    pick_ias = torch.where(keep, ps, torch.full_like(ps, -math.inf)).argmax(-1)
+    pick_all = ps.argmax(-1)
+    rng = torch.arange(len(rows))
+    hist: dict[str, int] = {}
+    for k in n.tolist():
+        hist[str(k)] = hist.get(str(k), 0) + 1
+    return {"ias/accuracy": float(okt[rng, pick_ias].float().mean()),
+            "ias/oracle": float((okt & keep).any(-1).float().mean()),
+            "ias/mean_n": float(np.mean(n)), "ias/compute_saved": float(1.0 - np.mean(n) / n_max),
+            "ias/fixed_accuracy": float(okt[rng, pick_all].float().mean()),
+            "ias/fixed_oracle": float(okt.any(-1).float().mean()),
+            "ias/mean_bound": float(np.mean(bound)), "ias/n_hist": hist, "ias/target": target, "ias/n_max": n_max}

@@ -14,12 +14,22 @@ the stage's own (:func:`postrl.stages.check_params`). Built in:
     turn_info_gain     [N, K]    pi(answer | q, h_k) - pi(answer | q, h_{k-1}), turn k of an episode (turn_igpo)
     greedy_reward      [N]       reward (same rewards and shaping) of the greedy completion of the row's prompt (remax)
     completion_hidden  [N, T, H] last hidden state at each completion position (gae's value head)
+    token_hidden       [N, T, H] last hidden state after each completion token (chi2_occupancy's discriminator)
     red_token_reward       [N, T] RM(q, o_<=t) - RM(q, o_<t) of the stage's ``reward_model`` (red)
     attention_token_reward [N, T] the stage's ``reward_model`` score spread by its last-layer attention
                                   (attention_credit)
+    critic_token_reward    [N, T] an LLM critic's span scores spread over the spans' tokens (critic_dense)
+    mle_token_reward       [N, T] log p_MLE(y_t | x, y_<t) of the stage's ``mle_model`` (teacher_forcing)
+    occlusion_token_reward [N, T] the run's reward attributed to the tokens by occlusion, re-scoring copies
+                                  through ``ctx.score`` (occlusion_credit)
 
-The last two (registered in :mod:`postrl.rewards.dense`) use a reward model that is the stage's own (its
-``reward_model`` folder), not the policy: of the context they use only the policy's tokenizer.
+The next four (registered in :mod:`postrl.rewards.dense`, :mod:`postrl.rewards.critic` and
+:mod:`postrl.rewards.teacher`) use a model that is the stage's own (a ``reward_model`` folder, a critic, an
+``mle_model`` folder), not the policy: of the context they use only the policy's tokenizer (and chat template).
+``occlusion_token_reward`` (:mod:`postrl.shaping.attribution`) uses the context's tokenizer and ``score``.
+The regularisers' fields are produced the same way, once per step before the update (``Step.advantages``):
+``icr_target`` [N] (:mod:`postrl.losses.icr`, no model call) and ``srpo_contrast`` [N, T]
+(:mod:`postrl.losses.srpo`, three no-grad forwards of the policy).
 """
 
 from __future__ import annotations
@@ -143,7 +153,7 @@ def greedy_reward(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
     g = RolloutBatch(prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
                      completion_mask=gen.completion_mask.float(), group_ids=torch.arange(len(rows)),
                      sampler_logprobs=gen.logprobs, truncated=gen.truncated, prompts=[batch.prompts[i] for i in rows],
-                     completions=[(prefix[i] if prefix else "") + t for i, t in zip(rows, gen.texts)],
+                     completions=[((prefix[i] or "") if prefix else "") + t for i, t in zip(rows, gen.texts)],
                      columns={k: [v[i] for i in rows] for k, v in batch.columns.items()})
     ctx.score(g)
     return g.reward.float()[inv]
@@ -153,6 +163,14 @@ def greedy_reward(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
 def completion_hidden(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
     """Last hidden state [N, T, H] at the position that predicts each completion token."""
     return ctx.completion_hidden(batch)
+
+
+@register("field", "token_hidden", source="the policy's last hidden state after each completion token")
+def token_hidden(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
+    """Last hidden state [N, T, H] at each completion token's own position (after reading it).
+
+    The features of the (prefix, token) pair, a sample of the state-action occupancy (chi2_occupancy)."""
+    return ctx.completion_hidden(batch, after=True)
 
 
 def produce(ctx: ModelContext, batch: RolloutBatch, stage: Stage) -> None:

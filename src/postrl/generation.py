@@ -115,6 +115,32 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def decorate_prompt(prompt: str | list[dict], *, system: str | None = None, prefix: str = "",
+                    suffix: str = "") -> str | list[dict]:
+    """``prompt`` with instructions around it, as a prior prompt or a prompt template writes them.
+
+    The query's text becomes ``prefix + query + suffix``: a string prompt's whole text, a conversation's last user
+    message (a conversation without a user message gets them on its last message). ``system`` (None: none) makes
+    the prompt a conversation that opens with a system message (a string prompt becomes ``[{system}, {user:
+    text}]``, rendered with the tokenizer's chat template, which it then needs: ``encode_prompt`` says so); a
+    conversation that already opens with a system message gets ``system + "\\n\\n"`` before that message's
+    content. Returns a new object; ``prompt`` is not changed."""
+    if isinstance(prompt, str):
+        text = f"{prefix}{prompt}{suffix}"
+        return text if system is None else [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    msgs = [dict(m) for m in prompt]
+    if prefix or suffix:
+        users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
+        j = users[-1] if users else len(msgs) - 1
+        msgs[j]["content"] = f"{prefix}{msgs[j]['content']}{suffix}"
+    if system is not None:
+        if msgs and msgs[0].get("role") == "system":
+            msgs[0]["content"] = f"{system}\n\n{msgs[0]['content']}"
+        else:
+            msgs.insert(0, {"role": "system", "content": system})
+    return msgs
+
+
 def encode_prompt(tokenizer, text: str | list[dict], chat_template: str = "auto") -> list[int]:
     """Token ids of a prompt: the tokenizer's chat template (one user turn, generation prompt) when it has one
     and ``chat_template='auto'``; the plain text otherwise. A conversation (a list of ``{role, content}``

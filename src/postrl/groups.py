@@ -8,6 +8,7 @@ and count only the rows marked valid.
     mean, std, n = group_stats(x, group_ids, valid)      # per-row group mean, unbiased std, valid count
     mean, lo, hi, n = group_moments(x, group_ids)        # over the finite entries of x
     lo, hi = group_minmax(x, group_ids, valid)
+    corr, defined = group_corr(x, y, group_ids, valid)   # Pearson correlation within each group
     first, inv = group_first_rows(group_ids)             # first row of each group [ng]
     gids = dense_ids(values)                             # any hashable ids (verl's uid strings) -> [N] long
 """
@@ -87,3 +88,26 @@ def group_first_rows(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     n = inv.numel()
     first = torch.full((ng,), n, dtype=torch.long).scatter_reduce(0, inv, torch.arange(n), "amin")
     return first, inv
+
+
+def group_corr(x: torch.Tensor, y: torch.Tensor, group_ids: torch.Tensor,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pearson correlation of ``x`` and ``y`` within each group, over its valid rows: (per-row correlation [N]
+    float64, defined [N] bool).
+
+    corr_g = sum (x - mean_g x)(y - mean_g y) / sqrt(sum (x - mean_g x)^2 sum (y - mean_g y)^2) over the valid rows
+    of group g; defined when the group has >= 2 valid rows and both x and y take more than one value among them
+    (exact: min != max), NaN otherwise."""
+    v = torch.ones(x.shape[0], dtype=torch.bool) if valid is None else valid.bool()
+    x, y = x.to(torch.float64), y.to(torch.float64)
+    mx, _, n = group_stats(x, group_ids, v)
+    my, _, _ = group_stats(y, group_ids, v)
+    inv, ng = group_index(group_ids)
+    dx = torch.where(v, x - mx, torch.zeros_like(x))
+    dy = torch.where(v, y - my, torch.zeros_like(y))
+    cov, vx, vy = group_sum(dx * dy, inv, ng)[inv], group_sum(dx * dx, inv, ng)[inv], group_sum(dy * dy, inv, ng)[inv]
+    lo_x, hi_x = group_minmax(x, group_ids, v)
+    lo_y, hi_y = group_minmax(y, group_ids, v)
+    defined = (n >= 2) & (hi_x > lo_x) & (hi_y > lo_y)
+    corr = cov / (vx * vy).sqrt().clamp(min=1e-300)
+    return torch.where(defined, corr, torch.full_like(corr, math.nan)), defined

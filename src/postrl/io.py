@@ -68,3 +68,22 @@ def load_object(path: str, what: str) -> Any:
             raise ConfigError(f"{what} '{path}': module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
     return obj
+
+
+_TRUE = {"true", "yes", "1"}
+_FALSE = {"false", "no", "0", ""}
+
+
+def column_flag(value: Any, where: str) -> bool:
+    """A data column's yes/no value: a bool, a number (non-zero: yes), a string (true/yes/1 or false/no/0/empty,
+    any case: a CSV file's cells) or None (missing: no); anything else is one :class:`~postrl.errors.DataError`
+    line naming ``where``."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value != 0
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise DataError(f"{where}: expected true or false, got {value!r}")

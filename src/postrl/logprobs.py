@@ -2,7 +2,8 @@
 
 Every path that needs log pi(o_t | q, o_<t) (the update, the reference and old-policy log-probs, the field
 producers, the sampler's top-p / top-k filter) goes through :func:`completion_logprobs` (or, for the filter,
-:func:`filter_logits`), usually through :class:`postrl.context.ModelContext`. The CPU speed layer
+:func:`filter_logits`; from logits another program computed, :func:`filtered_token_logprobs`), usually through
+:class:`postrl.context.ModelContext`. The CPU speed layer
 (:mod:`postrl.accel`) computes the same logits faster and passes them in (``logits=``).
 """
 
@@ -79,16 +80,35 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids)
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    norm = logz
-    if top_p < 1.0 or top_k > 0:
-        with torch.no_grad():
-            removed = torch.isinf(filter_logits(logits.detach(), top_p, top_k, keep=completion_ids))
-        norm = torch.logsumexp(logits.masked_fill(removed, float("-inf")), dim=-1)
-    logp = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - norm
+    logp, _ = filtered_token_logprobs(logits, completion_ids, top_p, top_k)
     ent = None
     if with_entropy:
         with torch.no_grad() if not entropy_grad else nullcontext():
-            p = torch.softmax(logits, dim=-1)
-            ent = logz - (p * logits).sum(-1)
+            ent = logits_entropy(logits)
     return (logp, ent, logits) if return_logits else (logp, ent)
+
+
+def logits_entropy(scaled: torch.Tensor) -> torch.Tensor:
+    """Entropy [...] of the (unfiltered) distribution softmax(scaled) [..., V]: logsumexp(z) - sum_v p_v z_v."""
+    return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+
+
+def filtered_token_logprobs(scaled: torch.Tensor, ids: torch.Tensor, top_p: float = 1.0,
+                            top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log q(ids) [...], log M [...]) from temperature-scaled logits ``scaled`` [..., V] and token ids [...].
+
+    q is the top-k / top-p filtered distribution renormalised over the kept set K (:func:`filter_logits`, the
+    token ``ids`` always kept): log q_t = z_t - logsumexp_{v in K} z_v; differentiable through the kept logits
+    (the kept set itself is not differentiated). log M_t = logsumexp_{v in K} z_v - logsumexp_v z_v <= 0 is the
+    log of the unfiltered probability mass the filter kept (no gradient), so log q = log pi - log M. Without a
+    filter (top_p 1, top_k 0): log q = log_softmax(z) at ``ids`` and log M = 0. Every path that renormalises
+    (postrl's trainer, the TRL adapter, the verl plug-in, ``postrl check-logprobs``) goes through this function.
+    """
+    logz = torch.logsumexp(scaled, dim=-1)
+    norm = logz
+    if top_p < 1.0 or top_k > 0:
+        with torch.no_grad():
+            removed = torch.isinf(filter_logits(scaled.detach(), top_p, top_k, keep=ids))
+        norm = torch.logsumexp(scaled.masked_fill(removed, float("-inf")), dim=-1)
+    logp = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - norm
+    return logp, (norm - logz).detach()

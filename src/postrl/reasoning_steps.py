@@ -7,7 +7,8 @@ step has content. A completion without a delimiter is one step; an empty complet
 
 ``split_steps`` gives the steps' text (what a process reward scores, without the delimiter) and
 ``step_token_ends`` the index of the last token of each step in the completion (what ``RolloutBatch.step_ends``
-holds), so that a per-step score can be placed on the token where its step ends.
+holds), so that a per-step score can be placed on the token where its step ends; ``token_char_ends`` maps tokens
+to the characters of their decoded text.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def split_steps(text: str, delimiter: str = "\n\n") -> list[str]:
     return [text[s:c] for s, c, _ in step_spans(text, delimiter)]
 
 
-def _char_ends(ids: list[int], tokenizer, text: str) -> list[int]:
-    """Number of text characters covered after each token (exact; fast path when pieces concatenate)."""
+def token_char_ends(ids: list[int], tokenizer, text: str) -> list[int]:
+    """Number of characters of ``text`` (the decoded ``ids``, special tokens skipped, or a prefix of it) covered
+    after each token (exact; fast path when the pieces concatenate)."""
     pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=True)
     if "".join(pieces).startswith(text):
         out, acc = [], 0
@@ -66,7 +68,7 @@ def step_token_ends(completion_ids: torch.Tensor, lengths: torch.Tensor, texts: 
             rows.append([])
             continue
         ids = completion_ids[i, :L].tolist()
-        ends = _char_ends(ids, tokenizer, text)
+        ends = token_char_ends(ids, tokenizer, text)
         row, t = [], 0
         for _, _, end in spans:
             while t < L - 1 and ends[t] < end:
@@ -81,10 +83,3 @@ def step_token_ends(completion_ids: torch.Tensor, lengths: torch.Tensor, texts: 
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
 
-
-def step_lengths(step_ends: torch.Tensor) -> torch.Tensor:
-    """Tokens per step from ``step_ends`` [N, S] (-1 padded): float [N, S], NaN where there is no step."""
-    valid = step_ends >= 0
-    prev = torch.cat([torch.full_like(step_ends[:, :1], -1), step_ends[:, :-1]], dim=1)
-    n = (step_ends - prev).to(torch.float32)
-    return torch.where(valid, n, torch.full_like(n, float("nan")))

@@ -24,7 +24,7 @@ from postrl.errors import ConfigError
 from postrl.io import load_object
 
 KINDS = ("reward", "shaping", "filter", "selector", "sampling", "expansion", "advantage", "loss", "regularizer",
-         "aggregation", "kl", "task", "environment", "field")
+         "aggregation", "kl", "preference", "task", "environment", "field")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Entry:
     fn: Any
     description: str
     source: str
-    needs: tuple[str, ...] = ()
+    needs: tuple[str, ...] | Callable = ()
     check: Any = None
 
 
@@ -53,13 +53,16 @@ def _check_kind(kind: str) -> None:
 
 
 def register(kind: str, name: str | None = None, *, source: str = "", description: str | None = None,
-             needs: tuple[str, ...] = (), check: Callable | None = None) -> Callable:
+             needs: tuple[str, ...] | Callable = (), check: Callable | None = None) -> Callable:
     """Decorator registering ``fn`` under ``kind``/``name`` (default: the function's name).
 
     ``source`` names the paper or anchor the method comes from; ``description`` defaults to the docstring's
     first line; ``needs`` declares what the stage requires of the run, checked at start-up
     (``postrl.step``): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
-    sandbox). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
+    sandbox), ``reference_reset`` (the driver copies the policy into its reference model when the stage asks, through
+    ``StepEnd.reset_reference``), ``teacher`` (the teacher model, ``model.teacher.path``: the trainer loads it only for
+    such a stage); a function of the validated parameters when that depends on them
+    (``needs=lambda params: ...``). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
     (``run``: the config being read, or None; ``where``: the config key), called when the config is read; it raises ``ConfigError`` naming the keys and returns
     the parameters with what it derived from the run filled in. Registering a name twice replaces the earlier entry
     only if it is the same object (re-import).
@@ -71,7 +74,8 @@ def register(kind: str, name: str | None = None, *, source: str = "", descriptio
         old = _REGISTRY[kind].get(key)
         if old is not None and getattr(old.fn, "__qualname__", None) != getattr(fn, "__qualname__", None):
             raise ValueError(f"{kind} '{key}' is already registered by {old.fn!r}")
-        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source, tuple(needs), check)
+        _REGISTRY[kind][key] = Entry(kind, key, fn, description or _first_line(fn), source,
+                                     needs if callable(needs) else tuple(needs), check)
         return fn
 
     return deco

@@ -27,8 +27,9 @@ parameters of the producers of the fields it reads.
 
 Kinds (``registry.KINDS``): reward, shaping, filter (keep mask), selector (prompt choice), sampling (a plan of
 per-completion sampling temperatures), expansion (new groups from existing completions), advantage, loss,
-regularizer, aggregation, task, environment, field (a producer of a batch field). The config's ``filters`` list
-names stages of the four batch-selection kinds (:data:`FILTER_KINDS`).
+regularizer, aggregation, kl, preference (an offline pairwise loss of ``postrl dpo``), task, environment, field (a
+producer of a batch field). The config's ``filters`` list names stages of the four batch-selection kinds
+(:data:`FILTER_KINDS`).
 """
 
 from __future__ import annotations
@@ -259,15 +260,23 @@ def check_params(kinds: str | tuple[str, ...], name: str, params: Mapping[str, A
     return out
 
 
+def _no_reset() -> None:
+    raise ConfigError("a stage asked for a reference reset, which this driver does not offer (a stage that needs it "
+                      "declares needs=('reference_reset',) and the driver refuses it at start-up)")
+
+
 @dataclass
 class StepEnd:
     """What ``Stateful.end_step`` receives: the step's metrics (reduced over processes), ``all_reduce_mean``, which
-    averages a tensor in place over processes, and ``gather``, which returns every process's picklable object in
-    rank order (both no-ops on one process)."""
+    averages a tensor in place over processes, ``gather``, which returns every process's picklable object in
+    rank order (both no-ops on one process), and ``reset_reference``, which copies the policy into the driver's
+    reference model (offered only by a driver that owns one; a stage that may call it declares
+    ``needs=('reference_reset',)``, which a driver without it refuses when the stage is built)."""
 
     metrics: Mapping[str, Any] = field(default_factory=dict)
     all_reduce_mean: Callable[[Any], None] = lambda t: None
     gather: Callable[[Any], list] = lambda obj: [obj]
+    reset_reference: Callable[[], None] = _no_reset
 
 
 class Stateful:
@@ -363,9 +372,11 @@ def build(kind: str | tuple[str, ...], name: str, params: Mapping[str, Any] | No
     validated by :func:`check_params` (``where``: the config key named in an error, default the kind).
 
     A class is instantiated once with its parameters; a function keeps them for every call. The parameters of the
-    producers of the fields it reads go to ``field_params``."""
+    producers of the fields it reads go to ``field_params``. ``needs`` registered as a function of the parameters
+    (``needs=lambda params: ...``) is resolved here."""
     entry = registry.find(kind, name)
     params = check_params(entry.kind, name, dict(params or {}), where or entry.kind)
+    needs = tuple(entry.needs(params)) if callable(entry.needs) else entry.needs
     fn = entry.fn
     prod = producer_parameters(fn)
     own_names = parameters(fn)
@@ -373,7 +384,7 @@ def build(kind: str | tuple[str, ...], name: str, params: Mapping[str, Any] | No
     params = {k: v for k, v in params.items() if k not in field_params}
     if inspect.isclass(fn):
         fn, params = fn(**params), {}
-    return Stage(entry.kind, name, fn, params, reads(fn), entry.needs, label, field_params)
+    return Stage(entry.kind, name, fn, params, reads(fn), needs, label, field_params)
 
 
 def build_all(kind: str | tuple[str, ...], specs: list, section: str | None = None) -> list[Stage]:

@@ -12,14 +12,15 @@ Conventions shared by every estimator here:
   convention, group mean 0 and group std 1 for a group of one (``compute_grpo_outcome_advantage``: A = r / (1 +
   eps); rloo, opo, gpg, reinforce_pp_baseline: the raw reward enters as the centred one);
 - statistics are computed in float64 and returned as float32;
-- inputs an estimator needs beyond the rollout batch (``greedy_reward``, ``token_entropy``, ``values``,
-  ``prompt_logprob``, ``info_gain``) are produced by the trainer (``postrl.train.producers``) when the configured
-  estimator names them as positional parameters.
+- inputs an estimator needs beyond the rollout batch (``greedy_reward``, ``token_entropy``, ``completion_hidden``,
+  ``prompt_logprob``, ``info_gain``) are made by field producers through a model context (:mod:`postrl.fields`)
+  when the configured estimator names them as positional parameters.
 
 Modules: ``outcome`` (anchor-matched outcome estimators: dr_grpo, rloo, reinforce_pp(_baseline), remax, opo, gpg,
-pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, role_aware, mapo, rl_zvp, confidence_scaled,
+pass_at_k), ``gae`` (GAE with a value head), ``shaped`` (gdpo, mapo, rl_zvp, confidence_scaled,
 riskpo, aem, information_gain), ``tournament`` (rank_tournament), ``process`` (step_return: token advantages from
-process step rewards, PURE).
+process step rewards, PURE), ``adora`` (adora: GRPO reweighted per group by a per-prompt utility), ``ares`` (ares:
+window-entropy triggers and a difficulty-aware entropy reward).
 """
 
 from __future__ import annotations
@@ -110,5 +111,6 @@ def grpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | No
 
 # Estimators in submodules register themselves on import.
 from postrl.advantages import (  # noqa: E402,F401
-    entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
+    adora, ares, entropy, gae, outcome, process, shaped, token_rewards, tournament, turns,
 )
+from postrl.advantages import flow  # noqa: E402,F401  (issue 31: RLFR)

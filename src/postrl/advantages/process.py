@@ -1,4 +1,6 @@
-"""Token-level advantages from process (per-step) rewards: each token gets the return of the step it belongs to.
+"""Token-level advantages from process (per-step) rewards: each token gets the return of the step it belongs to
+(``step_return``, PURE), or its trajectory's GRPO advantage weighted by its step's process score
+(``process_weighted``, Signal Reshaping).
 
 The process shaping stages (``clip_prm``, ``delta_prm``, ``min_form``, ``gated``, ``potential``) rewrite the step
 scores ``step_rewards`` [N, S] so that their undiscounted sum from step s is the return the method defines
@@ -8,12 +10,15 @@ of each step. Without a shaping stage the raw step scores give the canonical sum
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from annotated_types import Interval
 
-from postrl.groups import group_index, group_sum
-from postrl.advantages import masked_whiten
+from postrl.errors import ConfigError
+from postrl.groups import group_index, group_sum, valid_mask
+from postrl.advantages import Eps, grpo, masked_whiten
+from postrl.advantages.turns import turn_of_token
 from postrl.registry import register
 
 _PURE = ("Stop Summation: Min-Form Credit Assignment Is All Process Reward Model Needs for Reasoning (PURE); "
@@ -110,3 +115,76 @@ def step_return(step_rewards: torch.Tensor, step_ends: torch.Tensor, rewards: to
     if whiten:
         adv = masked_whiten(adv, m)
     return adv.to(torch.float32)
+
+
+_RESHAPING = "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair"
+
+
+@register("advantage", "process_weighted", source=_RESHAPING, needs=("groups",))
+def process_weighted(reward: torch.Tensor, group_ids: torch.Tensor, completion_mask: torch.Tensor,
+                     valid: torch.Tensor | None = None, turn_scores: torch.Tensor | None = None,
+                     turn_ends: torch.Tensor | None = None, step_rewards: torch.Tensor | None = None,
+                     step_ends: torch.Tensor | None = None, *, steps: Literal["turns", "steps"] = "turns",
+                     beta: Annotated[float, Interval(ge=0, le=1)] = 0.5, normalize: bool = True,
+                     scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
+    """GRPO's group-normalised outcome advantage, spread over a trajectory's steps by their process scores.
+
+    "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair": GRPO's group-normalised advantage is left
+    unchanged and "step-level process scores outside group reward normalization reshape within-trajectory update
+    strength". So the process scores never enter the group statistics: they only decide how the trajectory's
+    advantage is distributed over its steps.
+        A_i      = (r_i - mean_g r) / (std_g r + eps)      (GRPO on the outcome ``reward``, e.g. the layered
+                                                             compile/semantic reward; scale='none': centred only)
+        q_{i,k}  = p_{i,k} if A_i >= 0 else 1 - p_{i,k}    (p = the step's process score in [0, 1], clipped; a
+                                                             missing score is neutral, 0.5)
+        u_{i,k}  = 1 + beta (2 q_{i,k} - 1)                 (in [1 - beta, 1 + beta]; beta 0.5)
+        w_{i,t}  = u_{i,k(t)} / mean_{t' in i} u_{i,k(t')}  (``normalize``, default: the mean over the row's
+                                                             trained tokens is 1, so each trajectory's total update
+                                                             is GRPO's and only its distribution changes)
+        A_{i,t}  = A_i w_{i,t} on the row's trained tokens (``completion_mask``)
+    A successful trajectory pushes hardest on its high-scoring steps, a failed one hardest on its low-scoring
+    steps. Steps (``steps``): 'turns' (default) = the model turns of a multi-turn episode, scores ``turn_scores``
+    (the environment's ``info['process_score']``, e.g. ``code_repair``'s per-attempt layered score), k(t) from
+    ``turn_ends``; 'steps' = the reasoning steps of a single completion, scores ``step_rewards`` (a process reward
+    source's step scores, e.g. a PRM's), each token in the first step whose end ``step_ends`` is >= t (tokens past
+    the last step: the last step). Assumed (the abstract gives no formula): this linear weight, its sign flip for
+    negative advantages, beta 0.5 and the per-trajectory normalisation. beta = 0 is GRPO. A row without any step
+    score keeps weight 1. Rows with ``valid`` False or a NaN reward get 0.
+    Shapes: reward [N], group_ids [N], completion_mask [N, T], turn_scores / turn_ends [N, K] or step_rewards /
+    step_ends [N, S] -> [N, T].
+    """
+    N, T = completion_mask.shape
+    if steps == "turns":
+        if turn_scores is None or turn_ends is None:
+            raise ConfigError("advantage.steps: 'turns' reads the episodes' turn_scores (an environment that gives "
+                              "info['process_score'], e.g. code_repair); for a single completion use steps: steps")
+        scores, ends = turn_scores, turn_ends
+    else:
+        if step_rewards is None or step_ends is None:
+            raise ConfigError("advantage.steps: 'steps' reads step_rewards (a process reward source, e.g. a PRM)")
+        S = max(step_rewards.shape[1], step_ends.shape[1])
+        scores = torch.nn.functional.pad(step_rewards.float(), (0, S - step_rewards.shape[1]), value=float("nan"))
+        ends = torch.nn.functional.pad(step_ends.long(), (0, S - step_ends.shape[1]), value=-1)
+    v = valid_mask(reward, valid)
+    A = grpo(reward, group_ids, v, scale=scale, eps=eps).to(torch.float64)
+    has = ends >= 0
+    p = torch.nan_to_num(scores.to(torch.float64), nan=0.5).clamp(0.0, 1.0)
+    p = torch.where(has & torch.isfinite(scores), p, torch.full_like(p, 0.5))
+    q = torch.where((A >= 0)[:, None], p, 1.0 - p)
+    u = 1.0 + beta * (2.0 * q - 1.0)  # [N, K]
+    if steps == "turns":
+        k_t = turn_of_token(ends, T)
+    else:
+        key = torch.where(has, ends, torch.full_like(ends, T + 1)).contiguous()
+        tok = torch.arange(T, dtype=torch.long).expand(N, T).contiguous()
+        n_steps = has.sum(-1, keepdim=True)
+        k_t = torch.minimum(torch.searchsorted(key, tok, side="left"), (n_steps - 1).clamp(min=0))
+    w = u.gather(1, k_t) if u.shape[1] else torch.ones((N, T), dtype=torch.float64)
+    m = completion_mask.to(torch.float64)
+    scored = (has & torch.isfinite(scores)).any(-1)
+    w = torch.where(scored[:, None], w, torch.ones_like(w))
+    if normalize:
+        mean_w = (w * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        w = w / torch.where(mean_w > 0, mean_w, torch.ones_like(mean_w))[:, None]
+    out = A[:, None] * w * m
+    return torch.where(v[:, None], out, torch.zeros_like(out)).to(torch.float32)

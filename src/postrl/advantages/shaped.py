@@ -6,13 +6,14 @@ Where an abstract leaves the formula open, the docstring says "after <paper>" an
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import torch
-from annotated_types import Ge, Gt, Le
+from annotated_types import Ge, Gt, Interval, Le
 
 from postrl.advantages import Eps, Singleton, grpo, singleton_stats, token_whiten
-from postrl.groups import group_index, group_stats, group_sum, valid_mask
+from postrl.groups import group_first_rows, group_index, group_stats, group_sum, valid_mask
+from postrl.errors import ConfigError
 from postrl.registry import register
 
 
@@ -70,41 +71,6 @@ def gdpo(rewards: torch.Tensor, reward_weights: torch.Tensor, group_ids: torch.T
         sd = sv.std() if sv.numel() > 1 else torch.zeros((), dtype=torch.float64)
         s = (s - mu) / (sd + eps)
     return torch.where(v, s, torch.zeros_like(s)).to(torch.float32)
-
-
-# ------------------------------------------------------------------------------------------------------ role-aware
-@register("advantage", "role_aware", source="Structured Role-Aware Policy Optimization for Multimodal Reasoning", needs=("groups",))
-def role_aware(rewards: torch.Tensor, reward_names: list, reward_weights: torch.Tensor, group_ids: torch.Tensor,
-               columns: dict, valid: torch.Tensor | None = None, *, column: str = "role",
-               role_weights: dict[Any, dict[str, float]] | None = None, eps: Eps = 1e-6) -> torch.Tensor:
-    """GRPO with statistics and reward weights taken per (group, role label).
-
-    After "Structured Role-Aware Policy Optimization for Multimodal Reasoning" (the abstract: the policy is
-    penalised differently depending on the role it reasons in). Assumed reading: each completion carries a role
-    (or task) label in the data column ``column`` (default 'role'); its reward is r_i = sum_k w_{role(i),k} r_i^k
-    with per-role weights ``role_weights = {role: {reward_name: weight}}`` (names not listed keep the run's
-    ``rewards[].weight``), and A_i = (r_i - mean_{g,role} r) / (std_{g,role} r + eps) over the completions of the
-    same group and role (unbiased std, eps 1e-6 as grpo). A (group, role) cell with one valid completion gets 0.
-    Shapes: rewards [N, K], reward_names [K], reward_weights [K], group_ids [N], columns {column: [N]} -> [N].
-    """
-    if column not in columns:
-        raise ValueError(f"advantage.column: the batch has no column '{column}'; columns: "
-                         f"{', '.join(sorted(columns)) or '(none)'}")
-    labels = [str(x) for x in columns[column]]
-    names = list(reward_names)
-    W = reward_weights.to(torch.float64).unsqueeze(0).repeat(len(labels), 1)
-    for role, weights in (role_weights or {}).items():
-        rows = torch.tensor([lab == str(role) for lab in labels], dtype=torch.bool)
-        for name, w in weights.items():
-            if name not in names:
-                raise ValueError(f"advantage.role_weights.{role}: unknown reward '{name}'; rewards: {', '.join(names)}")
-            W[rows, names.index(name)] = float(w)
-    r = (rewards.to(torch.float64) * W).sum(-1)
-    role_ids = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
-    rid = torch.tensor([role_ids[lab] for lab in labels], dtype=torch.long)
-    inv, _ = group_index(group_ids)
-    cell = inv * max(len(role_ids), 1) + rid
-    return grpo(r, cell, valid, scale="group", eps=eps)
 
 
 # ------------------------------------------------------------------------------------------------------ MAPO
@@ -203,28 +169,129 @@ def group_lower_quantile(x: torch.Tensor, group_ids: torch.Tensor, v: torch.Tens
     return q[inv]
 
 
+def _group_quantile(x: torch.Tensor, gid: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row q-quantile of ``x`` over its group (every row counts), linear interpolation between order
+    statistics as ``torch.quantile`` (position q (n - 1)); float64."""
+    inv, ng = group_index(gid)
+    x = x.to(torch.float64)
+    order = torch.sort(x, stable=True).indices
+    order = order[torch.sort(inv[order], stable=True).indices]  # by group, then value
+    size = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, torch.ones_like(inv))
+    start = torch.cumsum(size, 0) - size
+    pos = q * (size - 1).clamp(min=0).to(torch.float64)
+    lo, hi = torch.floor(pos).long(), torch.ceil(pos).long()
+    xs = x[order]
+    v = xs[start + lo] + (pos - lo.to(torch.float64)) * (xs[start + hi] - xs[start + lo])
+    return v[inv]
+
+
+def _papers(reward: torch.Tensor, group_ids: torch.Tensor, v: torch.Tensor, bundle_size: int):
+    """RiskPO's bundling: (paper of each row [N] (-1: in none), paper scores [P], bundle of each paper [P]).
+
+    Groups (questions) in order of first appearance form bundles of ``bundle_size``; paper j of a bundle takes the
+    j-th valid completion (row order) of each of its questions, for j < the fewest valid completions of a question
+    of the bundle (questions without a valid completion are left out); its score is the sum of their rewards."""
+    N = len(reward)
+    inv, ng = group_index(group_ids)
+    first, _ = group_first_rows(group_ids)
+    rank = torch.empty(ng, dtype=torch.long)
+    rank[torch.argsort(first)] = torch.arange(ng)
+    bundle = rank // bundle_size  # [ng]
+    order = torch.sort(inv, stable=True).indices  # rows by group, row order within a group
+    vv = v[order].long()
+    csum = torch.cumsum(vv, 0)
+    n_valid = torch.zeros(ng, dtype=torch.long).index_add_(0, inv, v.long())
+    start = torch.cumsum(n_valid, 0) - n_valid  # valid rows before each group, in group order
+    j = torch.empty(N, dtype=torch.long)
+    j[order] = csum - vv - start[inv[order]]  # rank of a valid row among its group's valid rows
+    nb = int(bundle.max()) + 1 if ng else 0
+    big = torch.iinfo(torch.long).max
+    m = torch.full((nb,), big, dtype=torch.long).scatter_reduce(
+        0, bundle, torch.where(n_valid > 0, n_valid, torch.full_like(n_valid, big)), "amin")
+    m = torch.where(m == big, torch.zeros_like(m), m)
+    b_row = bundle[inv]
+    inside = v & (j < m[b_row])
+    width = int(m.max()) if nb else 0
+    key = b_row * max(width, 1) + j
+    paper = torch.full((N,), -1, dtype=torch.long)
+    if bool(inside.any()):
+        uniq, dense = torch.unique(key[inside], return_inverse=True)
+        paper[inside] = dense
+        scores = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, dense, reward[inside].to(torch.float64))
+        return paper, scores, uniq // max(width, 1)
+    return paper, torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+
+
+def _riskpo_check(params: dict, run, where: str) -> dict:
+    if params.get("form") == "rvar_cvar" and not params.get("alpha", 0.25) < params.get("beta", 0.9):
+        raise ConfigError(f"{where}: form rvar_cvar needs alpha < beta, got alpha={params.get('alpha', 0.25)}, "
+                          f"beta={params.get('beta', 0.9)}")
+    return params
+
+
 @register("advantage", "riskpo", source="RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM "
-          "Post-Training", needs=("groups",))
+          "Post-Training", needs=("groups",), check=_riskpo_check)
 def riskpo(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
            alpha: Annotated[float, Gt(0), Le(1)] = 0.25, omega: Annotated[float, Ge(0), Le(1)] = 0.5,
-           scale: Literal["group", "none"] = "group", eps: Eps = 1e-6) -> torch.Tensor:
-    """GRPO on the Mixed-VaR utility u_i = omega * psi_alpha(r_i) / alpha + (1 - omega) * r_i.
+           scale: Literal["group", "none"] = "group", eps: Eps = 1e-6,
+           form: Literal["mean_cvar", "rvar_cvar"] = "mean_cvar", beta: Annotated[float, Interval(gt=0, le=1)] = 0.9,
+           mix: Annotated[float, Ge(0)] = 1.5, bundle_size: Annotated[int, Ge(1)] = 1,
+           credit: Literal["uniform", "std"] = "uniform") -> torch.Tensor:
+    """RiskPO: a Mixed Value-at-Risk advantage over bundles of questions ("papers"), every completion of a paper
+    getting the paper's advantage.
 
-    After "RiskPO: Risk-based Policy Optimization" (a Mixed Value-at-Risk objective weighting several regions of
-    the reward distribution, emphasising the lower tail). Assumed reading: MVaR = omega * CVaR_alpha +
-    (1 - omega) * mean, whose score-function gradient has per-sample weight
-    psi_alpha(r) = (r - q_alpha) 1{r <= q_alpha} / alpha for the CVaR part (q_alpha = the group's lower
-    alpha-quantile, the ceil(alpha n)-th smallest valid reward). A_i = (u_i - mean_g u) / (std_g u + eps)
-    (scale='group') or u_i - mean_g u (scale='none'). Defaults alpha 0.25, omega 0.5 (assumed); the bundling of
-    questions is not implemented. omega = 0 gives GRPO.
+    "RiskPO: Risk-based Policy Optimization" (a Mixed Value-at-Risk objective weighting several regions of the
+    reward distribution; a bundling scheme aggregating several questions into bundles to enrich the feedback).
+
+    Bundling (``bundle_size`` B, default 1 = no bundling; the authors' scripts use 5): groups (questions) in order
+    of first appearance form bundles of B; paper j of a bundle is the j-th valid completion of each of its
+    questions (j < the fewest valid completions of a question in it), with score S = the sum of their rewards
+    (the authors' ``compute_grpo_bundle_rvar_outcome_advantage*``: papers "without replacement"). The risk
+    measure is taken over the papers of a bundle; with B = 1 a paper is one completion and a bundle its group.
+    Completions left out of every paper (a bundle's questions with more valid completions than its fewest) get 0.
+
+    ``form='mean_cvar'`` (default; postrl's earlier reading, kept): MVaR = omega CVaR_alpha + (1 - omega) mean,
+    score-function weight psi_alpha(S) = (S - q_alpha) 1{S <= q_alpha} / alpha (q_alpha = the bundle's lower
+    alpha-quantile, the ceil(alpha n)-th smallest); u = omega psi_alpha(S) + (1 - omega) S;
+    A = (u - mean_b u) / (std_b u + eps) (scale='group') or u - mean_b u (scale='none'); omega = 0 gives GRPO.
+
+    ``form='rvar_cvar'`` (the authors' released estimator, ``grpo_bundle_RVaR_quantile_tracking`` with
+    ``use_mixing_risk_measure=True``, ``natural_baseline_adv=True``, quantiles of the batch rather than tracked):
+        q_a, q_b = quantile_b(S, alpha), quantile_b(S, beta)              (linear, as torch.quantile)
+        rvar = (max(S - q_a, 0) - max(S - q_b, 0) + q_a - q_b) / (beta - alpha + eps)   (range VaR part)
+        cvar = -max(q_a - S, 0) / (alpha + eps)                           (lower-tail CVaR part)
+        A = (mix cvar + rvar) / (mix + 1), divided by (std_b S + eps) when scale='group' (std 1 for one paper)
+    defaults beta 0.9, mix 1.5 (the code's w_mix); the authors' scripts use alpha 0.2, beta 0.9, B 5. Not
+    reproduced: their stochastic-approximation tracking of the quantiles across steps (``use_q_track_mode``).
+
+    ``credit``: 'uniform' (default) gives each completion its paper's A; 'std' divides it by the completion's
+    question's reward std (unbiased, 1 when <= 1e-3) + eps (the code's ``credit_assign_mode='std'``).
+    Unbiased stds; rows with ``valid`` False or a NaN reward take no part and get 0.
     Shapes: reward [N], group_ids [N], valid [N] -> [N].
     """
     v = valid_mask(reward, valid)
-    r = torch.where(v, reward.to(torch.float64), torch.zeros_like(reward, dtype=torch.float64))
-    q = group_lower_quantile(reward, group_ids, v, alpha)
-    psi = torch.where(r <= q, r - q, torch.zeros_like(r)) / alpha
-    u = omega * psi + (1 - omega) * r
-    return grpo(u, group_ids, v, scale=scale, eps=eps)
+    paper, S, pb = _papers(reward, group_ids, v, bundle_size)
+    if len(S) == 0:
+        return torch.zeros(len(reward))
+    if form == "mean_cvar":
+        ones = torch.ones(len(S), dtype=torch.bool)
+        q = group_lower_quantile(S, pb, ones, alpha)
+        psi = torch.where(S <= q, S - q, torch.zeros_like(S)) / alpha
+        adv = grpo(omega * psi + (1 - omega) * S, pb, ones, scale=scale, eps=eps).to(torch.float64)
+    else:
+        _riskpo_check({"form": form, "alpha": alpha, "beta": beta}, None, "advantage")
+        qa, qb = _group_quantile(S, pb, alpha), _group_quantile(S, pb, beta)
+        rvar = ((S - qa).clamp(min=0) - (S - qb).clamp(min=0) + qa - qb) / (beta - alpha + eps)
+        cvar = -(qa - S).clamp(min=0) / (alpha + eps)
+        adv = (mix * cvar + rvar) / (mix + 1)
+        if scale == "group":
+            _, sd, n = group_stats(S, pb)
+            adv = adv / (torch.where(n > 1, sd, torch.ones_like(sd)) + eps)
+    out = torch.where(paper >= 0, adv[paper.clamp(min=0)], torch.zeros(len(reward), dtype=torch.float64))
+    if credit == "std":
+        _, sd, _ = group_stats(reward, group_ids, v)
+        out = out / (torch.where(sd > 1e-3, sd, torch.ones_like(sd)) + eps)
+    return torch.where(v, out, torch.zeros_like(out)).to(torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------------ AEM
@@ -249,6 +316,41 @@ def aem(reward: torch.Tensor, group_ids: torch.Tensor, sampler_logprobs: torch.T
     mean, std, _ = group_stats(s, group_ids, v)
     z = (s - mean) / (std + eps)
     adv = base * (1 + beta * torch.sign(base) * z).clamp(min=0)
+    return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ R^3L
+@register("advantage", "r3l", source="R^3L: Reflect-then-Retry Reinforcement Learning with Language-Guided "
+          "Exploration, Pivotal Credit, and Positive Amplification (Positive Amplification)", needs=("groups",))
+def r3l(reward: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None, *,
+        alpha: Annotated[float, Ge(1)] = 3.0, success: float | None = 1.0,
+        singleton: Singleton = "zero") -> torch.Tensor:
+    """R^3L's Positive Amplification: successes get a fixed positive advantage, other above-baseline completions
+    are scaled up by alpha, below-baseline ones are left as they are.
+
+    "R^3L" (Positive Amplification "upweights successful trajectories to ensure positive signals guide the
+    optimization", against failure-dominated groups and off-policy retries). The abstract gives no formula; this
+    is the rule of the authors' released code (``StepWiseOPMDReweightAdvAdvantageFn``, R^3L's
+    ``opmd_reweight_adv`` family), with the group-mean (OPMD) baseline, no std normalisation:
+        b_g = mean_{j in g} r_j                                      (valid rows)
+        A_i = 1                    if r_i >= success                 (a success: ``success`` 1.0; None: no rule)
+        A_i = alpha (r_i - b_g)    else if r_i - b_g >= 0            (alpha 3.0)
+        A_i = r_i - b_g            otherwise
+    A group with one valid completion: 0 (``singleton='zero'``, postrl's convention) or the code's baseline 0
+    (``singleton='raw'``: A from r_i alone). Pair with ``retry_from_failure`` (``reflect: true``) for the whole
+    method; the code trains with OPMD's loss, postrl with the configured one. Rows with ``valid`` False or a NaN
+    reward get 0. Shapes: reward [N], group_ids [N], valid [N] -> [N].
+    """
+    v = valid_mask(reward, valid)
+    mean, std, n = group_stats(reward, group_ids, v)
+    mean, _ = singleton_stats(mean, std, n, singleton)
+    r = reward.to(torch.float64)
+    d = r - mean
+    adv = torch.where(d >= 0, alpha * d, d)
+    if success is not None:
+        adv = torch.where(r >= success, torch.ones_like(adv), adv)
+    if singleton == "zero":
+        adv = torch.where(n > 1, adv, torch.zeros_like(adv))
     return torch.where(v, adv, torch.zeros_like(adv)).to(torch.float32)
 
 

@@ -5,7 +5,8 @@ diagrams.
 
 ``postrl calibrate`` fits one on a file of (score, condition, outcome) rows, prints ECE and Brier before and
 after, saves the calibrator as JSON and writes a reliability diagram; the ``model`` reward source applies a saved
-calibrator at reward time (``calibrator: path.json``).
+calibrator at reward time (``calibrator: path.json``). :mod:`postrl.calibration.ias` turns a calibrated
+success bound into an instance-adaptive Best-of-N budget (``postrl eval --ias``).
 """
 
 from postrl.calibration.calibrators import (  # noqa: F401
@@ -20,6 +21,7 @@ from postrl.calibration.calibrators import (  # noqa: F401
     to_prob,
 )
 from postrl.calibration.metrics import brier, conditional_ece, ece, reliability_curve, reliability_diagram  # noqa: F401
+from postrl.calibration.ias import ias_samples, success_bound  # noqa: F401
 
 
 def step_bucket(step_index: int, max_bucket: int = 4) -> str:

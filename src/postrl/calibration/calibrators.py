@@ -45,7 +45,10 @@ returns probabilities, is saved as JSON (``save`` / :func:`load_calibrator`) and
     covers the true success probability at least as often). The PRM is not retrained. Assumed (the abstract
     leaves it open): the targets are the graded Monte-Carlo fractions, so fitting on outcomes that are all 0/1
     is an error (use ``isotonic``); the reward-time path (the ``model`` reward source) passes scores and step
-    buckets only, so a calibrator fitted with extra ``features`` must be applied with them (through the API).
+    buckets, and with ``calibrator_features: hidden`` the PRM's hidden state at each step end as the features
+    (the paper's conditioning; ``postrl prm train --calibration-features`` writes them into the fit rows).
+    The lower quantiles are the confidence bounds that instance-adaptive Best-of-N uses
+    (:mod:`postrl.calibration.ias`, ``postrl eval --ias``).
     The default linear head keeps held-out interval coverage near nominal on the synthetic benchmark
     (tests/test_calibration.py); a 32-unit tanh layer fitted on the same 2000 rows over-fits the quantiles (80%
     intervals covering 64-67% of held-out outcomes, Brier 0.024 against 0.017). When the features carry nothing beyond the score, its mean is no better than isotonic
@@ -309,7 +312,7 @@ class ConditionalOT(Calibrator):
         if features is None:
             if self.n_features:
                 raise ConfigError(f"conditional_ot calibrator: fitted with {self.n_features} features per row; "
-                                  f"apply it with 'features' (the model reward source passes scores only)")
+                                  f"apply it with 'features' (the model reward source: calibrator_features: hidden)")
         else:
             f = np.asarray(features, dtype=np.float64)
             f = f.reshape(z.size, -1) if f.size else np.zeros((z.size, 0))

@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from postrl.cli import (calibrate, compare, config, doctor, export, merge, methods, prm, probe_reward, report, rm, samples,
-                        sandbox, sft, train)
+from postrl.cli import (calibrate, check_logprobs, compare, config, doctor, dpo, export, merge, methods, presample,
+                        prm, probe_reward, report, rm, samples, sandbox, sft, train)
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -33,11 +33,14 @@ EPILOG = """examples:
   postrl methods overlong_soft                  one stage: description, source, parameters (type, range, default)
   postrl eval runs/arithmetic-... --task arithmetic
   postrl merge models/a models/b --out models/ab  the weighted average of two models (docs/merge.md)
+  postrl dpo prefs.jsonl --model models/sft --out runs/dpo   offline preference optimisation (docs/preference.md)
+  postrl check-logprobs rollout.top_p=0.9       do sampler and trainer agree on the log-probs?
 """
 
 # in the order `postrl --help` lists them (bench between config and samples: added below)
-_BEFORE_BENCH = (train, sft, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, rm, prm, calibrate, export, merge, sandbox)
+_BEFORE_BENCH = (train, sft, presample, eval_command, methods, config)
+_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, check_logprobs, rm, prm, calibrate, dpo, export,
+                merge, sandbox)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""``postrl eval``: held-out accuracy, pass@k and length of a model or run."""
+"""``postrl eval``: held-out accuracy, pass@k and length of a model or run; ``--ias``: instance-adaptive Best-of-N."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from postrl.cli.common import add_import_paths, check_option, format_metrics, resolve_model_folder
+from postrl.errors import ConfigError
 
 
 def run(args) -> int:
@@ -20,6 +21,12 @@ def run(args) -> int:
     check_option("--n", args.n, low=1, high=MAX_ROWS_PER_STEP)
     check_option("--k", args.k, low=1, high=MAX_ROWS_PER_STEP)
     check_option("--max-new-tokens", args.max_new_tokens, low=1, high=MAX_NEW_TOKENS)
+    if args.ias:
+        for flag, v in (("--ias-target", args.ias_target), ("--ias-quantile", args.ias_quantile)):
+            if not 0.0 < v < 1.0:  # NaN fails too
+                raise ConfigError(f"{flag} must be a number in (0, 1), got {v}")
+        check_option("--ias-min", args.ias_min, low=1, high=MAX_ROWS_PER_STEP)
+        check_option("--ias-max", args.ias_max, low=args.ias_min, high=MAX_ROWS_PER_STEP)
     add_import_paths()
     model_path = resolve_model_folder(args.target, "")
     base = read_yaml(Path(args.target) / "config.yaml") if (Path(args.target) / "config.yaml").is_file() else None
@@ -38,6 +45,24 @@ def run(args) -> int:
                    stop=cfg.rollout.stop, max_prompt_length=cfg.rollout.max_prompt_length,
                    prompt_overflow=cfg.rollout.prompt_overflow,
                    episodes=episode_runner(gen, tokenizer, cfg.environment, cfg.model.chat_template))
+    if args.ias:
+        if cfg.environment is not None:
+            raise ConfigError("eval --ias: instance-adaptive Best-of-N samples single completions; this run names "
+                              "an environment")
+        from postrl.calibration import load_calibrator
+        from postrl.evaluate import evaluate_ias
+        from postrl.reward_models import load_reward_model
+
+        prm = load_reward_model(args.ias)
+        if getattr(prm, "kind", None) != "prm":
+            raise ConfigError(f"eval --ias '{args.ias}': expected a process reward model (postrl prm train)")
+        cal = load_calibrator(args.ias_calibrator) if args.ias_calibrator else None
+        res.update(evaluate_ias(gen, tokenizer, rows, prm, calibrator=cal, target=args.ias_target,
+                                quantile=args.ias_quantile, n_min=args.ias_min, n_max=args.ias_max,
+                                condition=args.ias_condition or None,
+                                max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature or 1.0, seed=cfg.seed,
+                                chat_template=cfg.model.chat_template, stop=cfg.rollout.stop))
     res = {"model": str(model_path), "task": cfg.task.name, **res}
     print(json.dumps(res) if args.json else format_metrics(res))
     return 0
@@ -52,5 +77,17 @@ def add_parser(sub) -> None:
     e.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k (>= 1)")
     e.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit (>= 1; default: "
                    "the config's rollout.max_new_tokens)")
+    e.add_argument("--ias", metavar="PRM_DIR", help="also run instance-adaptive Best-of-N with this process reward "
+                   "model: samples per problem from its calibrated success bound (postrl.calibration.ias)")
+    e.add_argument("--ias-calibrator", metavar="CAL_JSON", help="calibrator of the PRM's prompt scores (postrl "
+                   "calibrate; conditional_ot gives the quantile bound); none: the raw PRM score")
+    e.add_argument("--ias-target", type=float, default=0.95, help="probability that a problem's samples hold a "
+                   "success (default 0.95)")
+    e.add_argument("--ias-quantile", type=float, default=0.1, help="level of the lower bound (default 0.1)")
+    e.add_argument("--ias-min", type=int, default=1, help="fewest samples per problem (default 1)")
+    e.add_argument("--ias-max", type=int, default=16, help="most samples per problem, and the fixed Best-of-N "
+                   "compared with (default 16)")
+    e.add_argument("--ias-condition", default="prompt", help="the calibrator's condition for a problem (default "
+                   "'prompt', as postrl prm train --calibration-prompts writes; '' for none)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=run)

@@ -19,7 +19,11 @@ kl (placement reward)                  algorithm.use_kl_in_reward, kl_penalty, k
 regularizers: entropy_bonus            actor.entropy_coeff=coef
 rewards, shaping                       reward.custom_reward_function.path=pkg://postrl.integrations.verl
 rollout.group_size / max_new_tokens    actor_rollout_ref.rollout.n / data.max_response_length
-rollout.temperature, top_p, top_k      actor_rollout_ref.rollout.temperature, top_p, top_k (0 -> -1)
+rollout.temperature, top_p, top_k      actor_rollout_ref.rollout.temperature, top_p, top_k (0 -> -1); with a
+                                       top-p / top-k filter also rollout.calculate_log_probs=true (the plug-in
+                                       measures the kept mass) and logprobs_mode=processed_logprobs
+rollout.logprobs=filtered              (the plug-in renormalises verl's trainer log-probs; its workers check
+                                       verl's sampling and engine)
 train.prompts_per_step / mini_batches  data.train_batch_size / actor.ppo_mini_batch_size (prompts per update)
 train.micro_batch_size / epochs        actor.ppo_micro_batch_size_per_gpu / actor.ppo_epochs
 train.steps, seed                      trainer.total_training_steps, data.seed
@@ -92,6 +96,9 @@ def verl_overrides(cfg: Any, config_path: str, *, train_files: str, val_files: s
         "+ray_kwargs.ray_init.runtime_env.env_vars.POSTRL_CONFIG": config_path,
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES": PLUGIN,
     }
+    if cfg.rollout.temperature > 0 and (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0):
+        o["actor_rollout_ref.rollout.calculate_log_probs"] = True  # the kept mass, measured on the driver
+        o["actor_rollout_ref.rollout.logprobs_mode"] = "processed_logprobs"
     if cfg.optim.max_grad_norm is not None:
         o[f"{actor}.grad_clip"] = cfg.optim.max_grad_norm
     if cfg.loss.agg == "dr_grpo":
@@ -104,11 +111,14 @@ def verl_overrides(cfg: Any, config_path: str, *, train_files: str, val_files: s
         o["algorithm.rollout_correction.rollout_is_threshold"] = cfg.loss.tis.cap
     if cfg.kl.coef > 0 and cfg.kl.placement == "loss":
         if cfg.kl.controller != "fixed":
-            raise ConfigError("kl.controller=adaptive with kl.placement=loss has no verl counterpart (verl adapts "
+            raise ConfigError(f"kl.controller={cfg.kl.controller} with kl.placement=loss has no verl counterpart (verl adapts "
                               "only the in-reward KL); use kl.placement=reward or controller fixed")
         o.update({f"{actor}.use_kl_loss": True, f"{actor}.kl_loss_coef": cfg.kl.coef,
                   f"{actor}.kl_loss_type": cfg.kl.estimator})
     elif cfg.kl.coef > 0:
+        if cfg.kl.controller == "pid":
+            raise ConfigError("kl.controller=pid has no verl counterpart (verl's kl_ctrl.type is fixed or adaptive); "
+                              "use it with postrl train")
         o.update({"algorithm.use_kl_in_reward": True, "algorithm.kl_penalty": cfg.kl.estimator,
                   "algorithm.kl_ctrl.type": cfg.kl.controller, "algorithm.kl_ctrl.kl_coef": cfg.kl.coef,
                   "algorithm.kl_ctrl.target_kl": cfg.kl.target, "algorithm.kl_ctrl.horizon": cfg.kl.horizon})

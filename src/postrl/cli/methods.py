@@ -3,7 +3,8 @@
 A stage's parameters are its keyword-only arguments (after ``*``; a class stage: those of ``__init__``), the
 whole schema that ``stages.check_params`` validates a config against; each is listed with its type, range or
 choices (from its annotation: ``float, >= 0 and < 1``, ``"group" / "none"``) and default (``required`` when it has
-none).
+none); then the parameters of the producers of the fields it reads (:mod:`postrl.fields`), which the same config
+entry sets.
 """
 
 from __future__ import annotations
@@ -104,11 +105,18 @@ def _entries(name: str, kind: str | None) -> list:
 
 
 def _describe(e) -> dict:
+    from postrl import registry, stages
+
     fn = e.fn
     mod = getattr(fn, "__module__", None) or type(fn).__module__
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    params = stage_parameters(fn)
+    own = {p["name"] for p in params}
+    for field in dict.fromkeys(stages.producer_parameters(fn).values()):  # set in the same entry
+        params += [{**p, "field": field} for p in stage_parameters(registry.get("field", field))
+                   if p["name"] not in own]
     return {"kind": e.kind, "name": e.name, "description": inspect.getdoc(fn) or e.description,
-            "source": e.source, "defined_in": f"{mod}:{qual}", "parameters": stage_parameters(fn)}
+            "source": e.source, "defined_in": f"{mod}:{qual}", "parameters": params}
 
 
 def _render(d: dict) -> None:
@@ -130,7 +138,8 @@ def _render(d: dict) -> None:
     for c in ("parameter", "type", "default"):
         t.add_column(c)
     for p in d["parameters"]:
-        t.add_row(p["name"], p["type"], "required" if p["required"] else repr(p["default"]))
+        typ = p["type"] + (f" (of the field {p['field']})" if p.get("field") else "")
+        t.add_row(p["name"], typ, "required" if p["required"] else repr(p["default"]))
     con.print(t)
 
 

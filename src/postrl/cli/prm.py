@@ -92,11 +92,27 @@ def run_train(args) -> int:
 
         with open(args.calibration_out, "w") as f:
             for r in held:
-                sc = model.step_scores([r.prompt], [r.completion], steps=[r.steps] if r.steps else None)[0]
+                out = model.step_scores([r.prompt], [r.completion], steps=[r.steps] if r.steps else None,
+                                        return_hidden=args.calibration_features)
+                sc, hid = (out[0][0], out[1][0]) if args.calibration_features else (out[0], None)
                 for j, y in enumerate(r.labels):
                     if j < sc.numel() and sc[j] == sc[j]:
-                        f.write(json.dumps({"score": float(sc[j]), "condition": step_bucket(j),
-                                            "outcome": y}) + "\n")
+                        row = {"score": float(sc[j]), "condition": step_bucket(j), "outcome": y}
+                        if hid is not None:
+                            row["features"] = [round(float(x), 6) for x in hid[j].tolist()]
+                        f.write(json.dumps(row) + "\n")
+            if args.calibration_prompts:  # the problem before any step: the fraction of its completions solved
+                by_prompt: dict[str, list[float]] = {}
+                for r in held:
+                    by_prompt.setdefault(r.prompt, []).append(float(r.labels[-1]))
+                prompts = list(by_prompt)
+                sc, hid = model.prompt_scores(prompts)
+                for k, p in enumerate(prompts):
+                    row = {"score": float(sc[k]), "condition": "prompt",
+                           "outcome": sum(by_prompt[p]) / len(by_prompt[p])}
+                    if args.calibration_features:
+                        row["features"] = [round(float(x), 6) for x in hid[k].tolist()]
+                    f.write(json.dumps(row) + "\n")
         log(f"calibration set ({len(held)} held-out completions): {args.calibration_out}")
     return 0
 
@@ -122,6 +138,11 @@ def add_parser(sub) -> None:
     pt.add_argument("--labels-out", help="write the step labels here (JSONL, the --records format)")
     pt.add_argument("--calibration-out", help="write (score, condition, outcome) rows of held-out completions")
     pt.add_argument("--calibration-fraction", type=float, default=0.2)
+    pt.add_argument("--calibration-prompts", action="store_true", help="also write one row per held-out prompt "
+                    "(condition 'prompt': the PRM at the prompt's end, outcome = the fraction of its completions "
+                    "solved), what postrl eval --ias calibrates problems with")
+    pt.add_argument("--calibration-features", action="store_true", help="also write the PRM's hidden state at each "
+                    "step end as 'features' (for postrl calibrate --method conditional_ot --features-field features)")
     train_options(pt, 1e-5)
     pt.set_defaults(fn=run_train)
     prm.set_defaults(fn=lambda a: (prm.print_help(), 2)[1])

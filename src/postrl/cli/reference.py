@@ -70,6 +70,8 @@ Every mistake below stops the run before it starts with one line naming the key 
 - **Length stages.** `overlong_soft` (DAPO) punishes completions longer than `max_length - buffer` tokens; in a
   config `max_length` defaults to `rollout.max_new_tokens` and `buffer` to a fifth of it (DAPO's 20480 / 4096),
   and one that could never apply (`max_length - buffer >= rollout.max_new_tokens`) is an error.
+  `difficulty_truncation` (Difficulty-Aware DLER) cuts each prompt at floor(max_length (1 - tighten acc_g)), acc_g
+  its group's accuracy; its `max_length` defaults to `rollout.max_new_tokens`.
 
 ## Data files: the held-out split
 
@@ -84,6 +86,14 @@ tokenizer's chat template; a user's reward function then gets prompts as message
 (`columns` keeps a subset); `verifier` names a task whose verifier scores the rows (e.g. `arithmetic`, reading
 `answer`). Files are read as UTF-8; a file in another encoding, a lone surrogate (`\\ud800`) or an empty prompt is
 one error line naming the file and row.
+
+## Prior prompts: options of every task
+
+Every prompt source (a procedural task, `file`, `dataset`, `reasoning_gym`) also takes `prompt_prefix`,
+`prompt_suffix` (text around every training query: prefix + query + suffix), `system_prompt` (a system turn; the
+prompt becomes a conversation, which needs the tokenizer's chat template) and `eval_prior` (default true; false:
+the held-out rows keep their plain queries). "Prior Prompt Engineering for Reinforcement Fine-Tuning";
+`postrl.data.prior_prompt`.
 """
 
 

@@ -115,6 +115,16 @@ class LoraConfig(_Strict):
         return self
 
 
+class TeacherConfig(_Strict):
+    """A frozen teacher model (on-policy distillation), loaded when ``path`` is set and a configured stage needs it
+    (registered with ``needs=("teacher",)``); it must use the policy's vocabulary (its per-token log-probs are
+    compared with the policy's on the same token ids)."""
+
+    path: str | None = Field(None, description="a from_pretrained folder with the policy's vocabulary (None: no "
+                             "teacher); its per-token log-probs of the batch's completions are the field teacher_logp "
+                             "(regularizer distill) and it writes the hints of the expansion teacher_hint")
+
+
 class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
@@ -125,6 +135,8 @@ class ModelConfig(_Strict):
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters (model.lora.r enables)")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="a frozen teacher model "
+                                   "(model.teacher.path enables; docs/losses.md, on-policy distillation)")
 
 
 class TaskConfig(StageSpec):
@@ -181,6 +193,15 @@ class EnvironmentConfig(StageSpec):
     max_total_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS, description="completion tokens per episode, "
                                   "model and environment tokens together (each turn's max_new_tokens is "
                                   "min(rollout.max_new_tokens, what is left))")
+    step_timeout: float | None = Field(None, gt=0.0, description="seconds an environment's step may take (None: "
+                                       "no limit); a step past it ends its episode as an environment error (each "
+                                       "step then runs in its own thread)")
+    purify: Literal["none", "cleaner"] = Field("none", description="cleaner: train on episodes whose failed tool "
+                                               "calls were later corrected with the failure replaced by the "
+                                               "correction, re-scored by the policy (CLEANER; docs/agents.md)")
+    purify_similarity: float = Field(0.8, ge=0.0, le=1.0, description="purify=cleaner: the similarity of a failed "
+                                     "turn's reasoning to its correction's at or above which only the call is "
+                                     "replaced (shallow repair); below it the whole turn is (deep substitution)")
 
 
 class RewardConfig(_Strict):
@@ -238,20 +259,36 @@ class KLConfig(_Strict):
                            "10), abs, or straight-through k1+, k3+, low_var_kl+, abs+ (regularizer kl_<name>)")
     placement: Literal["loss", "reward"] = Field(
         "loss", description="loss: coef * agg(KL) in the loss; reward: r - coef * sum_t KL_t before advantages")
-    controller: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type)")
-    target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller")
+    controller: Literal["fixed", "adaptive", "pid"] = Field(
+        "fixed", description="adaptive: coef moves toward target KL (Ziegler et al.; verl kl_ctrl.type); pid: coef "
+        "from the tracked KL above a threshold that a PID on the reward velocity moves, gated by the entropy (after "
+        "SAFE; postrl.losses.kl.KLController)")
+    target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller; base KL threshold of the "
+                          "pid controller")
     horizon: int = Field(10000, ge=1, description="horizon of the adaptive controller (in sequences)")
     is_correction: Literal["none", "token", "sequence"] = Field(
         "none", description="kl.placement=loss: multiply each token's KL estimate by the importance ratio "
         "pi_theta/pi_old, differentiable (token: per token; sequence: exp of the sequence's mean log-ratio), so the "
         "KL of the sampling policy's tokens estimates the current policy's (DeepSeek-V3.2; TRL "
         "use_bias_correction_kl, TRL's default); none: the plain estimate")
+    pid_gains: tuple[float, float, float] = Field(
+        (0.3, 0.01, 0.05), description="pid controller: (kp, ki, kd) on the reward-velocity error (SAFE's)")
+    reward_velocity: float = Field(0.001, description="pid controller: target velocity of the reward's moving "
+                                   "average per step (SAFE's)")
+    entropy_floor: float = Field(2.0, gt=0.0, description="pid controller: entropy (nats) under which the "
+                                 "coefficient is amplified, gate max(0.5, floor / (H + 0.1)) (SAFE's)")
+
+    @field_validator("pid_gains", mode="before")
+    @classmethod
+    def _gains_from_list(cls, v: Any) -> Any:
+        """YAML has no tuples: a three-item list is the triple."""
+        return tuple(v) if isinstance(v, list) else v
 
     @model_validator(mode="after")
     def _check_controller(self) -> "KLConfig":
-        if self.controller == "adaptive" and self.coef <= 0:
-            raise ValueError("kl.controller=adaptive needs kl.coef > 0 (the initial coefficient)")
+        if self.controller != "fixed" and self.coef <= 0:
+            raise ValueError(f"kl.controller={self.controller} needs kl.coef > 0 (the initial coefficient; pid: its "
+                             "gain)")
         if self.is_correction != "none" and self.placement == "reward":
             raise ValueError("kl.is_correction weighs the KL term of the loss; with kl.placement=reward set it to none")
         return self
@@ -363,7 +400,9 @@ class Config(_Strict):
                                          "demonstrations come from a hedging teacher, see README)")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environment: EnvironmentConfig | None = Field(None, description="multi-turn episodes: {name, max_turns: 4, "
-                                                  "max_total_tokens: 256, the environment's parameters} (README "
+                                                  "max_total_tokens: 256, step_timeout: null (seconds per step), "
+                                                  "purify: none | cleaner (CLEANER, docs/agents.md), "
+                                                  "purify_similarity: 0.8, the environment's parameters} (README "
                                                   "'Multi-turn and tools'); null: one completion per row")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="correct", weight=1.0), RewardSpec(name="format", weight=0.2)],

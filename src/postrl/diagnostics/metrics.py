@@ -20,6 +20,7 @@ import torch
 from postrl.groups import group_index
 
 from postrl.evaluate import pass_at_k
+from postrl.losses.icr import length_accuracy_corr
 
 _NAN = float("nan")
 
@@ -267,7 +268,10 @@ def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]
     ``turns/tool_calls`` (mean per episode), ``turns/tool_success`` (executed calls that returned / executed calls;
     NaN without calls), ``turns/malformed_calls`` and ``turns/env_errors`` (mean per episode),
     ``turns/truncated_turns`` (fraction of model turns that hit the token limit), ``turns/truncated_turn_<k>``
-    (that fraction at turn k), ``turns/env_token_fraction`` (environment tokens / completion tokens)."""
+    (that fraction at turn k), ``turns/env_token_fraction`` (environment tokens / completion tokens),
+    ``turns/user_errors`` (simulated-user failures per episode), ``turns/judge_errors`` (episodes whose StepTool
+    contribution judge failed) and ``turns/purified`` (fraction of episodes that CLEANER rewrote) when the batch has
+    them."""
     n_turns = _np(extra["num_turns"])
     calls, errors = _np(extra["tool_calls"]).sum(), _np(extra["tool_errors"]).sum()
     has = _np(extra["turn_ends"]) >= 0
@@ -280,6 +284,12 @@ def turn_metrics(extra: dict, completion_mask: torch.Tensor) -> dict[str, float]
          "turns/env_errors": _mean(_np(extra["env_errors"])),
          "turns/truncated_turns": float(trunc.sum() / has.sum()) if has.any() else float("nan"),
          "turns/env_token_fraction": env_tokens / total if total else float("nan")}
+    if "user_errors" in extra:
+        m["turns/user_errors"] = _mean(_np(extra["user_errors"]))
+    if "turn_judge_errors" in extra:
+        m["turns/judge_errors"] = _mean(_np(extra["turn_judge_errors"]).astype(np.float64))
+    if "purified" in extra:
+        m["turns/purified"] = _mean(_np(extra["purified"]).astype(np.float64))
     for k in range(has.shape[1]):
         if has[:, k].any():
             m[f"turns/truncated_turn_{k}"] = float(trunc[:, k].sum() / has[:, k].sum())
@@ -307,6 +317,10 @@ def batch_metrics(batch, reward_info: dict, *, low_prob: float = 0.1) -> dict[st
     if "correct" in batch.reward_names:
         correct = rewards[:, batch.reward_names.index("correct")]
         m["accuracy"] = _mean((correct[np.isfinite(correct)] >= 1.0).astype(np.float64))
+        known = torch.as_tensor(np.isfinite(correct) & valid)
+        corr = length_accuracy_corr(batch.lengths, torch.as_tensor(correct >= 1.0), batch.group_ids, known)[0]
+        if math.isfinite(corr):  # (undefined in a step where no group has a right and a wrong completion)
+            m["length/accuracy_corr"] = corr
     m["valid"] = _mean(valid.astype(np.float64))
     m.update(length_metrics(batch.lengths, batch.truncated, reward, valid, batch.group_ids))
     m.update(group_metrics(reward, rewards, batch.group_ids, valid, batch.advantages, correct,

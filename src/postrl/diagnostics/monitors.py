@@ -20,6 +20,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from postrl.config.diagnostics import DiagnosticsConfig
+from postrl.diagnostics import engines
 
 SEVERITIES = ("error", "warn", "info")
 
@@ -45,11 +46,37 @@ class Alarm:
 
 @dataclass
 class Context:
-    """What monitors may read besides the metric history: the run's config (plain dict, as in config.yaml)
-    and the evaluations so far (eval.jsonl rows)."""
+    """What monitors may read besides the metric history: the run's config (plain dict, as in config.yaml; for a run
+    of another engine, the settings known of it under postrl's keys), the evaluations so far (eval.jsonl rows) and
+    the engine that trained the run (``postrl``, ``trl``, ``verl``): an alarm names that engine's options
+    (:meth:`opt`, :meth:`setting`) and proposes its fix (:meth:`fix`, from ``postrl.diagnostics.engines.FIXES``)."""
 
     config: dict
     evals: list[dict] = field(default_factory=list)
+    engine: str = "postrl"
+
+    def opt(self, key: str) -> str:
+        """The engine's name of postrl config ``key`` (``rollout.max_new_tokens`` -> TRL's
+        ``max_completion_length``)."""
+        return engines.option(self.engine, key)
+
+    def setting(self, key: str) -> str:
+        """``name=value`` of postrl config ``key`` in the engine's names; the name alone when the value is not
+        known."""
+        v = self.get(key)
+        return f"{self.opt(key)}={v}" if v is not None else self.opt(key)
+
+    def fix(self, alarm: str, text: str) -> str:
+        """The fix of ``alarm`` (``name`` or ``name:variant``): ``text`` (postrl's options) for a postrl run, else
+        the engine's fix; an alarm the engine's table lacks keeps postrl's text, said to be postrl's options."""
+        if self.engine == "postrl":
+            return text
+        table = engines.FIXES.get(self.engine, {})
+        t = table.get(alarm) or table.get(alarm.split(":")[0])
+        if t is None:
+            return f"{text} (postrl's options: set them in the postrl config of postrl's " \
+                   f"{engines.ENGINES.get(self.engine, self.engine)} integration)"
+        return engines.fill(t, self.get)
 
     def get(self, dotted: str, default: Any = None) -> Any:
         node: Any = self.config
@@ -104,13 +131,15 @@ def zero_variance_groups(h: list[dict], ctx: Context, p) -> Alarm | None:
         return None
     ac, aw = _num(cur, "zero_variance_groups/all_correct"), _num(cur, "zero_variance_groups/all_wrong")
     G = ctx.get("rollout.group_size", "?")
+    sd = _num(cur, "reward/std")
     head = f"{z:.0%} of groups have identical rewards"
     tail = ("; they get zero advantage, so most of the batch carries no learning signal")
     if aw is not None and ac is not None and ac > aw:
         return Alarm("zero_variance_groups", f"{head} ({ac:.0%} all correct, {aw:.0%} all wrong){tail}",
                      "the task is (nearly) solved: every sample of most prompts is correct",
-                     "use a harder task or a curriculum (filters: [{name: pass_rate_curriculum}]), or drop solved "
-                     "groups (filters: [{name: dynamic_sampling}], DAPO)",
+                     ctx.fix("zero_variance_groups:solved", "use a harder task or a curriculum (filters: [{name: "
+                             "pass_rate_curriculum}]), or drop solved groups (filters: [{name: dynamic_sampling}], "
+                             "DAPO)"),
                      severity="info")
     if aw is not None:
         acc = _num(cur, "accuracy")
@@ -118,14 +147,17 @@ def zero_variance_groups(h: list[dict], ctx: Context, p) -> Alarm | None:
                      f"{head} ({aw:.0%} all wrong, {ac or 0:.0%} all correct; accuracy {acc or 0:.2f}){tail}",
                      "the task is too hard for the current policy (every sample fails), or the reward never pays "
                      "(check truncation, and the reward with `postrl probe-reward`)",
-                     f"warm-start with SFT (`postrl sft`), use an easier task or a curriculum, raise "
-                     f"rollout.group_size (now {G}), drop all-wrong groups (filters: [{{name: dynamic_sampling}}], "
-                     f"DAPO) or learn from them (advantage: {{name: rl_zvp}})")
-    return Alarm("zero_variance_groups", f"{head}{tail}",
+                     ctx.fix("zero_variance_groups:too_hard",
+                             f"warm-start with SFT (`postrl sft`), use an easier task or a curriculum, raise "
+                             f"rollout.group_size (now {G}), drop all-wrong groups (filters: [{{name: "
+                             f"dynamic_sampling}}], DAPO) or learn from them (advantage: {{name: rl_zvp}})"))
+    same = f"; the batch's reward std is 0: every completion got reward {_num(cur, 'reward/mean') or 0:g}" \
+        if sd == 0.0 and _num(cur, "reward/mean") is not None else ""
+    return Alarm("zero_variance_groups", f"{head}{tail}{same}",
                  "the reward does not discriminate between the completions of a prompt (binary or saturated reward, "
-                 "or near-identical samples)",
-                 f"raise rollout.group_size (now {G}) or rollout.temperature (now {ctx.get('rollout.temperature')}), "
-                 "or use a graded reward")
+                 "a constant reward function, or near-identical samples)",
+                 ctx.fix("zero_variance_groups", f"raise rollout.group_size (now {G}) or rollout.temperature (now "
+                         f"{ctx.get('rollout.temperature')}), or use a graded reward"))
 
 
 def advantage_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -141,8 +173,9 @@ def advantage_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"completions that differ in their reward components get the same advantage",
                  "the rewards are summed before group normalisation, which maps different combinations to the same "
                  "total (GDPO's reward-combination collapse)",
-                 f"normalise each reward component separately before combining them (advantage: {{name: gdpo}}), "
-                 f"or change the reward weights (now {weights}) so that different combinations get different totals")
+                 ctx.fix("advantage_collapse", f"normalise each reward component separately before combining them "
+                         f"(advantage: {{name: gdpo}}), or change the reward weights (now {weights}) so that "
+                         f"different combinations get different totals"))
 
 
 def truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -154,11 +187,15 @@ def truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
     tr, fr = _num(cur, "truncated/reward_mean"), _num(cur, "finished/reward_mean")
     pay = f"their mean reward is {tr:.2f}" if tr is not None else "their rewards failed"
     pay += f" vs {fr:.2f} for finished ones" if fr is not None else " (no completion finished)"
-    return Alarm("truncation", f"{t:.0%} of completions truncated at rollout.max_new_tokens={L}; {pay}",
+    if "truncated/reward_mean" not in cur and "finished/reward_mean" not in cur:
+        pay = ""  # another engine's run: it logs no reward per class
+    return Alarm("truncation", f"{t:.0%} of completions truncated at {ctx.setting('rollout.max_new_tokens')}"
+                 + (f"; {pay}" if pay else ""),
                  "completions need more tokens than allowed (or the policy never emits EOS): a truncated answer is "
                  "cut before it is complete and earns nothing",
-                 f"raise rollout.max_new_tokens (now {L}), add a stop string (rollout.stop), warm-start with SFT so "
-                 "the model learns to stop, or penalise overlong completions (shaping: overlong_soft)")
+                 ctx.fix("truncation", f"raise rollout.max_new_tokens (now {L}), add a stop string (rollout.stop), "
+                         "warm-start with SFT so the model learns to stop, or penalise overlong completions (shaping: "
+                         "overlong_soft)"))
 
 
 def _env(ctx: Context) -> str:
@@ -188,9 +225,9 @@ def tool_errors(h: list[dict], ctx: Context, p) -> Alarm | None:
     return Alarm("tool_errors", f"{1.0 - ok:.0%} of tool calls failed (raised or timed out){per}",
                  "the model passes arguments the tool rejects (it has not learned the tool's contract), or the tool "
                  "is too slow for its timeout or broken",
-                 "read the failing calls in samples.jsonl; warm-start on demonstrations of correct calls (sft), "
-                 "state the tool's arguments in its docstring (the schema the model sees), raise the environment's "
-                 "timeout, or fix the tool")
+                 ctx.fix("tool_errors", "read the failing calls in samples.jsonl; warm-start on demonstrations of "
+                         "correct calls (sft), state the tool's arguments in its docstring (the schema the model "
+                         "sees), raise the environment's timeout, or fix the tool"))
 
 
 def turn_truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -199,8 +236,8 @@ def turn_truncation(h: list[dict], ctx: Context, p) -> Alarm | None:
     if t is None or t < p.max_frac:
         return None
     L, T = ctx.get("rollout.max_new_tokens", "?"), ctx.get("environment.max_total_tokens", "?")
-    return Alarm("turn_truncation", f"{t:.0%} of model turns truncated (rollout.max_new_tokens={L} per turn, "
-                 f"environment.max_total_tokens={T} per episode)",
+    return Alarm("turn_truncation", f"{t:.0%} of model turns truncated ({ctx.setting('rollout.max_new_tokens')} "
+                 f"per turn, environment.max_total_tokens={T} per episode)",
                  "turns need more tokens than allowed, or the policy never ends a turn: a cut tool call is "
                  "malformed and a cut answer earns nothing",
                  f"raise rollout.max_new_tokens (now {L}) or environment.max_total_tokens (now {T}), add a stop "
@@ -240,10 +277,10 @@ def entropy_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"{(e - base) / base:+.0%}{slope_txt}){lp_txt}" if base > 0 else f"token entropy {e:.4f} nats{lp_txt}",
                  "the policy has become near-deterministic: exploration collapsed, so the samples of a prompt stop "
                  "differing and the learning signal goes with them",
-                 f"raise the upper clip (loss.eps_high=0.28, clip-higher as in DAPO), lower optim.lr (now "
-                 f"{ctx.get('optim.lr')}), add an entropy term (regularizers: [{{name: entropy_bonus}}] or "
-                 f"adaptive_entropy) or a KL term (kl.coef, now {ctx.get('kl.coef')}), or raise rollout.temperature "
-                 f"(now {ctx.get('rollout.temperature')})")
+                 ctx.fix("entropy_collapse", f"raise the upper clip (loss.eps_high=0.28, clip-higher as in DAPO), "
+                         f"lower optim.lr (now {ctx.get('optim.lr')}), add an entropy term (regularizers: [{{name: "
+                         f"entropy_bonus}}] or adaptive_entropy) or a KL term (kl.coef, now {ctx.get('kl.coef')}), or "
+                         f"raise rollout.temperature (now {ctx.get('rollout.temperature')})"))
 
 
 def length_drift(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -256,23 +293,25 @@ def length_drift(h: list[dict], ctx: Context, p) -> Alarm | None:
     change = last / first - 1.0
     L = ctx.get("rollout.max_new_tokens")
     if change > p.max_growth and last - first >= p.min_tokens:
-        of = f" ({last / L:.0%} of rollout.max_new_tokens={L})" if isinstance(L, (int, float)) and L else ""
+        of = f" ({last / L:.0%} of {ctx.setting('rollout.max_new_tokens')})" if isinstance(L, (int, float)) and L \
+            else ""
         return Alarm("length_drift",
                      f"mean completion length grew {first:.1f} -> {last:.1f} tokens ({change:+.0%}) between the first "
                      f"and the last {p.window} steps{of}",
                      "the reward or the loss favours longer completions (length hacking; with token-mean "
                      "aggregation a long wrong answer is penalised less per token)",
-                     "add length control to the shaping (overlong_soft, cosine_length, laser), use "
-                     "loss.agg=seq_mean_token_sum or dr_grpo, and probe the reward with a very long completion "
-                     "(`postrl probe-reward`)")
+                     ctx.fix("length_drift:grow", "add length control to the shaping (overlong_soft, "
+                             "cosine_length, laser), use loss.agg=seq_mean_token_sum or dr_grpo, and probe the reward "
+                             "with a very long completion (`postrl probe-reward`)"))
     if -change > p.max_shrink and first - last >= p.min_tokens:
         return Alarm("length_drift",
                      f"mean completion length fell {first:.1f} -> {last:.1f} tokens ({change:+.0%}) between the first "
                      f"and the last {p.window} steps",
                      "the reward favours short completions or the policy learned to stop early (with sequence-mean "
                      "aggregation short wrong answers are penalised more per token)",
-                     "probe the reward with empty and short completions (`postrl probe-reward`), use "
-                     "loss.agg=token_mean, and read short samples with `postrl samples RUN`")
+                     ctx.fix("length_drift:shrink", "probe the reward with empty and short completions (`postrl "
+                             "probe-reward`), use loss.agg=token_mean, and read short samples with `postrl samples "
+                             "RUN`"))
     return None
 
 
@@ -285,8 +324,9 @@ def length_reward_corr(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"{_num(h[-1], 'length/mean') or 0:.1f}): for the same prompt, longer completions are paid more",
                  "the reward pays for length (a verbosity bias of a reward model or rubric); RL will inflate the "
                  "length rather than the quality ('A Long Way to Go')",
-                 "probe the reward with a very long completion (`postrl probe-reward`), add length-controlled "
-                 "shaping (cosine_length, overlong_soft, kimi_length), or normalise the reward by length")
+                 ctx.fix("length_reward_corr", "probe the reward with a very long completion (`postrl "
+                         "probe-reward`), add length-controlled shaping (cosine_length, overlong_soft, kimi_length), "
+                         "or normalise the reward by length"))
 
 
 def _proxy_is_gold(ctx: Context) -> bool:
@@ -294,6 +334,12 @@ def _proxy_is_gold(ctx: Context) -> bool:
     reward (``environment``), which is what a multi-turn run's held-out episodes are scored by."""
     rewards = [r for r in (ctx.get("rewards", []) or []) if float(r.get("weight", 1.0)) != 0.0]
     return len(rewards) == 1 and rewards[0].get("name") in ("correct", "environment")
+
+
+def _gold_could_rise(g0: float, g1: float, p) -> bool:
+    """False when the gold started at its ceiling (within ``max_gold_rise`` of 1: no room to rise) and held there:
+    a flat gold is then no evidence of hacking. A gold that fell (by more than ``max_gold_rise``) always counts."""
+    return g0 < 1.0 - p.max_gold_rise or g1 < g0 - p.max_gold_rise
 
 
 def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -309,7 +355,7 @@ def proxy_gold_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
     if len(proxy) >= 2 * w and len(gold) >= 2 * w:
         p0, p1 = _avg(proxy[:w]), _avg(proxy[-w:])
         g0, g1 = _avg(gold[:w]), _avg(gold[-w:])
-        if p1 - p0 >= p.min_proxy_rise and g1 - g0 <= p.max_gold_rise:
+        if p1 - p0 >= p.min_proxy_rise and g1 - g0 <= p.max_gold_rise and _gold_could_rise(g0, g1, p):
             return Alarm("proxy_gold_gap",
                          f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while verifier accuracy went "
                          f"{g0:.2f} -> {g1:.2f} ({g1 - g0:+.2f}) (first vs last {w} steps)", cause, fix)
@@ -330,7 +376,7 @@ def eval_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
         return None
     p0 = _avg([v for _, v in proxy[:p.window]])
     p1 = _avg([v for _, v in proxy[-p.window:]])
-    if p1 - p0 >= p.min_proxy_rise and a1 - a0 <= p.max_gold_rise:
+    if p1 - p0 >= p.min_proxy_rise and a1 - a0 <= p.max_gold_rise and _gold_could_rise(a0, a1, p):
         return Alarm("proxy_gold_gap",
                      f"training reward rose {p0:.2f} -> {p1:.2f} ({p1 - p0:+.2f}) while held-out accuracy went "
                      f"{a0:.2f} -> {a1:.2f} ({a1 - a0:+.2f}) (evaluations at steps {e0.get('step', 0)} and {s1})",
@@ -347,7 +393,7 @@ def kl_blowup(h: list[dict], ctx: Context, p) -> Alarm | None:
     kl = _num(cur, "kl")
     kls = _series(h, "kl")
     if kl is not None and kl > p.max_kl:
-        parts.append(f"KL to the reference {kl:.3f} nats/token > {p.max_kl} (kl.coef={ctx.get('kl.coef')})")
+        parts.append(f"KL to the reference {kl:.3f} nats/token > {p.max_kl} ({ctx.setting('kl.coef')})")
     elif kl is not None and len(kls) > p.window and kls[-p.window - 1] > 0 and kl > p.max_kl / 4 \
             and kl / kls[-p.window - 1] > p.max_growth:
         parts.append(f"KL to the reference grew {kls[-p.window - 1]:.4f} -> {kl:.4f} in {p.window} steps")
@@ -364,8 +410,9 @@ def kl_blowup(h: list[dict], ctx: Context, p) -> Alarm | None:
     return Alarm("kl_blowup", "; ".join(parts),
                  "the policy moves too far per step (large learning rate, many epochs) or drifts away from the "
                  "reference without enough KL pressure",
-                 f"lower optim.lr (now {ctx.get('optim.lr')}), raise kl.coef (now {ctx.get('kl.coef')}), use fewer "
-                 f"train.epochs (now {ctx.get('train.epochs')}), or keep optim.max_grad_norm set")
+                 ctx.fix("kl_blowup", f"lower optim.lr (now {ctx.get('optim.lr')}), raise kl.coef (now "
+                         f"{ctx.get('kl.coef')}), use fewer train.epochs (now {ctx.get('train.epochs')}), or keep "
+                         f"optim.max_grad_norm set"))
 
 
 def reward_all_failed(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -409,15 +456,16 @@ def nan_guard(h: list[dict], ctx: Context, p) -> Alarm | None:
                      f"non-finite ({total:.0f} skipped so far){where}",
                      "a non-finite loss: an exploding update (learning rate), overflow in float16, or an inf/NaN "
                      "value reaching the loss",
-                     f"lower optim.lr (now {ctx.get('optim.lr')}), keep optim.max_grad_norm set (now "
-                     f"{ctx.get('optim.max_grad_norm')}), use model.dtype=float32 or bfloat16 rather than float16; "
-                     "inspect the saved batch with torch.load", severity="error")
+                     ctx.fix("nan_guard", f"lower optim.lr (now {ctx.get('optim.lr')}), keep optim.max_grad_norm "
+                             f"set (now {ctx.get('optim.max_grad_norm')}), use model.dtype=float32 or bfloat16 rather "
+                             "than float16; inspect the saved batch with torch.load"), severity="error")
     bad = [k for k in ("reward/mean", "pg_loss", "entropy", "grad_norm") if k in cur and _num(cur, k) is None
            and cur[k] is not None]
     if bad:
         return Alarm("nan_guard", f"non-finite metric(s) at step {step}: {', '.join(bad)}",
                      "every reward failed (reward/mean), or the model's outputs overflowed",
-                     "check the reward functions (reward/<name>/failures) and lower optim.lr", severity="error")
+                     ctx.fix("nan_guard", "check the reward functions (reward/<name>/failures) and lower optim.lr"),
+                     severity="error")
     limit = float(ctx.get("reward.alarm_rate", 0.1))
     for k, v in cur.items():
         if k.startswith("reward/") and k.endswith("/failure_rate") and isinstance(v, (int, float)) and v > limit:
@@ -428,30 +476,36 @@ def nan_guard(h: list[dict], ctx: Context, p) -> Alarm | None:
                          f"step {step} (reward.alarm_rate={limit:g}): they are excluded from the advantage",
                          "a bug or an unhandled input in the reward function (the first failing input is printed "
                          "in the console)",
-                         "fix the reward function; read the failing completions with `postrl samples RUN`")
+                         ctx.fix("nan_guard:reward", "fix the reward function; read the failing completions with "
+                                 "`postrl samples RUN`"))
     return None
 
 
 def clip_fractions(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
-    low, high = _num(cur, "clip_low") or 0.0, _num(cur, "clip_high") or 0.0
+    lo, hi = _num(cur, "clip_low"), _num(cur, "clip_high")
+    low, high = lo or 0.0, hi or 0.0
     dual = _num(cur, "clip_dual") or 0.0
-    region = low + high
-    if region <= p.max_clip:
+    split = lo is not None or hi is not None
+    region = low + high if split else _num(cur, "clip_region")  # another engine may log only the sum (verl)
+    if region is None or region <= p.max_clip:
         return None
     side = ""
-    if high > 3 * max(low, 1e-9):
+    if split and high > 3 * max(low, 1e-9):
         side = "; mostly positive-advantage tokens hitting the upper clip (exploration is capped)"
-    elif low > 3 * max(high, 1e-9):
+    elif split and low > 3 * max(high, 1e-9):
         side = "; mostly negative-advantage tokens hitting the lower clip"
+    parts = f" (low, A<0: {low:.1%}; high, A>0: {high:.1%}; dual: {dual:.1%})" if split else \
+        (f" (dual-clip: {dual:.1%})" if "clip_dual" in cur else "")
+    with_ = ", ".join(ctx.setting(k) for k in ("train.epochs", "train.mini_batches")
+                      if ctx.get(k) is not None or ctx.engine == "postrl")
     return Alarm("clip_fractions",
-                 f"{region:.0%} of tokens clipped (low, A<0: {low:.1%}; high, A>0: {high:.1%}; dual: {dual:.1%}) "
-                 f"with train.epochs={ctx.get('train.epochs')}, train.mini_batches={ctx.get('train.mini_batches')}"
-                 f"{side}",
+                 f"{region:.0%} of tokens clipped{parts}" + (f" with {with_}" if with_ else "") + side,
                  "the policy leaves the trust region within one batch: later epochs / mini-batches are mostly "
                  "clipped, wasted updates",
-                 f"lower optim.lr (now {ctx.get('optim.lr')}), use fewer train.epochs or train.mini_batches, or "
-                 f"widen the clip range (loss.eps_low / loss.eps_high; clip-higher for the upper side)")
+                 ctx.fix("clip_fractions", f"lower optim.lr (now {ctx.get('optim.lr')}), use fewer train.epochs or "
+                         f"train.mini_batches, or widen the clip range (loss.eps_low / loss.eps_high; clip-higher for "
+                         f"the upper side)"))
 
 
 def logprob_mismatch(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -466,10 +520,10 @@ def logprob_mismatch(h: list[dict], ctx: Context, p) -> Alarm | None:
                  "the sampling program's policy is not the trainer's: dropout active in the trainer's forward, a "
                  "different dtype or kernel (vLLM bf16 vs trainer fp32), stale sampler weights, or a "
                  "temperature / logits-processing mismatch",
-                 f"disable dropout in the model config (attention_dropout / hidden_dropout = 0), use the same "
-                 f"model.dtype (now {ctx.get('model.dtype')}) in sampler and trainer, check rollout.temperature; "
-                 f"correct a remaining gap with truncated importance sampling (loss.tis.level=token, now "
-                 f"{ctx.get('loss.tis.level', 'none')})")
+                 ctx.fix("logprob_mismatch", f"disable dropout in the model config (attention_dropout / "
+                         f"hidden_dropout = 0), use the same model.dtype (now {ctx.get('model.dtype')}) in sampler and "
+                         f"trainer, check rollout.temperature; correct a remaining gap with truncated importance "
+                         f"sampling (loss.tis.level=token, now {ctx.get('loss.tis.level', 'none')})"))
 
 
 def filtered_sampling(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -482,11 +536,12 @@ def filtered_sampling(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"top-p / top-k kept {kept:.3f} of the probability mass per sampled token on average (log-mass "
                  f"{seq or 0:.2f} per completion) while sampler and trainer log-probs are of the unfiltered "
                  f"distribution: the importance ratio is off by log(kept mass) per token",
-                 f"the tokens are drawn from the filtered, renormalised distribution (rollout.top_p="
-                 f"{ctx.get('rollout.top_p')}, top_k={ctx.get('rollout.top_k')}) but the ratio treats them as "
-                 "samples of the full policy, a known cause of collapse in TRL / vLLM runs with top_p < 1",
-                 "set rollout.logprobs=filtered (sampler and trainer then use the renormalised filtered "
-                 "distribution), or sample without the filter (rollout.top_p=1.0, rollout.top_k=0)")
+                 f"the tokens are drawn from the filtered, renormalised distribution ({ctx.setting('rollout.top_p')}, "
+                 f"{ctx.setting('rollout.top_k')}) but the ratio treats them as samples of the full policy, a known "
+                 "cause of collapse in TRL / vLLM runs with top_p < 1",
+                 ctx.fix("filtered_sampling", "set rollout.logprobs=filtered (sampler and trainer then use the "
+                         "renormalised filtered distribution), or sample without the filter (rollout.top_p=1.0, "
+                         "rollout.top_k=0)"))
 
 
 def echo_trap(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -515,10 +570,10 @@ def echo_trap(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"{p.window} steps while the grad norm spiked to {g:.2f} ({g / med:.1f}x its median {med:.2f})",
                  "Echo Trap (RAGEN): the policy collapsed onto a few repeated outputs; rewards stop varying "
                  "within groups and gradients spike",
-                 f"keep only high-variance groups (filters: [{{name: dynamic_sampling}}] or range_filter; RAGEN "
-                 f"StarPO-S), "
-                 f"lower optim.lr (now {ctx.get('optim.lr')}), tighten optim.max_grad_norm (now "
-                 f"{ctx.get('optim.max_grad_norm')}), raise the upper clip, or add a KL term")
+                 ctx.fix("echo_trap", f"keep only high-variance groups (filters: [{{name: dynamic_sampling}}] or "
+                         f"range_filter; RAGEN StarPO-S), lower optim.lr (now {ctx.get('optim.lr')}), tighten "
+                         f"optim.max_grad_norm (now {ctx.get('optim.max_grad_norm')}), raise the upper clip, or add a "
+                         f"KL term"))
 
 
 def edge_of_stability(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -543,8 +598,8 @@ def edge_of_stability(h: list[dict], ctx: Context, p) -> Alarm | None:
                  f"{what} at step {last.get('step')}; above {p.max_ratio:g} x the threshold at steps {steps}",
                  "the optimizer is at or past the edge of stability: along the sharpest direction each step "
                  "overshoots, so the loss oscillates or spikes (Cohen et al. 2022, arXiv:2207.14484)",
-                 f"lower optim.lr (now {ctx.get('optim.lr')}), add optim.warmup_steps (now "
-                 f"{ctx.get('optim.warmup_steps')}), keep optim.max_grad_norm set")
+                 ctx.fix("edge_of_stability", f"lower optim.lr (now {ctx.get('optim.lr')}), add "
+                         f"optim.warmup_steps (now {ctx.get('optim.warmup_steps')}), keep optim.max_grad_norm set"))
 
 
 def pass_at_k(h: list[dict], ctx: Context, p) -> Alarm | None:
@@ -557,8 +612,9 @@ def pass_at_k(h: list[dict], ctx: Context, p) -> Alarm | None:
                          f"training {key} = {v:.2f}: no group has a correct completion among its {key[5:]} samples",
                          "the task is beyond the policy at this temperature (or the verifier rejects the answer "
                          "format): RL has nothing to reinforce",
-                         f"warm-start with SFT (`postrl sft`), use an easier task, raise rollout.group_size (now "
-                         f"{ctx.get('rollout.group_size')}), and check the verifier with `postrl probe-reward`")
+                         ctx.fix("pass_at_k", f"warm-start with SFT (`postrl sft`), use an easier task, raise "
+                                 f"rollout.group_size (now {ctx.get('rollout.group_size')}), and check the verifier "
+                                 f"with `postrl probe-reward`"))
         p1s, pks = _series(h, "pass@1"), _series(h, key)
         w = p.window
         if len(p1s) >= 2 * w and len(pks) >= 2 * w:
@@ -598,10 +654,10 @@ def teacher_variance(h: list[dict], ctx: Context, p) -> Alarm | None:
                  "the reward model induces low reward variance for this policy ('What Makes a Reward Model a Good "
                  "Teacher?'): an accurate reward can still teach slowly; a reward that mostly scores the prompt "
                  "(difficulty, topic) gives no within-prompt signal",
-                 f"measure it before training (`postrl rm eval --samples <completions.jsonl>`, teacher/variance), "
-                 f"prefer a reward model with higher within-prompt variance for this policy, raise "
-                 f"rollout.temperature (now {ctx.get('rollout.temperature')}) or rollout.group_size (now "
-                 f"{ctx.get('rollout.group_size')}), or mix in a verifiable reward")
+                 ctx.fix("teacher_variance", f"measure it before training (`postrl rm eval --samples "
+                         f"<completions.jsonl>`, teacher/variance), prefer a reward model with higher within-prompt "
+                         f"variance for this policy, raise rollout.temperature (now {ctx.get('rollout.temperature')}) "
+                         f"or rollout.group_size (now {ctx.get('rollout.group_size')}), or mix in a verifiable reward"))
 
 
 INTRINSIC_REWARDS = ("majority_vote", "co_reward", "novelty")
@@ -666,37 +722,99 @@ def _narrowing(what: str, ctx: Context) -> Alarm:
 
 @dataclass(frozen=True)
 class MonitorSpec:
+    """A monitor: its name (the ``diagnostics.<name>`` section), function, what it watches, and ``reads``: the
+    metrics it needs, every entry required, ``a|b`` either of them, ``*`` any path segment(s) (a run that logs none
+    of an entry cannot raise the alarm: :func:`unread`)."""
+
     name: str
     fn: Callable
     what: str
+    reads: tuple[str, ...] = ()
 
 
 MONITORS: list[MonitorSpec] = [  # diagnosis order: root causes first
-    MonitorSpec("reward_all_failed", reward_all_failed, "a reward source failing on every completion of a step"),
-    MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards"),
-    MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference"),
-    MonitorSpec("filtered_sampling", filtered_sampling, "top-p / top-k kept mass with unfiltered log-probs"),
-    MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens"),
-    MonitorSpec("env_errors", env_errors, "multi-turn: environment step failures per episode"),
-    MonitorSpec("tool_errors", tool_errors, "multi-turn: fraction of tool calls that raised or timed out"),
-    MonitorSpec("turn_truncation", turn_truncation, "multi-turn: fraction of model turns hitting the token limit"),
-    MonitorSpec("malformed_calls", malformed_calls, "multi-turn: malformed tool calls per episode"),
-    MonitorSpec("edge_of_stability", edge_of_stability, "top Hessian eigenvalue vs 2/lr (Adam: 38/lr)"),
-    MonitorSpec("kl_blowup", kl_blowup, "KL to the reference, token-ratio and policy-KL extremes"),
-    MonitorSpec("echo_trap", echo_trap, "reward-variance cliff together with a grad-norm spike (RAGEN)"),
-    MonitorSpec("entropy_collapse", entropy_collapse, "entropy level and drop; low-probability-token rate"),
-    MonitorSpec("advantage_collapse", advantage_collapse, "distinct advantages vs distinct reward combinations"),
-    MonitorSpec("zero_variance_groups", zero_variance_groups, "groups with identical rewards (all-correct/all-wrong)"),
-    MonitorSpec("pass_at_k", pass_at_k, "pass@G at zero; pass@k falling while pass@1 rises"),
+    MonitorSpec("reward_all_failed", reward_all_failed, "a reward source failing on every completion of a step",
+                ("reward/*/failure_rate",)),
+    MonitorSpec("nan_guard", nan_guard, "non-finite loss / gradient (step skipped, batch saved); failing rewards",
+                ("nan_guard/skipped|reward/mean|pg_loss|entropy|grad_norm|reward/*/failure_rate",)),
+    MonitorSpec("filtered_sampling", filtered_sampling, "top-p / top-k kept mass with unfiltered log-probs",
+                ("sampler/kept_mass_mean",)),
+    MonitorSpec("logprob_mismatch", logprob_mismatch, "sampler vs trainer log-prob difference",
+                ("mismatch/logp_abs_mean",)),
+    MonitorSpec("truncation", truncation, "fraction of completions hitting rollout.max_new_tokens",
+                ("truncated/frac",)),
+    MonitorSpec("env_errors", env_errors, "multi-turn: environment step failures per episode", ("turns/env_errors",)),
+    MonitorSpec("tool_errors", tool_errors, "multi-turn: fraction of tool calls that raised or timed out",
+                ("turns/tool_success",)),
+    MonitorSpec("turn_truncation", turn_truncation, "multi-turn: fraction of model turns hitting the token limit",
+                ("turns/truncated_turns",)),
+    MonitorSpec("malformed_calls", malformed_calls, "multi-turn: malformed tool calls per episode",
+                ("turns/malformed_calls",)),
+    MonitorSpec("edge_of_stability", edge_of_stability, "top Hessian eigenvalue vs 2/lr (Adam: 38/lr)",
+                ("stability/sharpness",)),
+    MonitorSpec("kl_blowup", kl_blowup, "KL to the reference, token-ratio and policy-KL extremes",
+                ("kl|ratio/max|ratio_max|ppo_kl",)),
+    MonitorSpec("echo_trap", echo_trap, "reward-variance cliff together with a grad-norm spike (RAGEN)",
+                ("reward/group_std", "grad_norm")),
+    MonitorSpec("entropy_collapse", entropy_collapse, "entropy level and drop; low-probability-token rate",
+                ("entropy",)),
+    MonitorSpec("advantage_collapse", advantage_collapse, "distinct advantages vs distinct reward combinations",
+                ("advantages/collapse",)),
+    MonitorSpec("zero_variance_groups", zero_variance_groups, "groups with identical rewards (all-correct/all-wrong)",
+                ("zero_variance_groups/frac",)),
+    MonitorSpec("pass_at_k", pass_at_k, "pass@G at zero; pass@k falling while pass@1 rises", ("pass@*",)),
     MonitorSpec("intrinsic_collapse", intrinsic_collapse, "label-free runs: intrinsic reward saturated, or accuracy "
-                "rising then falling (model collapse step)"),
-    MonitorSpec("teacher_variance", teacher_variance, "within-prompt reward variance too low (flat objective)"),
-    MonitorSpec("proxy_gold_gap", proxy_gold_gap, "proxy reward up while gold accuracy flat or down"),
-    MonitorSpec("length_reward_corr", length_reward_corr, "within-group correlation of reward with length"),
-    MonitorSpec("length_drift", length_drift, "mean length trend"),
-    MonitorSpec("clip_fractions", clip_fractions, "clipped token fractions by advantage sign"),
+                "rising then falling (model collapse step)", ("reward/mean", "reward/group_std|accuracy")),
+    MonitorSpec("teacher_variance", teacher_variance, "within-prompt reward variance too low (flat objective)",
+                ("reward/group_std",)),
+    MonitorSpec("proxy_gold_gap", proxy_gold_gap, "proxy reward up while gold accuracy flat or down",
+                ("reward/mean", "accuracy")),
+    MonitorSpec("length_reward_corr", length_reward_corr, "within-group correlation of reward with length",
+                ("length/reward_corr",)),
+    MonitorSpec("length_drift", length_drift, "mean length trend", ("length/mean",)),
+    MonitorSpec("clip_fractions", clip_fractions, "clipped token fractions by advantage sign",
+                ("clip_low|clip_high|clip_region",)),
 ]
 ORDER = {m.name: i for i, m in enumerate(MONITORS)}
+
+
+def _logged(pattern: str, keys: set[str]) -> bool:
+    if "*" not in pattern:
+        return pattern in keys
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(k, pattern) for k in keys)
+
+
+def unread(keys: set[str] | dict) -> list[tuple[MonitorSpec, list[str]]]:
+    """The monitors that cannot fire on a run logging (only) ``keys`` (postrl keys, e.g. a row's or every row's,
+    plus the evaluations'), each with the entries of its ``reads`` the run lacks."""
+    keys = set(keys)
+    out = []
+    for spec in MONITORS:
+        missing = [e for e in spec.reads if not any(_logged(alt, keys) for alt in e.split("|"))]
+        if missing:
+            out.append((spec, missing))
+    return out
+
+
+def unread_text(missing: list[tuple[MonitorSpec, list[str]]], engine: str) -> str:
+    """One line naming the monitors skipped for lack of metrics: those whose metrics ``engine`` could log (with the
+    engine's names), then those it has no counterpart for."""
+    name = engines.ENGINES.get(engine, engine)
+    could, cannot = [], []
+    for spec, entries in missing:
+        theirs = [n for e in entries for alt in e.split("|") for n in engines.names_for(engine, alt)]
+        if theirs:
+            could.append(f"{spec.name} ({' or '.join(theirs)})")
+        else:
+            cannot.append(spec.name)
+    parts = []
+    if could:
+        parts.append(f"not in this run's logs: {', '.join(could)}")
+    if cannot:
+        parts.append(f"{name} logs no counterpart of what they read: {', '.join(cannot)}")
+    return ("monitors skipped, " + "; ".join(parts)) if parts else ""
 
 
 def sort_key(alarm: Alarm | dict) -> tuple:
@@ -741,11 +859,12 @@ def lenient_config(data: dict) -> DiagnosticsConfig:
 class Watchdog:
     """Runs every enabled monitor at each step with its patience; ``step(metrics)`` returns the active alarms."""
 
-    def __init__(self, run_config: dict, diagnostics: DiagnosticsConfig | dict | None = None):
+    def __init__(self, run_config: dict, diagnostics: DiagnosticsConfig | dict | None = None,
+                 engine: str = "postrl"):
         if diagnostics is None:
             diagnostics = run_config.get("diagnostics") or {}
         self.cfg = diagnostics if isinstance(diagnostics, DiagnosticsConfig) else lenient_config(diagnostics)
-        self.ctx = Context(run_config)
+        self.ctx = Context(run_config, engine=engine)
         self.history: list[dict] = []
         self.streak: dict[str, int] = {}
 
@@ -793,12 +912,14 @@ class Watchdog:
         return out
 
 
-def replay(rows: list[dict], evals: list[dict], run_config: dict) -> tuple[list[list[Alarm]], list[Alarm]]:
-    """Run the monitors over a finished (or partial) run offline: per-step alarms and the final ones.
+def replay(rows: list[dict], evals: list[dict], run_config: dict,
+           engine: str = "postrl") -> tuple[list[list[Alarm]], list[Alarm]]:
+    """Run the monitors over a finished (or partial) run offline: per-step alarms and the final ones. ``rows`` are
+    in postrl's keys; ``engine`` names the trainer whose options the alarms propose.
 
     Each evaluation is observed before the first step after it (the 'before' evaluation, at step 0, first).
     """
-    w = Watchdog(run_config)
+    w = Watchdog(run_config, engine=engine)
     pending = sorted(evals, key=lambda e: int(e.get("step", 0)))
     per_step = []
     for m in rows:

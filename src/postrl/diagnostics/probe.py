@@ -1,5 +1,5 @@
-"""reward_probe: score a battery of degenerate and adversarial completions with each reward ("Can You Break
-RLVER?"; open-r1 issue #359's tag spam).
+"""reward_probe: score a battery of degenerate and adversarial completions with each reward (open-r1 issue #359's
+tag spam and the usual reward-hacking shapes).
 
 For each of ``n`` prompts of the task, every probe builds a completion from the row (its prompt and reference
 ``answer``): the empty string, tag spam, the answer repeated, several hedged answers, the prompt echoed, a very
@@ -7,6 +7,10 @@ long filler, the right format with a wrong answer, and so on. Every configured r
 says what each reward pays, on average, for each probe. A reward that pays for a degenerate probe is a reward RL
 will learn to exploit. Controls (``degenerate=False``: the bare answer, the reference solution, the answer in
 think/answer tags) show what a correct completion earns, so "pays" can be read against it.
+
+This probes a *reward*. Probing a *policy* against adversarial users (gaslighting, escalation, pressure for
+validation; "Can You Break RLVER?") is the environment ``adversarial_user`` played by ``postrl eval``
+(:mod:`postrl.environments.adversarial`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,39 @@
 """Environments for multi-turn rollouts: the protocol, tools, and the built-in environments.
 
 An environment is a class registered under the kind ``environment``; the rollout makes one instance per trajectory
-(``cls(**params)``, the config's ``environment`` section minus ``name``, ``max_turns``, ``max_total_tokens``) and
+(``cls(**params)``, the config's ``environment`` section minus ``name`` and the rollout's keys ``max_turns``,
+``max_total_tokens``, ``step_timeout``, ``purify``, ``purify_similarity``) and
 drives it:
 
     observation = env.reset(row)                          # the prompt row -> the first user message (text)
     observation, reward, done, info = env.step(action)    # the model's turn (decoded text) -> the next message
 
 ``reward`` is a float or None (no reward on this turn); ``done`` ends the episode; ``info`` is a dict whose
-counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode. Both methods
+counters ``tool_calls``, ``tool_errors``, ``malformed_calls`` (ints) the rollout adds up per episode, and whose
+``scores`` (a dict of named floats, e.g. the parts of a final score) the rollout keeps per episode (the latest value
+of each name; ``postrl eval`` reports their means as ``env/<name>``). Both methods
 may be ``async def`` (:class:`AsyncEnvironment`): the rollout awaits them. An environment that raises ends its
 episode: the episode's reward is NaN (a failed reward entry, excluded from the advantage) and ``env_errors``
 counts it. Environments written for other libraries run through :mod:`postrl.environments.adapters`: the
 environments ``trl`` (a TRL ``environment_factory`` class: ``reset(**row)``, tool methods, ``get_reward``) and
-``verifiers`` (a verifiers ``MultiTurnEnv``: ``env_response``, ``is_completed``, its rubric), each taking the
-user's class as an import path parameter.
+``verifiers`` (a legacy verifiers ``MultiTurnEnv``: ``env_response``, ``is_completed``, its rubric), each taking the
+user's class as an import path parameter; :mod:`postrl.environments.verifiers_v1` (``verifiers_v1``: a verifiers v1
+taskset, optionally driven by its ``vf.Env``) and :mod:`postrl.environments.openenv_env` (``openenv``: an OpenEnv
+environment, client or MCP tool environment). An environment's optional ``close()`` is called when the rollout is
+over.
 
 Modules: :mod:`postrl.environments.tools` (tool schemas, the tool-call format and execution with a timeout,
 :class:`ToolEnvironment`), :mod:`postrl.environments.calculator` (the calculator-tool arithmetic task),
 :mod:`postrl.environments.code_repair` (a buggy program, its tests run in the sandbox each turn),
-:mod:`postrl.environments.reward` (the reward source ``environment``).
+:mod:`postrl.environments.adversarial` (a user who gaslights, escalates or presses for validation; the policy's
+consistency as the reward), :mod:`postrl.environments.reward` (the reward source ``environment``). The agent methods (docs/agents.md):
+:mod:`~postrl.environments.toolrl` (the reward ``tool_call``), :mod:`~postrl.environments.function_calling` (the
+task ``tool_calls``), :mod:`~postrl.environments.steptool` (shaping ``steptool``),
+:mod:`~postrl.environments.self_correct` (SCoRe: environment ``self_correct``, shaping ``score_bonus``, regulariser
+``attempt_kl``), :mod:`~postrl.environments.user` (UserRL: environment ``simulated_user``, shaping
+``trajectory_score``), :mod:`~postrl.environments.chat` (the models they talk to),
+:mod:`~postrl.environments.cleaner` (CLEANER's purified episodes), :mod:`~postrl.environments.credit` (advantages
+``spa``, ``archer``, ``oprl``), :mod:`~postrl.environments.topocurate` (selector ``topocurate``).
 """
 
 from __future__ import annotations
@@ -77,4 +91,6 @@ def make(name: str, params: dict | None = None) -> Any:
 
 
 # register the built-ins and the adapters
-from postrl.environments import adapters, calculator, code_repair, reward, tools  # noqa: E402,F401
+from postrl.environments import (adapters, adversarial, calculator, cleaner, code_repair,  # noqa: E402,F401
+                                 credit, function_calling, openenv_env, reward, self_correct, steptool, tools,
+                                 toolrl, topocurate, user, verifiers_v1)

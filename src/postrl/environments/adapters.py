@@ -1,5 +1,9 @@
 """Adapters: environments written for TRL (``environment_factory``) or verifiers (``MultiTurnEnv``) run in postrl.
 
+The ``verifiers`` adapter follows the legacy ``MultiTurnEnv`` interface (verifiers before v1, the one prime-rl
+dropped); verifiers v1 tasksets and envs run through :mod:`postrl.environments.verifiers_v1`, OpenEnv environments
+through :mod:`postrl.environments.openenv_env`.
+
 Both are environments registered under the kind ``environment`` that take the user's object as an import path
 parameter, so a config names them like any other environment:
 

@@ -27,9 +27,28 @@ string (the turn ends after the call, the tool runs, the model reads the result)
 Per-turn records in ``batch.extra`` (K = ``max_turns``): ``turn_ends`` [N, K] long (index in the completion of
 each model turn's last token, -1 padded), ``turn_rewards`` [N, K] float (the environment's reward of each turn,
 0 where it gave none, NaN where it raised, NaN beyond the episode), ``turn_truncated`` [N, K] bool,
-``num_turns`` [N] long, and per-episode counts ``tool_calls``, ``tool_errors``, ``malformed_calls``,
-``env_errors`` [N] long. The column ``env_turn_rewards`` (a list per episode, None where a turn gave no reward)
-feeds the reward source ``environment``. ``truncated`` [N] is True for an episode the environment did not end.
+``num_turns`` [N] long, per-turn counts ``turn_tool_calls``, ``turn_tool_errors``, ``turn_malformed_calls``
+[N, K] long (the turn's ``info`` counters), per-episode counts ``tool_calls``, ``tool_errors``,
+``malformed_calls``, ``user_errors`` (a simulated user that failed), ``env_errors`` [N] long, ``turn_index``
+[N, T] long (the model turn each completion token belongs to, -1 on environment tokens and padding),
+``turn_actions`` / ``turn_observations`` (per episode, the list of its turns' decoded actions / the observation
+texts that followed them), ``episode_length`` [N] long (completion tokens, model and environment), ``turn_scores``
+[N, K] float (the step-level process score the environment gave in a turn's ``info['process_score']``, NaN where
+none; ``code_repair`` gives each attempt's layered score), ``failure_cause`` (a list of N: ``'env_error'`` when the
+environment raised, ``'token_limit'`` when the token budget ended an episode the environment had not ended, else
+the last ``info['failure_cause']`` the environment reported; None when none, e.g. solved). The column
+``env_turn_rewards`` (a list per episode, None where a turn gave no reward) feeds the reward source ``environment``;
+the column ``env_scores`` holds per episode the named scores the environment reported in ``info['scores']`` (a
+dict, the latest value of each name; empty when none). ``truncated`` [N] is True for an episode the environment did
+not end.
+
+Fault isolation: an environment whose ``reset`` or ``step`` raises, whose ``step`` runs past ``step_timeout``
+seconds (when set: each call then runs in its own daemon thread, abandoned when late) or returns something that is
+not ``(observation, reward, done, info)`` with a number or None as reward and a dict (or None) as info ends its
+episode: ``env_errors`` counts it and the episode's reward is NaN (a failed entry, excluded from the advantage);
+the other episodes and the run go on. When the rollout is over, each environment's optional ``close()`` is called
+(an exception there is ignored: the episodes are already recorded). ``purify='cleaner'`` rewrites, after the rollout, each episode whose failed
+tool call was later corrected (:mod:`postrl.environments.cleaner`; its tokens re-scored by the policy).
 
 Randomness: turn k of completion j of prompt i samples with seed (seed_i, j, k), so the batch does not depend on
 how many episodes end early or on the number of processes. The generation backend is reached only through
@@ -41,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -54,7 +74,8 @@ from postrl.errors import PostrlError
 from postrl.generation import SamplingParams
 from postrl.generation import left_pad
 
-COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+COUNTERS = ("tool_calls", "tool_errors", "malformed_calls", "user_errors")
+TURN_COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")  # also kept per turn: turn_<name> [N, K]
 
 
 def uses_template(tokenizer: Any, chat_template: str) -> bool:
@@ -96,13 +117,58 @@ def observation_ids(tokenizer: Any, observation: str, role: str, tools: list[dic
     return ids
 
 
-def _step_all(envs: list, actions: list[str]) -> list:
-    """env.step(action) for each pair; async environments' steps run concurrently; an exception is returned."""
+class _Unmade:
+    """Stands in for an environment whose constructor raised (not a user mistake in its parameters): its ``reset``
+    raises the same error, so that episode ends as an environment error, counted, and the others run."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def reset(self, row: dict) -> str:
+        raise self.error
+
+    def step(self, action: str):
+        raise self.error
+
+
+def _made(make_env: Callable[[], Any]) -> Any:
+    """``make_env()``, or an :class:`_Unmade` when the constructor raises (a :class:`PostrlError`, a mistake in the
+    configuration, stops the run in one line)."""
+    try:
+        return make_env()
+    except PostrlError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one environment's failure ends its episode, counted
+        return _Unmade(e)
+
+
+def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` in a daemon thread; its result, its exception, or a TimeoutError after ``timeout`` seconds (the
+    thread is abandoned)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - returned to the caller, who ends the episode
+            box["out"] = e
+
+    t = threading.Thread(target=target, daemon=True, name="postrl-env-step")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return TimeoutError(f"environment step timed out after {timeout:g}s")
+    return box.get("out")
+
+
+def _step_all(envs: list, actions: list[str], timeout: float | None = None) -> list:
+    """env.step(action) for each pair; async environments' steps run concurrently; an exception (or, with
+    ``timeout``, a TimeoutError for a step past it) is returned in place of the result."""
     results: list[Any] = [None] * len(envs)
     pending = []
     for i, (env, a) in enumerate(zip(envs, actions)):
         try:
-            out = env.step(a)
+            out = env.step(a) if timeout is None else _in_thread(lambda env=env, a=a: env.step(a), timeout)
         except Exception as e:  # noqa: BLE001 - an environment's failure ends its episode, counted
             results[i] = e
             continue
@@ -111,12 +177,44 @@ def _step_all(envs: list, actions: list[str]) -> list:
         else:
             results[i] = out
     if pending:
+        async def one(aw):
+            return await (asyncio.wait_for(aw, timeout) if timeout is not None else aw)
+
         async def gather():
-            return await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
+            return await asyncio.gather(*(one(aw) for _, aw in pending), return_exceptions=True)
 
         for (i, _), r in zip(pending, asyncio.run(gather())):
-            results[i] = r
+            results[i] = TimeoutError(f"environment step timed out after {timeout:g}s") \
+                if isinstance(r, asyncio.TimeoutError) else r
     return results
+
+
+def _checked(out: Any) -> tuple[str, float | None, bool, dict, dict] | None:
+    """The step's result as (observation, reward, done, counts, info) or None when it is not one (garbage: an env
+    error); ``counts`` the checked counters of ``COUNTERS``, ``info`` the environment's info dict (empty when None)."""
+    if isinstance(out, BaseException) or not (isinstance(out, tuple) and len(out) == 4):
+        return None
+    obs, reward, done, info = out
+    if info is not None and not isinstance(info, dict):
+        return None
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            try:
+                reward = float(reward)  # a numpy / torch scalar
+            except (TypeError, ValueError):
+                return None
+        reward = float(reward)
+    counts = {}
+    for c in COUNTERS:
+        v = (info or {}).get(c, 0)
+        try:
+            iv = int(v)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if isinstance(v, bool) or iv != v or iv < 0:  # a count: a non-negative whole number (1.0 is one)
+            return None
+        counts[c] = iv
+    return ("" if obs is None else str(obs)), reward, bool(done), counts, (info or {})
 
 
 def _cut_at_stops(text: str, stops: list[str]) -> str:
@@ -126,35 +224,55 @@ def _cut_at_stops(text: str, stops: list[str]) -> str:
 
 def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_env: Callable[[], Any], *,
             max_turns: int, max_total_tokens: int, group_ids: torch.Tensor, chat_template: str = "auto",
-            extra: dict | None = None) -> RolloutBatch:
+            extra: dict | None = None, step_timeout: float | None = None, purify: str = "none",
+            purify_similarity: float = 0.8) -> RolloutBatch:
     """``group_size`` episodes per prompt row, through ``make_env()`` instances and ``ctx.generate``; one row of
-    the returned batch per episode (prompt-major, like single-turn rollouts). See the module docstring."""
+    the returned batch per episode (prompt-major, like single-turn rollouts). See the module docstring.
+    ``purify='cleaner'`` rewrites corrected failures (:func:`postrl.environments.cleaner.purify`, with
+    ``purify_similarity``); it needs ``ctx.model`` to re-score the rewritten episodes."""
     tok, params = ctx.tokenizer, ctx.sampling or SamplingParams()
     eos = set(int(e) for e in ([tok.eos_token_id] if tok.eos_token_id is not None else []))
     G, N, K = group_size, len(rows) * group_size, max_turns
-    envs = [make_env() for _ in range(N)]
+    envs = [_made(make_env) for _ in range(N)]
     tools = [schemas(list(getattr(env, "tools", None) or [])) for env in envs]
     roles = [getattr(env, "observation_role", "user") for env in envs]
     user_stops = [s for s in params.stop if s]
     turn_params = replace(params, stop=user_stops + ([CLOSE] if any(tools) and CLOSE not in user_stops else []))
     row_of = [i for i in range(len(rows)) for _ in range(G)]
 
+    counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
+    turn_counts = {k: torch.zeros((N, K), dtype=torch.long) for k in TURN_COUNTERS}
+    turn_scores = torch.full((N, K), math.nan)  # the environment's step-level process score (info), NaN if none
+    causes: list = [None] * N  # the last failure cause the environment reported (info), per episode
+    token_limit = torch.zeros(N, dtype=torch.bool)
+    env_rewards: list[list] = [[] for _ in range(N)]
+    env_scores: list[dict] = [{} for _ in range(N)]
+    finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
     prompts: list[list[int]] = []
+    live = []
     for r in range(N):
-        obs = call(envs[r].reset, rows[row_of[r]])
+        try:
+            obs = call(envs[r].reset, rows[row_of[r]])
+            live.append(r)
+        except Exception:  # noqa: BLE001 - a reset that raises ends (empties) that episode, counted
+            obs = rows[row_of[r]].get("prompt", "")
+            counts["env_errors"][r] += 1
+            env_rewards[r].append(math.nan)
+            finished[r] = True
         prompts.append(prompt_ids(tok, str(obs), tools[r], chat_template))
     comp: list[list[int]] = [[] for _ in range(N)]
     mask: list[list[float]] = [[] for _ in range(N)]
     logp: list[list[float]] = [[] for _ in range(N)]
+    actions_of: list[list[str]] = [[] for _ in range(N)]
+    observations_of: list[list[str]] = [[] for _ in range(N)]
     turn_ends = torch.full((N, K), -1, dtype=torch.long)
     turn_rewards = torch.full((N, K), math.nan)
     turn_trunc = torch.zeros((N, K), dtype=torch.bool)
-    counts = {k: torch.zeros(N, dtype=torch.long) for k in (*COUNTERS, "env_errors")}
-    env_rewards: list[list] = [[] for _ in range(N)]
-    finished = torch.zeros(N, dtype=torch.bool)  # the environment ended the episode
-    live = list(range(N))
 
     for k in range(K):
+        for r in live:
+            if len(comp[r]) >= max_total_tokens:
+                token_limit[r] = True
         live = [r for r in live if len(comp[r]) < max_total_tokens]
         if not live:
             break
@@ -173,35 +291,55 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
             turn_ends[r, k] = len(comp[r]) - 1
             turn_trunc[r, k] = bool(gen.truncated[j]) or cut < n
             actions.append(_cut_at_stops(tok.decode(ids, skip_special_tokens=True), user_stops))
-        results = _step_all([envs[r] for r in live], actions)
+            actions_of[r].append(actions[-1])
+        results = _step_all([envs[r] for r in live], actions, step_timeout)
         nxt = []
         for j, r in enumerate(live):
-            out = results[j]
-            if isinstance(out, BaseException) or not (isinstance(out, tuple) and len(out) == 4):
+            out = _checked(results[j])
+            if out is None:
                 counts["env_errors"][r] += 1
                 turn_rewards[r, k] = math.nan
                 env_rewards[r].append(math.nan)
+                observations_of[r].append("")
                 finished[r] = True
                 continue
-            obs, reward, done, info = out
+            obs, reward, done, turn_count, info = out
             for c in COUNTERS:
-                counts[c][r] += int((info or {}).get(c, 0))
-            env_rewards[r].append(None if reward is None else float(reward))
-            turn_rewards[r, k] = 0.0 if reward is None else float(reward)
+                counts[c][r] += turn_count[c]
+            for c in TURN_COUNTERS:
+                turn_counts[c][r, k] = turn_count[c]
+            score = info.get("process_score")
+            if isinstance(score, (int, float)) and not isinstance(score, bool):
+                turn_scores[r, k] = float(score)
+            if "failure_cause" in info:
+                causes[r] = None if info["failure_cause"] is None else str(info["failure_cause"])
+            if isinstance(info.get("scores"), dict):
+                env_scores[r].update({str(name): float(v) for name, v in info["scores"].items()})
+            env_rewards[r].append(reward)
+            turn_rewards[r, k] = 0.0 if reward is None else reward
+            observations_of[r].append(obs)
             if done:
                 finished[r] = True
                 continue
             if k == K - 1:
                 continue
             last = comp[r][-1] if comp[r] else None
-            o = observation_ids(tok, str(obs), roles[r], tools[r], chat_template, last if last in eos else None)
+            o = observation_ids(tok, obs, roles[r], tools[r], chat_template, last if last in eos else None)
             room = max_total_tokens - len(comp[r])
             comp[r] += o[:room]
             mask[r] += [0.0] * min(len(o), room)
             logp[r] += [0.0] * min(len(o), room)
             if len(o) < room:
                 nxt.append(r)
+            else:  # the observation did not fit: the token budget ended the episode
+                token_limit[r] = True
         live = nxt
+    for env in envs:  # the episodes are over: an environment's optional close() releases what it holds
+        if callable(getattr(env, "close", None)):
+            try:
+                call(env.close)
+            except Exception:  # noqa: BLE001 - a failing close changes no episode (their rewards are in)
+                pass
 
     width = max(max((len(c) for c in comp), default=0), 1)
     pad = int(ctx.pad_id)
@@ -216,10 +354,36 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
     keys = [key for key in rows[0] if key != "prompt"] if rows else []
     columns = {key: [rows[row_of[r]].get(key) for r in range(N)] for key in keys}
     columns["env_turn_rewards"] = env_rewards
+    columns["env_scores"] = env_scores
     ex = dict(extra or {})
+    failure = ["env_error" if int(counts["env_errors"][r]) else "token_limit" if bool(token_limit[r]) and
+               not bool(finished[r]) else causes[r] for r in range(N)]
     ex.update(turn_ends=turn_ends, turn_rewards=turn_rewards, turn_truncated=turn_trunc,
-              num_turns=(turn_ends >= 0).sum(-1), **counts)
-    return RolloutBatch(
+              num_turns=(turn_ends >= 0).sum(-1), turn_index=turn_index(turn_ends, c_mask), **counts,
+              turn_scores=turn_scores, failure_cause=failure,
+              episode_length=torch.tensor([len(c) for c in comp], dtype=torch.long),
+              **{f"turn_{c}": v for c, v in turn_counts.items()}, turn_actions=actions_of,
+              turn_observations=observations_of)
+    batch = RolloutBatch(
         prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, group_ids=group_ids,
-        sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]]["prompt"] for r in range(N)],
+        sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]].get("prompt", "") for r in range(N)],
         completions=[tok.decode(c, skip_special_tokens=True) for c in comp], columns=columns, extra=ex)
+    if purify == "cleaner":
+        from postrl.environments.cleaner import purify as purify_batch
+
+        batch = purify_batch(ctx, batch, similarity=purify_similarity)
+    elif purify != "none":
+        raise PostrlError(f"environment.purify: expected none or cleaner, got '{purify}'")
+    return batch
+
+
+def turn_index(turn_ends: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] long: k on the model tokens of turn k (the tokens up to ``turn_ends[:, k]`` after turn k-1's end,
+    in the loss mask), -1 on environment tokens and padding."""
+    T = completion_mask.shape[1]
+    t = torch.arange(T)
+    ends = turn_ends.clone()
+    before = (ends[:, None, :] < t[None, :, None]) & (ends[:, None, :] >= 0)          # [N, T, K]
+    k = before.sum(-1)
+    inside = k < (ends >= 0).sum(-1, keepdim=True)
+    return torch.where(inside & (completion_mask > 0), k, torch.full_like(k, -1))

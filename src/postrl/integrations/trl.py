@@ -48,6 +48,9 @@ replaces TRL's advantages by the postrl stage's, ``_prepare_inputs`` adds the ag
 evaluates the objective on TRL's log-probs, ``training_step`` ends the postrl step (stateful stages, KL controller,
 metrics, alarms) after the last micro-batch of a generation.
 
+A stage that needs what TRL's batch does not carry (logits, a greedy generation, a teacher's log-probs, a
+reset of the reference model, a prompt selector or a sampling plan) is refused at construction.
+
 Several processes: every process gathers the completions of all of them (TRL spreads a group over processes),
 scores and shapes that batch, runs the filters and the advantage on it and keeps its own rows, so every process
 holds the same statistics and state; the reward sources therefore run on every process (cheap for verifiers; a
@@ -55,6 +58,23 @@ costly judge or reward model is called once per process), and what they receive 
 ``environment_factory``, TRL's environment objects must then be picklable). Only the one-process path is tested here.
 
 Errors are one line and are both :class:`postrl.errors.ConfigError` and ``ValueError`` (what TRL raises).
+
+Top-p / top-k: the sampler draws from the filtered, renormalised distribution q = pi / M (M the probability mass
+the filter kept), TRL's trainer computes log pi over the whole vocabulary, so with vLLM's processed log-probs every
+token's importance ratio carries the factor M (TRL issue 6789), and without them the gradient is that of log pi,
+not of the log q the tokens were drawn from. The adapter reads the sampling settings TRL samples with
+(``GRPOConfig.top_p`` / ``top_k``, overridden by ``generation_kwargs``; vLLM's ``top_k=-1`` is off; greedy
+``do_sample=False`` has no filter) into the section's ``rollout.top_p`` / ``rollout.top_k``, and with
+``rollout.logprobs: filtered`` in the postrl section computes every trainer-side log-prob (the update's, the old and
+the reference ones TRL computes, the field producers') of the renormalised filtered distribution, exactly as
+postrl's own trainer (:func:`postrl.logprobs.filtered_token_logprobs`): TRL's fused LM head, which never forms
+the logits, is replaced by the model's own forward for those calls (``_get_per_token_logps_and_entropies``, one
+[rows, completion tokens, vocab] logits tensor per micro-batch). Neither HF ``generate`` nor TRL's vLLM client
+returns the sampler's kept set, so the kept set is the same top-p / top-k applied to the trainer's logits (the
+sampled token always kept). The kept mass is logged in both modes (``postrl/sampler/kept_mass_mean``, ``_min``,
+``kept_logmass_seq``: one extra no-grad forward per generation while a filter is on) and the
+``filtered_sampling`` alarm fires when it is low and the log-probs are uncorrected (``rollout.logprobs: full``,
+the default, TRL's own behaviour). ``min_p`` is not replayed: with ``rollout.logprobs: filtered`` it is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +84,7 @@ import dataclasses
 import logging
 import math
 import warnings
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -80,12 +101,17 @@ from postrl.batch import RolloutBatch
 from postrl.config import Config, load_config
 from postrl.context import ModelContext
 from postrl.diagnostics.metrics import mismatch_metrics
+from postrl.generation import SamplingParams
+from postrl.logprobs import filtered_token_logprobs, logits_entropy
 from postrl.rewards import RewardContext
 from postrl.step import Step
 from postrl.train.processes import Processes
 
 _log = logging.getLogger("postrl.trl")
 _trl_log = logging.getLogger("trl.trainer.grpo_trainer")  # (TRL's own warnings keep their logger)
+
+
+from postrl.integrations.alarms import AlarmCallback  # noqa: E402,F401 - postrl's alarms on TRL's own trainer
 
 
 class TRLConfigError(ConfigError, ValueError):
@@ -98,7 +124,9 @@ class TRLConfigError(ConfigError, ValueError):
 REFUSED: dict[tuple[str, Any], str] = {}
 # fields a stage may read that TRL's batch cannot give
 _UNAVAILABLE = {"logits": "the logits (TRL's forward returns log-probs and entropies only)",
-                "greedy_reward": "a greedy generation (TRL owns generation)"}
+                "greedy_reward": "a greedy generation (TRL owns generation)",
+                "teacher_logp": "a teacher model's log-probs (TRL's GRPOTrainer runs no teacher; TRL's "
+                                "DistillationTrainer distils with its full-vocabulary generalized JSD)"}
 
 
 def _text(x: Any) -> str:
@@ -107,6 +135,64 @@ def _text(x: Any) -> str:
         return x
     return "".join(m.get("content", "") if isinstance(m.get("content"), str) else str(m.get("content") or "")
                    for m in x)
+
+
+# the multimodal fields of TRL's batch that its log-prob forward takes (keyword arguments of
+# ``_get_per_token_logps_and_entropies``)
+_FORWARD_FIELDS = ("num_images", "num_tiles", "pixel_values", "image_grid_thw", "pixel_attention_mask",
+                   "spatial_shapes", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def trl_sampling(args: Any, logprobs: str = "full") -> SamplingParams:
+    """The sampling TRL does with ``args`` (a ``GRPOConfig``) as :class:`~postrl.generation.SamplingParams`:
+    ``temperature``, ``top_p``, ``top_k`` (``generation_kwargs`` override them, as TRL's generation does; a
+    ``top_k`` <= 0, vLLM's -1 included, is off; ``do_sample=False``: greedy, temperature 0, no filter), with
+    ``logprobs`` (postrl's ``rollout.logprobs``). ``min_p`` is not carried: with ``logprobs='filtered'`` a
+    ``min_p`` > 0 is a :class:`ConfigError` (the correction would replay a different filter than the sampler's)."""
+    gk = dict(args.generation_kwargs or {})
+    top_p = gk.get("top_p", args.top_p)
+    top_k = gk.get("top_k", args.top_k)
+    min_p = gk.get("min_p", args.min_p)
+    temperature = float(args.temperature) if gk.get("do_sample", True) else 0.0
+    params = SamplingParams(max_new_tokens=args.max_completion_length, temperature=temperature,
+                            top_p=1.0 if top_p is None else float(top_p), top_k=max(int(top_k or 0), 0),
+                            logprobs=logprobs)
+    if logprobs == "filtered" and min_p and temperature > 0:
+        raise ConfigError(f"GRPOConfig.min_p={min_p}: the top-p / top-k correction (rollout.logprobs=filtered) does "
+                          "not replay min_p; sample with top_p / top_k instead (min_p=None), or set "
+                          "rollout.logprobs=full")
+    return params
+
+
+class _FilteredHead:
+    """TRL's log-prob call ``model(**inputs, labels=labels, fused_lm_head=True)`` answered with the log-probs of the
+    top-p / top-k filtered, renormalised distribution: the model's own forward (``fused_lm_head`` off: TRL's fused
+    head never forms the logits) over the last ``T + 1`` positions, the logits divided by ``temperature``, then
+    :func:`postrl.logprobs.filtered_token_logprobs` at the labels (the completion tokens; -100 where masked, given
+    0). Returns what TRL reads of its fused output (``log_probs``, ``entropy`` of the unfiltered distribution,
+    ``aux_loss``), each [B, T]. ``kept``: a list that receives each call's kept log-mass [B, T] (0 where masked).
+    ``entropy_grad``: the entropy is differentiable (as TRL's fused head's is) for a stage or TRL's entropy bonus
+    that differentiates it; otherwise it carries no gradient (one [B, T, V] tensor less kept for the backward)."""
+
+    def __init__(self, model: Any, T: int, temperature: float, top_p: float, top_k: int,
+                 kept: list | None = None, entropy_grad: bool = False):
+        self.model, self.T, self.temperature, self.top_p, self.top_k, self.kept = \
+            model, T, temperature or 1.0, top_p, top_k, kept
+        self.entropy_grad = entropy_grad
+
+    def __call__(self, *, labels: torch.Tensor, fused_lm_head: bool = True, **inputs: Any) -> SimpleNamespace:
+        T = self.T
+        out = self.model(**inputs, logits_to_keep=T + 1, use_cache=False)
+        scaled = out.logits[:, -(T + 1):-1].float() / self.temperature
+        target = labels[:, -T:]
+        valid = target != -100
+        logp, kept = filtered_token_logprobs(scaled, target.clamp(min=0), self.top_p, self.top_k)
+        with torch.set_grad_enabled(self.entropy_grad and torch.is_grad_enabled()):
+            entropy = logits_entropy(scaled)
+        if self.kept is not None:
+            self.kept.append(kept.masked_fill(~valid, 0.0))
+        return SimpleNamespace(log_probs=logp.masked_fill(~valid, 0.0), entropy=entropy.masked_fill(~valid, 0.0),
+                               aux_loss=getattr(out, "aux_loss", None))
 
 
 def _trl_default(name: str) -> Any:
@@ -377,8 +463,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_weights = scorer.weights.clone()
         self.procs = Processes(self.accelerator)
         self.ctx = ModelContext(unwrapped, tok, self.accelerator.device, temperature=float(args.temperature),
-                                micro_batch_size=args.per_device_train_batch_size, pad_id=tok.pad_token_id,
-                                logprob_fn=self._logprob_fn, score=lambda b: self.postrl.score(b, observe=False))
+                                micro_batch_size=args.per_device_train_batch_size, sampling=self.postrl_sampling,
+                                pad_id=tok.pad_token_id, logprob_fn=self._logprob_fn,
+                                score=lambda b: self.postrl.score(b, observe=False))
 
     # ------------------------------------------------------------------------------------------------ config
     def _configure(self, args: Any, postrl: Any, funcs: list | None, rpc: Any,
@@ -393,6 +480,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                    "temperature": float(args.temperature)}
         cfg = _section(postrl, args, rollout, args.max_steps if args.max_steps > 0 else None,
                        trl_rewards=trl_rewards)
+        # the sampling TRL does (top-p / top-k, generation_kwargs) is the section's rollout's too
+        self.postrl_sampling = trl_sampling(args, cfg.rollout.logprobs)
+        self._logprob_filter = self.postrl_sampling.logprob_filter()  # {} unless the log-probs are corrected
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+            "top_p": self.postrl_sampling.top_p, "top_k": self.postrl_sampling.top_k})})
         if cfg.kl.coef > 0 and cfg.kl.placement != "loss":
             raise TRLConfigError("kl.placement=reward is not available in the TRL adapter; use kl.placement=loss")
         if args.use_vllm and args.vllm_importance_sampling_correction and cfg.loss.tis.level == "none":
@@ -431,6 +523,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if spec.max_attempts is not None and spec.max_attempts > 1:
                 warnings.warn(f"filters.{i}: max_attempts is not available under TRL (no refill): dropped groups are "
                               f"masked out of the update", stacklevel=3)
+        for s in step.needing("reference_reset"):
+            raise TRLConfigError(f"{s.kind} '{s.name}': resetting the reference model is not available in the TRL "
+                                 "adapter (TRL owns the reference; its own GRPOConfig.sync_ref_model does that)")
         for s in [step.advantage, *objective.regularizers, objective.loss]:
             for field in set(s.reads) & set(_UNAVAILABLE):
                 raise TRLConfigError(f"{s.kind} '{s.name}' reads {field}: the TRL adapter cannot give "
@@ -447,12 +542,43 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _logprob_fn(self, model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                     completion_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, **_: Any):
         """``postrl.models.completion_logprobs``'s signature on TRL's forward (its temperature, its wrapped
-        model): what the field producers (e.g. ``token_entropy``) use."""
+        model; the filter, with ``rollout.logprobs=filtered``, applied by
+        :meth:`_get_per_token_logps_and_entropies`): what the field producers (e.g. ``token_entropy``) use."""
         ids = torch.cat([prompt_ids, completion_ids], 1)
         attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
         logp, ent, _ = self._get_per_token_logps_and_entropies(self.model, ids, attn, completion_ids.shape[1],
                                                                compute_entropy=with_entropy)
         return logp, ent
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's log-prob function (every trainer-side log-prob goes through it: the update's, the old and the
+        reference ones); with ``rollout.logprobs=filtered`` and a top-p / top-k filter, of the renormalised
+        filtered distribution the tokens were drawn from (:class:`_FilteredHead`; TRL's chunking and multimodal
+        inputs unchanged)."""
+        if self._logprob_filter:
+            entropy_grad = self._entropy_bonus_enabled or self.postrl.objective.entropy_grad
+            model = _FilteredHead(model, logits_to_keep, self.postrl_sampling.temperature, **self._logprob_filter,
+                                  entropy_grad=entropy_grad)
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                          **kwargs)
+
+    def _sampler_kept_logmass(self, out: dict) -> torch.Tensor:
+        """log M [n, T] of this process's rows of a generation ``out``: the log of the unfiltered probability mass
+        the top-p / top-k filter keeps at each completion token, from the trainer's logits (no gradient, in
+        micro-batches of ``per_device_train_batch_size``; 0 where masked)."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        T = out["completion_ids"].shape[1]
+        kept: list[torch.Tensor] = []
+        sp = self.postrl_sampling
+        head = _FilteredHead(self.model, T, sp.temperature, sp.top_p, sp.top_k, kept=kept)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                self, head, ids, attn, T, batch_size=self.args.per_device_train_batch_size,
+                **{k: out[k] for k in _FORWARD_FIELDS if k in out})
+        return torch.cat(kept).float()
 
     @property
     def _generate_every(self) -> int:
@@ -505,7 +631,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             kwargs.update(prompt=batch.prompts[row], completion=batch.completions[row])
             _trl_log.warning(f"All reward functions returned None for the following kwargs:\n{kwargs}\n"
                              "Please ensure that at least one reward function returns a valid reward.")
-        keep = self.postrl.keep(batch)
+        keep = self.postrl.keep(batch, observe=mode == "train")
         if not keep.all():
             batch.valid = batch.valid & keep
         self._filter_metrics = {"filter/dropped_groups": float(len(torch.unique(batch.group_ids[~keep])))} \
@@ -537,13 +663,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         sampler = out.get("sampling_per_token_logps", out.get("old_per_token_logps"))
         if sampler is not None:
             batch.sampler_logprobs = self._gather_padded(sampler.float())
-        elif "sampler_logprobs" in self.postrl.advantage.reads:  # the policy that sampled is the current one
+        elif "sampler_logprobs" in self.postrl.advantage.reads or "sampler_logp" in self.postrl.objective.reads:
+            # the policy that sampled is the current one (an estimator or a regulariser's observe reads it)
             batch.sampler_logprobs = self.ctx.logprobs(batch)[0]
         else:
             batch.sampler_logprobs = torch.full((len(batch), T), float("nan"))
+        if mode == "train" and self.postrl_sampling.filters:  # top-p / top-k: the kept mass (sampler/kept_mass_*)
+            batch.extra["sampler_kept_logmass"] = self._gather_padded(self._sampler_kept_logmass(out))
         adv = self.postrl.advantages(self.ctx, batch, observe=mode == "train").float()
         adv = torch.where(batch.valid.view(-1, *[1] * (adv.dim() - 1)), adv, torch.zeros_like(adv))
         batch.advantages = adv
+        for key, attr in (("ref_per_token_logps", "ref_logprobs"), ("old_per_token_logps", "old_logprobs")):
+            if out.get(key) is not None:
+                setattr(batch, attr, self._gather_padded(out[key].float()))
+        if mode == "train":
+            self.postrl.observe_objective(batch)
         rank = self.accelerator.process_index
         rows = torch.arange(rank * n, (rank + 1) * n)
         local = adv[rows]
@@ -632,7 +766,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             image_sizes=inputs.get("image_sizes"), token_type_ids=inputs.get("token_type_ids"),
             mm_token_type_ids=inputs.get("mm_token_type_ids"), image_position_ids=inputs.get("image_position_ids"))
         rows = inputs["postrl_row"].cpu()
-        fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+        fields = {k: (v[:, :T] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v)  # (per-token: [n, T, ...])
                   for k, v in self.postrl.objective.batch_fields(self._scored[mode][0], rows, logp.device).items()}
         mask = self._loss_mask(inputs)
         fields["mask"] = mask
@@ -735,7 +869,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         m.update({k: (v if k == "ratio_max" else v / opt_steps) for k, v in self._loss_sums.items()})
         m = self.procs.reduce_metrics(m)
         batch, info, _ = self._scored["train"]
-        m.update(self.postrl.end(m, len(batch), all_reduce_mean=self.procs.all_reduce_mean, gather=self.procs.gather))
+        # every process scored and observed the whole gathered batch: its records are already every process's, so the
+        # end of the step does not gather them again (which would count each record once per process)
+        m.update(self.postrl.end(m, len(batch), all_reduce_mean=self.procs.all_reduce_mean, gather=lambda obj: [obj]))
         self.postrl_steps += 1
         m["step"] = self.postrl_steps
         for name, rate in info.get("failure_rate", {}).items():

@@ -48,6 +48,30 @@ the sampler/trainer log-prob mismatch, KL to the reference, and the token entrop
 of the sampled tokens) and runs the step's monitors (``Step.watchdog``) over them: an alarm is logged as a warning
 and reported as ``postrl/alarm/<name> = 1``.
 
+Top-p / top-k (``rollout.top_p`` / ``rollout.top_k`` of the postrl config, which ``postrl export verl`` writes into
+``actor_rollout_ref.rollout.top_p`` / ``top_k``): vLLM samples from the filtered, renormalised distribution
+q = pi / M and, in verl's default ``logprobs_mode=processed_logprobs``, returns log q, while verl's trainer
+computes log pi over the whole vocabulary: every token's ratio carries the kept mass M. Where verl's trainer
+computes log-probs: each training engine (FSDP, automodel, torchtitan) divides the logits by the temperature and
+calls ``verl.utils.torch_functional.logprobs_from_logits(logits, labels)`` for the old, the reference and the
+update's log-probs; the engine is not told top_p / top_k (only the temperature rides in the batch). The plug-in
+replaces that function (:func:`install_logprob_filter`, in every process: the defining module and any verl
+module that imported it by name) with one that, when the postrl config sets ``rollout.logprobs: filtered`` and a
+filter, returns the log-probs of the renormalised filtered distribution
+(:func:`filtered_logprobs_from_logits`, postrl's :func:`~postrl.logprobs.filtered_token_logprobs`, the kept set
+from the trainer's logits: vLLM does not return its kept set to verl), and is verl's own function otherwise. With
+the correction on, each worker checks at construction (:func:`check_worker_config`, a wrap of
+``ActorRolloutRefWorker.__init__``) that verl's sampling settings are the postrl config's and that its engine
+calls that function: Megatron (vocab-parallel log-probs, ``vocab_parallel_log_probs_from_logits``) and
+``use_fused_kernels`` (no logits) cannot be corrected from a plug-in and are refused, naming the patch point.
+The kept mass is logged on the driver (``postrl/sampler/kept_mass_*``) where verl's batch shows it: uncorrected,
+with rollout log-probs (``actor_rollout_ref.rollout.calculate_log_probs=true``, vLLM's processed log-probs),
+log M_t = old_log_probs_t - rollout_log_probs_t (<= 0; plus the engines' own mismatch); or a ``kept_logmass``
+column of the batch (the documented patch point: verl's workers return only the log-probs to the driver, so with
+the correction on the kept mass reaches the driver only if ``prepare_model_outputs`` puts it in the engine's
+output and ``_compute_old_log_prob`` copies it into the batch). Uncorrected, ``filtered_sampling`` fires when the
+kept mass is low, and at every step with the mass unmeasured (no rollout log-probs) while a filter is on.
+
 State: verl calls the registered functions with no context, so the plug-in keeps one :class:`Run` per process
 (:func:`run`): the postrl config named by ``$POSTRL_CONFIG``, its :class:`~postrl.step.Step` and the diagnostics'
 step count, made on first use and made anew when ``$POSTRL_CONFIG`` changes. verl's plug-in contract is an import
@@ -56,6 +80,7 @@ step count, made on first use and made anew when ``$POSTRL_CONFIG`` changes. ver
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -66,7 +91,9 @@ import torch
 from postrl import registry, stages
 from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError, PostrlError
+from postrl.generation import SamplingParams
 from postrl.groups import dense_ids
+from postrl.logprobs import filtered_token_logprobs
 
 ENV_CONFIG = "POSTRL_CONFIG"
 PREFIX = "postrl_"
@@ -102,6 +129,10 @@ class Run:
         self.step = Step(self.config)
         self._stages: dict[tuple[str, str], stages.Stage] = {}
         self.diagnostics_steps = 0
+        r = self.config.rollout
+        self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                       top_k=r.top_k, logprobs=r.logprobs)
+        self.warned_unmeasured = False
 
     def stage(self, kind: str, name: str) -> stages.Stage:
         """postrl's ``kind`` stage ``name``: the step's own when the config selects it, else with its defaults."""
@@ -322,12 +353,21 @@ def check_config(cfg: Any) -> None:
 
     step = Step(cfg)
     adv = step.advantage
+    for s in [adv, step.objective.loss, *step.objective.regularizers]:
+        if "teacher_logp" in s.reads:
+            raise ConfigError(f"{s.kind} '{s.name}' reads teacher_logp, a teacher model's log-probs, which the verl "
+                              f"plug-in cannot give; use verl's own on-policy distillation (distillation.enabled=true, "
+                              f"distillation.teacher_models.teacher_model.model_path=...; docs/losses.md maps "
+                              f"distill's options to it)")
     _check_reads(adv)
     if "rewards" in adv.reads and len(cfg.rewards) > 1:
         raise ConfigError(f"advantage '{cfg.advantage.name}' reads the per-source reward matrix; verl passes an "
                           "estimator only the summed reward (per-source values reach only verl's own 'gdpo', "
                           "algorithm.gdpo_reward_keys): use that, or postrl train")
     _check_reads(step.objective.loss)
+    for s in step.needing("reference_reset"):
+        raise ConfigError(f"{s.kind} '{s.name}': resetting the reference model is not available on verl (verl's "
+                          "reference worker is its own); use it with postrl train")
     if cfg.loss.agg not in AGG_MODES:
         raise ConfigError(f"loss.agg '{cfg.loss.agg}' has no verl loss_agg_mode; use one of {', '.join(AGG_MODES)}")
     check_scoring(step)
@@ -379,6 +419,7 @@ def rollout_batch(data: Any) -> tuple[RolloutBatch, bool]:
         uid = b["uid"].tolist()
     lp = b["rollout_log_probs"] if "rollout_log_probs" in b.keys() else \
         b["old_log_probs"] if "old_log_probs" in b.keys() else torch.full((n, T), float("nan"))
+    kept = kept_logmass_of(data)
     adv = b["advantages"] if "advantages" in b.keys() else None
     prompts = b["prompts"] if "prompts" in b.keys() else torch.zeros((n, 0), dtype=torch.long)
     batch = RolloutBatch(prompt_ids=prompts, prompt_mask=torch.ones_like(prompts),
@@ -389,7 +430,24 @@ def rollout_batch(data: Any) -> tuple[RolloutBatch, bool]:
                          completions=[""] * n, reward_names=["score"], rewards=reward.unsqueeze(-1),
                          raw_rewards=reward.unsqueeze(-1), reward_weights=torch.ones(1), reward=reward,
                          valid=torch.isfinite(reward), advantages=adv)
+    if kept is not None:
+        batch.extra["sampler_kept_logmass"] = kept.float() * mask
     return batch, uid is not None
+
+
+def kept_logmass_of(data: Any) -> torch.Tensor | None:
+    """log M [B, T], the log of the probability mass the sampler's top-p / top-k filter kept at each response
+    token, as far as verl's batch shows it: its ``kept_logmass`` column (a verl patched to return it), else, when
+    the postrl config has a filter and the trainer's log-probs are uncorrected (``rollout.logprobs: full``),
+    ``old_log_probs - rollout_log_probs`` clamped at 0 (vLLM's processed log-probs are log pi - log M; the
+    engines' own mismatch adds its noise); None otherwise (no filter, corrected, or no rollout log-probs)."""
+    b = data.batch
+    if "kept_logmass" in b.keys():
+        return b["kept_logmass"].float()
+    s = run().sampling
+    if not s.filters or s.logprob_filter() or not {"old_log_probs", "rollout_log_probs"} <= set(b.keys()):
+        return None
+    return (b["old_log_probs"].float() - b["rollout_log_probs"].float()).clamp(max=0.0)
 
 
 def batch_metrics(data: Any) -> dict[str, float]:
@@ -428,10 +486,144 @@ def diagnose(data: Any) -> dict[str, float]:
     r.diagnostics_steps += 1
     m = {"step": r.diagnostics_steps, **batch_metrics(data)}
     out = {f"postrl/{k}": v for k, v in m.items() if k != "step"}
-    for alarm in r.step.watchdog.step(m):
+    alarms = r.step.watchdog.step(m)
+    unmeasured = unmeasured_filter_alarm(r, "sampler/kept_mass_mean" in m)
+    if unmeasured is not None:
+        if not r.warned_unmeasured:  # the same every step: said once, reported every step
+            _log.warning("postrl alarm (step %d) %s", r.diagnostics_steps, unmeasured.text())
+            r.warned_unmeasured = True
+        out[f"postrl/alarm/{unmeasured.name}"] = 1.0
+    for alarm in alarms:
         _log.warning("postrl alarm (step %d) %s", r.diagnostics_steps, alarm.text())
         out[f"postrl/alarm/{alarm.name}"] = 1.0
     return out
+
+
+def unmeasured_filter_alarm(r: Run, measured: bool) -> Any:
+    """The ``filtered_sampling`` alarm when the postrl config samples with top-p / top-k, the trainer's log-probs
+    are uncorrected (``rollout.logprobs: full``) and verl's batch does not show the kept mass; None otherwise."""
+    from postrl.diagnostics.monitors import Alarm
+
+    s = r.sampling
+    if measured or not s.filters or s.logprob_filter() or not r.config.diagnostics.filtered_sampling.enabled:
+        return None
+    return Alarm("filtered_sampling",
+                 f"top_p={s.top_p}, top_k={s.top_k} sampling with log-probs of the unfiltered distribution "
+                 "(rollout.logprobs=full): the importance ratio is off by the kept mass per token, unmeasured "
+                 "here (no rollout log-probs in verl's batch)",
+                 "vLLM samples from the filtered, renormalised distribution (and returns its log-probs, "
+                 "logprobs_mode=processed_logprobs) while verl's trainer computes them over the whole vocabulary",
+                 "set rollout.logprobs=filtered in the postrl config ($POSTRL_CONFIG: the plug-in then renormalises "
+                 "verl's trainer log-probs), or sample without the filter (actor_rollout_ref.rollout.top_p=1.0, "
+                 "top_k=-1); actor_rollout_ref.rollout.calculate_log_probs=true measures the kept mass")
+
+
+# ------------------------------------------------------------------------------------------------ top-p / top-k
+
+LOGPROB_CHUNK = 4096
+"""Rows (tokens) per filter computation in :func:`filtered_logprobs_from_logits`: bounds the sort's memory."""
+
+
+def filtered_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, top_p: float = 1.0, top_k: int = 0,
+                                  chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """verl's ``logprobs_from_logits`` (temperature-scaled ``logits`` [..., V], ``labels`` [...]) for the top-p /
+    top-k filtered, renormalised distribution: log q(label) = z_label - logsumexp over the kept tokens
+    (:func:`postrl.logprobs.filtered_token_logprobs`; the label always kept), float32 [...], differentiable, in
+    chunks of ``chunk`` rows."""
+    V = logits.shape[-1]
+    flat, lab = logits.reshape(-1, V), labels.reshape(-1)
+    parts = [filtered_token_logprobs(flat[i:i + chunk].float(), lab[i:i + chunk], top_p, top_k)[0]
+             for i in range(0, flat.shape[0], chunk)]
+    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    return out.view(labels.shape)
+
+
+def logprob_filter() -> dict:
+    """``{'top_p': ..., 'top_k': ...}`` when the postrl config ($POSTRL_CONFIG) asks verl's trainer log-probs to be
+    renormalised (``rollout.logprobs: filtered`` with a filter); ``{}`` otherwise, and without a config."""
+    if not os.environ.get(ENV_CONFIG):
+        return {}
+    return run().sampling.logprob_filter()
+
+
+def install_logprob_filter() -> list[str]:
+    """Put the renormalising ``logprobs_from_logits`` in verl (idempotent): in ``verl.utils.torch_functional`` (so
+    an engine module imported later imports it) and in every loaded ``verl.*`` module that holds verl's function
+    by name; returns those modules. It calls verl's own function unless :func:`logprob_filter` is set."""
+    from verl.utils import torch_functional
+
+    current = torch_functional.logprobs_from_logits
+    original = getattr(current, "original", current)
+    if not getattr(current, "postrl_hook", False):
+        @functools.wraps(original)
+        def logprobs_from_logits(logits, labels, inplace_backward=True):
+            f = logprob_filter()
+            if not f:
+                return original(logits, labels, inplace_backward=inplace_backward)
+            return filtered_logprobs_from_logits(logits, labels, **f)
+
+        logprobs_from_logits.postrl_hook = True
+        logprobs_from_logits.original = original
+        current = logprobs_from_logits
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "verl" and getattr(module, "logprobs_from_logits", None) in (original, current):
+            setattr(module, "logprobs_from_logits", current)
+            patched.append(name)
+    return patched
+
+
+def check_worker_config(config: Any) -> None:
+    """With the correction on (:func:`logprob_filter`), what verl's worker config (``actor_rollout_ref``) must
+    satisfy: its sampling is the postrl config's (``rollout.top_p`` / ``top_k``; ``do_sample=false`` samples
+    greedily, no filter), and its trainer log-probs go through ``logprobs_from_logits`` (not Megatron's
+    vocab-parallel ones, not ``use_fused_kernels``); with rollout log-probs, they are vLLM's processed ones. One-line
+    :class:`ConfigError` naming the verl key; nothing to check with the correction off."""
+    f = logprob_filter()
+    if not f:
+        return
+    rollout = config.rollout
+    do_sample = bool(rollout.get("do_sample", True))
+    verl_top_p = float(rollout.get("top_p", 1.0)) if do_sample else 1.0
+    verl_top_k = max(int(rollout.get("top_k", -1)), 0) if do_sample else 0
+    if (verl_top_p, verl_top_k) != (f["top_p"], f["top_k"]):
+        raise ConfigError(f"actor_rollout_ref.rollout.top_p={verl_top_p}, top_k={verl_top_k or -1} but the postrl "
+                          f"config has rollout.top_p={f['top_p']}, top_k={f['top_k']}: the correction "
+                          "(rollout.logprobs=filtered) must replay the sampler's filter; set them equal (postrl "
+                          "export verl writes verl's from the postrl config)")
+    strategy = str(config.actor.get("strategy", "fsdp"))
+    if strategy == "megatron":
+        raise ConfigError("actor_rollout_ref.actor.strategy=megatron computes the log-probs vocab-parallel "
+                          "(vocab_parallel_log_probs_from_logits, no full logits), which the plug-in cannot "
+                          "renormalise; use strategy fsdp / fsdp2, or rollout.logprobs=full (uncorrected: the "
+                          "filtered_sampling alarm reports it)")
+    if bool(config.model.get("use_fused_kernels", False)):
+        raise ConfigError("actor_rollout_ref.model.use_fused_kernels=true computes the log-probs without the "
+                          "logits, which the plug-in cannot renormalise; set it false, or rollout.logprobs=full")
+    if rollout.get("calculate_log_probs", False) and rollout.get("logprobs_mode", "processed_logprobs") != \
+            "processed_logprobs":
+        raise ConfigError(f"actor_rollout_ref.rollout.logprobs_mode={rollout.get('logprobs_mode')}: with "
+                          "rollout.logprobs=filtered the rollout log-probs must be of the filtered distribution "
+                          "(processed_logprobs)")
+
+
+def install_worker_check() -> None:
+    """Run :func:`check_worker_config` when verl builds a worker (``ActorRolloutRefWorker.__init__``; idempotent).
+    Installed by :func:`load` only with the correction on (importing verl's workers costs about a second)."""
+    from verl.workers import engine_workers
+
+    cls = engine_workers.ActorRolloutRefWorker
+    init = cls.__init__
+    if getattr(init, "postrl_hook", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, config, role, *args, **kwargs):
+        check_worker_config(config)
+        init(self, config, role, *args, **kwargs)
+
+    __init__.postrl_hook = True
+    cls.__init__ = __init__
 
 
 def install_metrics_hook() -> None:
@@ -468,9 +660,12 @@ def load() -> dict[str, list[str]]:
     try:
         names = register()
         install_metrics_hook()
+        install_logprob_filter()
         check_registered()
         if os.environ.get(ENV_CONFIG):
             check_config(run_config())  # a wrong name or parameter fails here, at start-up, in one line
+            if logprob_filter():
+                install_worker_check()
     except Exception as e:
         _loud(f"postrl verl plug-in failed to load: {type(e).__name__}: {e}")
         raise

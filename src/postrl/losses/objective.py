@@ -7,6 +7,8 @@ accumulation changes nothing):
     L_pg  *= tis_weights(old_logp, sampler_logp, mask)     if loss.tis.level != none          (tis.py)
     L_pg  *= pg_mask of every mask regulariser              e.g. top_entropy_tokens            (regularizers.py)
     loss   = sum(w L_pg) + kl_coef sum(w KL) + sum_j coef_j sum(w R_j)                          (kl.py, regularizers.py)
+             + sum_j coef_j sum(U_j)       a regulariser's 'unweighted' term U_j, normalised by the stage itself
+                                           (f_divergence_rehearsal: rows outside the loss mask)
 
 with KL = the estimator's [n, T] values, times the importance ratio exp(logp - old_logp) (per token, or per
 sequence: exp of the masked mean log-ratio) when ``kl.is_correction`` asks for it (TRL ``use_bias_correction_kl``:
@@ -14,11 +16,11 @@ sequence: exp of the masked mean log-ratio) when ``kl.is_correction`` asks for i
 
 The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
 tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
-``sampler_logp``, ``ref_logp``, ``lengths`` and any per-row tensor of ``batch.extra``); :meth:`batch_fields` takes
-the batch's part of them for some rows, the model's part (``logp``, ``entropy``, ``logits``) is the caller's.
-``reads`` is what the stages read: a reference model is needed when it holds ``ref_logp``, logits only when it
-holds ``logits``, and the entropy is differentiated only when a stage reads it without listing it in its
-``no_grad_fields``.
+``sampler_logp``, ``ref_logp``, ``teacher_logp``, ``lengths`` and any per-row tensor of ``batch.extra``);
+:meth:`batch_fields` takes the batch's part of them for some rows, the model's part (``logp``, ``entropy``,
+``logits``) is the caller's. ``reads`` is what the stages read: a reference model is run when it holds
+``ref_logp``, the teacher when it holds ``teacher_logp``, logits are kept only when it holds ``logits``, and the
+entropy is differentiated only when a stage reads it without listing it in its ``no_grad_fields``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from postrl.losses import KLController, check_aggregation
 from postrl.losses.tis import tis_weights
 from postrl.stages import StepEnd
 
-_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs"}
+# per-token fields of the batch read by name: the advantages, the sampler's log-probs and the frozen models'
+# (the reference's, the teacher's: the trainer fills them when a stage reads them, postrl.train.policy.FROZEN)
+_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs",
+                 "teacher_logp": "teacher_logprobs"}
+_OBSERVED = {"ref_logprobs": "ref_logp", "old_logprobs": "old_logp", "sampler_logprobs": "sampler_logp"}
+"""A stateful regulariser's ``observe`` reads batch fields (``ref_logprobs`` ...); what the objective must have for
+it (e.g. a reference model for ``ref_logprobs``) is named as the loss's fields are."""
 
 
 class Objective:
@@ -49,12 +57,16 @@ class Objective:
         self.kl = stages.build("kl", kl.estimator, where="kl.estimator").fn if kl.coef > 0 else None
         self.kl_placement = kl.placement
         self.kl_is = getattr(kl, "is_correction", "none")
-        self.kl_ctrl = KLController(kl.coef, adaptive=kl.controller == "adaptive", target=kl.target,
-                                    horizon=kl.horizon)
+        self.kl_ctrl = KLController(kl.coef, mode=kl.controller, target=kl.target, horizon=kl.horizon,
+                                    pid_gains=kl.pid_gains, reward_velocity=kl.reward_velocity,
+                                    entropy_floor=kl.entropy_floor)
         self.regularizers = stages.build_all("regularizer", regularizers, section="regularizers")
         self.coefs = [s.coef for s in regularizers]
         parts = [self.loss, *self.regularizers]
         self.reads = set().union(*(s.reads for s in parts))
+        for s in self.regularizers:  # what a stateful regulariser observes (Step.observe_objective) is read too
+            if s.stateful:
+                self.reads |= {_OBSERVED.get(f, f) for f in stages.reads(s.fn.observe)}
         if self.kl is not None:
             self.reads.add("ref_logp")
         self.entropy_grad = any("entropy" in s.reads and "entropy" not in getattr(s.fn, "no_grad_fields", ())
@@ -132,6 +144,10 @@ class Objective:
                 agg = (w * term).sum()
                 extra = extra + coef * agg
                 stats[f"reg/{reg.label}"] = agg.item()
+            if isinstance(out, dict) and out.get("unweighted") is not None:  # normalised by the stage itself
+                total = out["unweighted"].sum()
+                extra = extra + coef * total
+                stats[f"reg/{reg.label}"] = stats.get(f"reg/{reg.label}", 0.0) + total.item()
         pg = (w * loss_mat).sum()
         loss = pg + extra
         stats["pg_loss"] = pg.item()
@@ -156,12 +172,14 @@ class Objective:
 
     def end_step(self, step: StepEnd, n_seq: int) -> dict:
         """Once per step, with the metrics reduced over processes: the KL coefficient this step used and its
-        adaptation (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences). (The
-        stateful regularisers end their step with every other stage: ``postrl.step.Step.end``.)"""
+        update (measured ``kl``, or ``kl_reward`` with kl.placement=reward, over ``n_seq`` sequences; the ``pid``
+        controller also reads ``reward/mean`` and ``entropy``). (The stateful regularisers end their step with every
+        other stage: ``postrl.step.Step.end``.)"""
         out = {}
         if self.kl is not None:
             out["kl_coef"] = self.kl_ctrl.value
             current = step.metrics.get("kl_reward" if self.kl_placement == "reward" else "kl")
             if current is not None:
-                self.kl_ctrl.update(current, n_seq)
+                out.update(self.kl_ctrl.update(current, n_seq, reward=step.metrics.get("reward/mean"),
+                                               entropy=step.metrics.get("entropy")) or {})
         return out

@@ -4,7 +4,9 @@ A regulariser reads per-token fields by positional parameter name (``logp``, ``o
 ``advantages``, ``mask``, ``entropy`` (differentiable), ``logits`` ([N, T, V], differentiable, temperature
 applied; computed only when a stage asks for it), ``sampler_logp``, ``lengths``) and returns either
 - a tensor R [N, T]: the trainer adds ``coef * sum(w * R)`` to the loss (w = the aggregation's weights), or
-- a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``.
+- a dict with ``pg_mask`` [N, T] (multiplies the policy-loss matrix; ``coef`` is not used) and/or ``loss``,
+  and/or ``unweighted`` [N, T]: summed as it is (``coef * sum(U)``), for a term the stage normalises itself
+  (``f_divergence_rehearsal``, on rows outside the loss mask).
 A stateful regulariser is a :class:`postrl.stages.Stateful` class: ``__init__`` takes the keyword parameters,
 ``__call__`` the fields; ``end_step(step)`` runs once per training step with the step's metrics reduced over
 processes (``step.metrics['entropy']`` = aggregated token entropy) and returns the values the step used, and
@@ -15,13 +17,14 @@ gradient). Selections (top-q tokens) are made per forward pass (micro-batch), as
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import torch
 from annotated_types import Ge, Gt, Le, Lt
 
 from postrl.errors import ConfigError
-from postrl.registry import register
+from postrl.registry import get, register
 from postrl.stages import StepEnd, Stateful, parameters
 
 Quantile = Annotated[float, Gt(0), Le(1)]  # the top-q fraction of tokens
@@ -137,25 +140,46 @@ def entropy_band(entropy: torch.Tensor, mask: torch.Tensor, *, q: Quantile = 0.2
 @register("regularizer", "entropy_smoothing", source="EPO: Entropy-regularized Policy Optimization for LLM Agents "
           "Reinforcement Learning")
 class EntropySmoothing(Stateful):
-    """Keep the policy's entropy near its running historical mean (after EPO's entropy smoothing regulariser).
+    """Keep the policy's entropy near its running historical mean (EPO's smoothing), with EPO's phase weighting.
 
     H_hist = mean of the last ``window`` steps' aggregated token entropies; H_b = mean token entropy of the
     current forward pass (detached); s = sgn(H_b - H_hist) if |H_b - H_hist| > band * H_hist, else 0;
-    R_t = s (H_t - H_hist). Aggregated (weights summing to 1) the term is |H - H_hist| while the entropy is out of
-    the band and 0 inside, and its gradient moves the entropy back toward H_hist; 0 before any history.
+    R_t = w_k s (H_t - H_hist). Aggregated (weights summing to 1) the term is w_k |H - H_hist| while the entropy
+    is out of the band and 0 inside, and its gradient moves the entropy back toward H_hist; 0 before any history.
     Assumed where the abstract is open: a hinge on the batch-mean entropy (a per-token band would flatten the
-    forking structure), relative band; defaults window = 10, band = 0.1 are postrl's. EPO's other parts:
-    entropy regularisation is ``entropy_bonus``; its phase-based weighting is not implemented. History in the
-    checkpoint.
+    forking structure), relative band; defaults window = 10, band = 0.1 are postrl's. Entropy regularisation, EPO's
+    first part, is ``entropy_bonus``. History in the checkpoint.
+
+    Phase-based weighting ("adaptive phase-based weighting that balances exploration and exploitation across
+    training"; the abstract gives no formula: this is the schedule of the authors' released code,
+    ``DataParallelPPOActor._calculate_epoch_based_entropy_weight`` with ``enable_smooth_weights``, which multiplies
+    the smoothing penalty). With K = ``phase_steps`` training steps, h = floor(K / 2) and k = the number of steps
+    already taken (clamped to [0, K]):
+        w_k = 1 - 0.2 (1 - exp(-phase_slow k / h))             k <= h   (slow decay 1 -> ~0.83; h = 0: 1)
+        w_k = 0.8 exp(-phase_fast (k - h) / (K - h))           k > h    (fast decay 0.8 -> 0.8 e^-phase_fast)
+    defaults phase_slow 2.0, phase_fast 3.0 (the code's; its K default is 150 epochs). ``phase_steps`` None
+    (default) keeps w_k = 1 (no phase weighting). The code's schedule is not continuous at k = h (0.83 -> 0.8).
+    The v2 abstract words the weighting as moving "from conservative exploration to strong stabilization";
+    the released schedule lowers the smoothing weight over training, and that schedule is what is implemented.
+    Not reproduced: the code applies smoothing only to turns past half of an episode's step budget.
     """
 
-    def __init__(self, *, window: Annotated[int, Ge(1)] = 10, band: NonNegative = 0.1):
+    def __init__(self, *, window: Annotated[int, Ge(1)] = 10, band: NonNegative = 0.1,
+                 phase_steps: Annotated[int, Ge(1)] | None = None,
+                 phase_slow: NonNegative = 2.0, phase_fast: NonNegative = 3.0):
         self.window, self.band = int(window), float(band)
+        self.phase_steps, self.phase_slow, self.phase_fast = phase_steps, float(phase_slow), float(phase_fast)
         self.history: list[float] = []
+        self.steps = 0
 
     @property
     def reference(self) -> float | None:
         return sum(self.history) / len(self.history) if self.history else None
+
+    @property
+    def phase_weight(self) -> float:
+        """w_k of the current step (1.0 without ``phase_steps``)."""
+        return phase_weight(self.steps, self.phase_steps, self.phase_slow, self.phase_fast)
 
     def __call__(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         ref = self.reference
@@ -163,21 +187,36 @@ class EntropySmoothing(Stateful):
             return torch.zeros_like(entropy)
         hb = float((entropy.detach() * mask).sum() / mask.sum())
         s = 0.0 if abs(hb - ref) <= self.band * ref else (1.0 if hb > ref else -1.0)
-        return s * (entropy - ref)
+        return (self.phase_weight * s) * (entropy - ref)
 
     def end_step(self, step: StepEnd) -> dict:
         h = step.metrics.get("entropy")
         ref = self.reference
-        used = {"reference": ref} if ref is not None else {}  # the value this step used
+        used = {"reference": ref} if ref is not None else {}  # the values this step used
+        if self.phase_steps is not None:
+            used["phase_weight"] = self.phase_weight
         if h is not None and h == h:
             self.history = (self.history + [float(h)])[-self.window:]
+        self.steps += 1
         return used
 
     def state_dict(self) -> dict:
-        return {"history": list(self.history)}
+        return {"history": list(self.history), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.history = [float(x) for x in state["history"]][-self.window:]
+        self.steps = int(state.get("steps", 0))
+
+
+def phase_weight(k: int, total: int | None, slow: float = 2.0, fast: float = 3.0) -> float:
+    """EPO's phase weight w_k after k of ``total`` steps (see :class:`EntropySmoothing`); 1.0 when total is None."""
+    if total is None:
+        return 1.0
+    k = max(0, min(int(k), int(total)))
+    half = total // 2
+    if k <= half:
+        return 1.0 if half == 0 else 1.0 - 0.2 * (1.0 - math.exp(-slow * k / half))
+    return 0.8 * math.exp(-fast * (k - half) / (total - half))
 
 
 # ---------------------------------------------------------------------------------------------- distributions
@@ -216,9 +255,10 @@ def lp_reg(logits: torch.Tensor, advantages: torch.Tensor, *, min_p: Annotated[f
 def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, *,
                  divergence: Literal["forward_kl", "js"] = "forward_kl", importance_weight: bool = True,
                  cap: Annotated[float, Gt(0)] = 2.0) -> torch.Tensor:
-    """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's uses pre-sampled ones).
+    """Mass-covering f-divergence to the initial policy, on the policy's rollouts (DPH-RL's form: f_divergence_rehearsal).
 
-    After DPH-RL; unlike DPH-RL it needs an online reference model (see below).
+    After DPH-RL; unlike DPH-RL it needs an online reference model (see below; ``f_divergence_rehearsal`` is the
+    paper's form, on pre-sampled completions of the initial policy, with no reference model).
 
     D_f = E_{y ~ pi_ref}[f(t)], t = pi_theta(y_t) / pi_ref(y_t) per token:
     ``forward_kl`` = KL(pi_ref || pi_theta): f(t) = t - 1 - log t (the generator -log t plus t - 1, which leaves
@@ -232,16 +272,11 @@ def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Ten
     (w = 1), which is exact only for rows that pi_ref generated.
     Difference from DPH-RL, which computes the f-divergence with generator functions on completions pre-sampled
     once from the initial policy (with their initial-policy log-probs), so it needs only those samples and no
-    online reference model: postrl evaluates the term on the current rollouts, so ``ref_logp`` of every rollout
-    is needed and a reference model is loaded and run every step (one extra forward per step), and DPH-RL's
-    choice of prompts for the term (those the initial model already solves) is not part of this stage.
+    online reference model: this stage evaluates the term on the current rollouts, so ``ref_logp`` of every
+    rollout is needed and a reference model is loaded and run every step (one extra forward per step), and
+    DPH-RL's choice of prompts for the term (those the initial model already solves) is not part of this stage.
     """
-    log_t = (logp - ref_logp).clamp(-20.0, 20.0)
-    t = torch.exp(log_t)
-    if divergence == "forward_kl":
-        f = t - 1.0 - log_t
-    else:
-        f = 0.5 * (t * log_t - (1.0 + t) * torch.log((1.0 + t) / 2.0))
+    f = f_generator(logp - ref_logp, divergence)
     if not importance_weight:
         return f
     w = torch.exp((ref_logp - old_logp).clamp(-20.0, 20.0)).clamp(max=cap).detach()
@@ -270,3 +305,142 @@ def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampler_logp: 
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     keep = (adv >= 0) | (d <= threshold)
     return {"pg_mask": keep.to(logp.dtype).expand_as(logp)}
+
+
+def f_generator(log_t: torch.Tensor, divergence: str) -> torch.Tensor:
+    """The generator terms of D_f(pi_ref || pi_theta) at t = pi_theta / pi_ref (``log_t``, clamped to [-20, 20]):
+    ``forward_kl`` t - 1 - log t; ``js`` (t log t - (1 + t) log((1 + t) / 2)) / 2."""
+    log_t = log_t.clamp(-20.0, 20.0)
+    t = torch.exp(log_t)
+    if divergence == "forward_kl":
+        return t - 1.0 - log_t
+    return 0.5 * (t * log_t - (1.0 + t) * torch.log((1.0 + t) / 2.0))
+
+
+def _rehearsal_needed(params: dict, run, where: str) -> dict:
+    """The regulariser reads the rows the ``rehearsal`` expansion appends: the run must list it."""
+    if run is not None and not any(f.name == "rehearsal" for f in run.filters):
+        raise ConfigError(f"{where}: f_divergence_rehearsal needs the pre-sampled completions of the initial policy: "
+                          f"add filters: [{{name: rehearsal, path: <file written by postrl presample>}}]")
+    return params
+
+
+@register("regularizer", "f_divergence_rehearsal", source="The Choice of Divergence: A Neglected Key to Mitigating "
+          "Diversity Collapse in Reinforcement Learning with Verifiable Reward (DPH-RL)", check=_rehearsal_needed)
+def f_divergence_rehearsal(logp: torch.Tensor, rehearsal_logp: torch.Tensor, rehearsal_mask: torch.Tensor,
+                           rehearsal_weight: torch.Tensor, *,
+                           divergence: Literal["forward_kl", "js"] = "forward_kl") -> dict:
+    """DPH-RL's f-divergence to the initial policy on its own pre-sampled completions: no reference model.
+
+    "The Choice of Divergence" (DPH-RL): a mass-covering f-divergence (forward KL, Jensen-Shannon) to the initial
+    policy pi_0 acts as rehearsal; it "computes f-divergence using generator functions, requiring only sampling
+    from the initial policy and no online reference model". The samples y ~ pi_0 and their log-probs
+    log pi_0(y_t | y_<t) are drawn once, before training (``postrl presample``), and the ``rehearsal`` expansion
+    (``filters: [{name: rehearsal, path: ..., per_step: 8}]``, required) appends some to every batch; the
+    trainer's forward gives log pi_theta of their tokens with the rollouts' (the rows are ``valid`` False: no
+    advantage, no policy loss, no metric). With t = pi_theta(y_t) / pi_0(y_t) per token (y_t ~ pi_0 given the
+    prefix, so E_{pi_0}[t] = 1):
+        forward_kl: f(t) = t - 1 - log t         (E_{pi_0}[f] = KL(pi_0 || pi_theta) per token; the gradient of
+                                                  -log t is behaviour cloning of pi_0's samples)
+        js:         f(t) = (t log t - (1 + t) log((1 + t) / 2)) / 2   (E_{pi_0}[f] = JS(pi_0, pi_theta))
+        term = sum over rehearsal tokens of f(t) / (rehearsal tokens in the batch)   (``rehearsal_weight``)
+    so ``coef`` x term is added to the loss as a token mean over the rehearsal completions, independent of the
+    aggregation of the policy loss (which never sees these rows). Per-token generator terms with the prefix from
+    pi_0 are an unbiased estimate of each divergence's per-token (chain-rule) form. Assumed where the abstract
+    is silent: token-level generator terms, this token-mean normalisation, and which rows are rehearsed (the
+    file's: ``postrl presample --only-correct`` keeps the completions the initial model got right, DPH-RL's
+    rehearsal on solved prompts). The log-probs must be at the run's ``rollout.temperature`` (checked against
+    the file's ``temperature``). With ``train.mini_batches`` > 1 each optimizer step sees the rehearsal rows of
+    its mini-batch.
+    Shapes: logp, rehearsal_logp, rehearsal_mask [N, T], rehearsal_weight [N] -> {'unweighted': [N, T]}.
+    """
+    f = f_generator(logp - rehearsal_logp, divergence)
+    return {"unweighted": f * rehearsal_mask * rehearsal_weight.unsqueeze(-1)}
+
+# ---------------------------------------------------------------------------------------------- entropy change
+
+
+@register("regularizer", "steer", source="Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective "
+          "(STEER)")
+def steer(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor,
+          mask: torch.Tensor, *, w_min: Annotated[float, Gt(0), Le(1)] = 0.8, w_max: Annotated[float, Ge(1)] = 1.2,
+          mapping: Literal["linear", "exp"] = "linear") -> dict:
+    """Token weights from each token's first-order contribution to the entropy change (STEER).
+
+    The weights multiply the policy-loss matrix (``pg_mask``; ``coef`` unused).
+
+    For the sampled token a_t with probability p_t = pi_theta(a_t | s_t) (clamped to [1e-8, 1 - 1e-8]), old
+    probability q_t = pi_old(a_t | s_t) (clamped to [1e-8, 1]) and entropy H_t:
+      Omega_t = (A_t / q_t) p_t (1 - p_t) (log p_t + H_t)
+    is the first-order change of H at s_t that one policy-gradient step on the token causes (up to the step size and
+    sign: a likely token, log p_t > -H_t, pushed up sharpens the distribution; an unlikely one widens it). The
+    larger |Omega_t|, the more the token moves the entropy, the less it weighs:
+      ``linear`` (default): w_t = w_max - (|Omega_t| - min |Omega|) (w_max - w_min) / (max |Omega| - min |Omega|),
+        min and max over the micro-batch's loss tokens (all equal: (w_min + w_max) / 2), clamped to [w_min, w_max];
+      ``exp``: w_t = clamp(exp(-k |Omega_t|), w_min, 1), k = -ln(w_min) / max(max |Omega|, 0.02).
+    Non-finite Omega counts as 0; w = 0 off the mask; no gradient flows through w. Defaults w_min 0.8, w_max 1.2,
+    linear (the authors' run_linear script; their exponential run uses w_min 0.8 with w_max 1). Selection per
+    forward pass (micro-batch), as the authors' verl loss computes it per micro-batch.
+    Shapes: logp, old_logp, entropy, mask [N, T]; advantages [N] or [N, T] -> {"pg_mask": [N, T]}.
+    """
+    with torch.no_grad():
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        p = logp.detach().float().exp().clamp(1e-8, 1.0 - 1e-8)
+        q = old_logp.detach().float().exp().clamp(1e-8, 1.0)
+        omega = (adv.float() / q) * p * (1.0 - p) * (p.log() + entropy.detach().float())
+        omega = torch.where(torch.isfinite(omega), omega, torch.zeros_like(omega)).abs()
+        valid = mask > 0
+        w = torch.zeros_like(omega)
+        if bool(valid.any()):
+            om = omega[valid]
+            lo, hi = om.min(), om.max()
+            if mapping == "linear":
+                if hi > lo:
+                    wv = w_max - (om - lo) * (w_max - w_min) / (hi - lo)
+                else:
+                    wv = torch.full_like(om, (w_min + w_max) / 2.0)
+                wv = wv.clamp(w_min, w_max)
+            else:
+                k = -math.log(w_min) / max(float(hi), 0.02)
+                wv = torch.exp(-k * om).clamp(w_min, 1.0)
+            w[valid] = wv
+    return {"pg_mask": w.to(logp.dtype)}
+
+
+steer.no_grad_fields = ("entropy",)  # weights only: the trainer need not differentiate the entropy
+
+
+# ---------------------------------------------------------------------------------------------- ARES dynamic KL
+
+KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+"]  # kind kl's names
+
+
+def _after_ares(params: dict, run: Any, where: str) -> dict:
+    """``ares_kl`` reads what the ``ares`` advantage hands on."""
+    if run is not None and getattr(getattr(run, "advantage", None), "name", "ares") != "ares":
+        raise ConfigError(f"{where}: ares_kl reads the HWE windows and difficulties of advantage 'ares' (ares_hwe, "
+                          f"ares_difficulty); set advantage.name=ares, got {run.advantage.name}")
+    return params
+
+
+@register("regularizer", "ares_kl", source="ARES: Multimodal Adaptive Reasoning via Difficulty-Aware Token-Level "
+          "Entropy Shaping (dynamic KL)", check=_after_ares)
+def ares_kl(logp: torch.Tensor, ref_logp: torch.Tensor, ares_hwe: torch.Tensor, ares_difficulty: torch.Tensor, *,
+            estimator: KLName = "k3", relax: Annotated[float, Ge(0), Le(1)] = 0.5,
+            scales: tuple[NonNegative, NonNegative, NonNegative] = (1.0, 1.0, 1.0)) -> torch.Tensor:
+    """KL to the reference, relaxed inside high window-entropy windows, scaled per difficulty (after ARES's dynamic KL).
+
+    ``coef`` is the base coefficient (set ``kl.coef: 0`` to use this KL alone).
+
+    R_{i,t} = s_{d(i)} * (relax if t is in a validated HWE window of row i else 1) * k(logp_t, ref_logp_t)
+    with k the ``estimator`` (kind ``kl``, default k3), the windows and the difficulty d(i) (easy, medium, hard)
+    handed on by the ``ares`` advantage (``ares_hwe``, ``ares_difficulty``: that estimator must be configured), s =
+    ``scales`` per difficulty. Defaults relax 0.5, scales (1, 1, 1) are postrl's: the abstract says the KL budget is
+    "dynamic" and the authors' summary that it "relaxes inside validated HWE windows"; their released code also
+    adapts a coefficient per difficulty toward per-bucket KL targets, which is not implemented (fixed ``scales``).
+    Shapes: logp, ref_logp, ares_hwe [N, T]; ares_difficulty [N] -> [N, T].
+    """
+    k = get("kl", estimator)(logp, ref_logp)
+    s = torch.tensor(scales, dtype=k.dtype, device=k.device)[ares_difficulty.long().clamp(0, 2)]
+    inside = ares_hwe.to(k.dtype)
+    return s.unsqueeze(-1) * (relax * inside + (1.0 - inside)) * k

@@ -31,7 +31,7 @@ def builtin_key(cfg) -> str:
 
 
 SHIPPED = Path(__file__).parent / "shipped"
-SHIPPED_RECIPES = ("calculator",)  # recipes whose built-in model ships besides the default config's
+SHIPPED_RECIPES = ("calculator", "tool_calls")  # recipes whose built-in model ships besides the default config's
 
 
 def builtin_name(cfg) -> str:

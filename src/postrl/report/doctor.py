@@ -10,6 +10,10 @@ notices the trainer recorded (``notices.jsonl``: a checkpoint set aside, a rewar
 every alarm the monitors raise over its logged metrics, most likely problem first: alarms are ranked by
 severity, then by causal order (a non-finite loss, a sampler that is not the trainer and truncated completions
 explain the other symptoms, e.g. groups with identical rewards), then by how long they lasted.
+
+A run of another engine (a TRL / transformers output folder, verl's file-logger metrics, a W&B offline run:
+``postrl.report.foreign``) is diagnosed by the same monitors over its metrics read in postrl's names; each alarm
+names that engine's options, and the monitors whose metrics the run does not log are listed once as skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from postrl.diagnostics.monitors import sort_key
+from postrl.diagnostics.engines import ENGINES
+from postrl.diagnostics.monitors import sort_key, unread, unread_text
 from postrl.report.rundir import Run, load_run
 
 RUNNING_SECONDS = 300.0  # a run whose metrics.jsonl changed this recently and has no summary counts as running
@@ -26,7 +31,7 @@ RUNNING_SECONDS = 300.0  # a run whose metrics.jsonl changed this recently and h
 @dataclass
 class Diagnosis:
     run: Run
-    status: str  # finished | running | stopped
+    status: str  # finished | running | stopped | ended (another engine's run whose logs do not say if it finished)
     alarms: list[dict]  # ranked, most likely problem first
     notes: list[str] = field(default_factory=list)
     detail: str | None = None  # how it is running / how it stopped, when the run directory says
@@ -39,7 +44,8 @@ class Diagnosis:
     def to_dict(self) -> dict:
         r = self.run
         ck = r.checkpoints()
-        return {"run": str(r.path), "status": self.status, "detail": self.detail, "steps_done": r.steps_done,
+        return {"run": str(r.path), "engine": r.engine, "status": self.status, "detail": self.detail,
+                "steps_done": r.steps_done,
                 "steps_planned": r.steps_planned, "last_checkpoint": str(ck[-1][1]) if ck else None,
                 "eval_before": _eval(r, first=True), "eval_latest": _eval(r, first=False),
                 "alarms": self.alarms, "primary": self.primary["name"] if self.primary else None,
@@ -59,7 +65,14 @@ def diagnose(path: str | Path) -> Diagnosis:
     ranked = sorted(summary.values(), key=lambda a: (*sort_key(a), -a["steps"]))
     notes = []
     if not run.metrics:
-        notes.append("no step has been logged yet (metrics.jsonl is empty)")
+        notes.append("no step has been logged yet" + (" (metrics.jsonl is empty)" if run.engine == "postrl" else ""))
+    if run.foreign is not None:
+        notes += run.foreign.notes
+        if run.metrics and run.engine != "postrl":
+            keys = {k for m in run.metrics for k in m} | {k for e in run.evals for k in e}
+            skipped = unread_text(unread(keys), run.engine)
+            if skipped:
+                notes.append(skipped)
     bad = run.bad_batches()
     if bad:
         notes.append(f"{len(bad)} batch(es) of skipped steps saved: {', '.join(str(b) for b in bad[:3])}"
@@ -80,6 +93,14 @@ def _where(run: Run) -> tuple[str, str | None]:
     """(finished | running | stopped, detail): see the module docstring for the order of the evidence."""
     from postrl.train.run_state import describe_holder, describe_status, holder_alive
 
+    if run.foreign is not None:
+        if run.finished:
+            return "finished", None
+        age = run.seconds_since_write()
+        running = age is not None and age < RUNNING_SECONDS
+        if running:
+            return "running", run.foreign.detail
+        return ("ended" if run.foreign.finished is None else "stopped"), run.foreign.detail
     holder = run.holder()
     alive = holder_alive(holder) if holder is not None else None
     if alive:
@@ -109,14 +130,21 @@ def render(d: Diagnosis, console=None) -> None:
     where = {"finished": "[green]finished[/]",
              "running": f"[yellow]running[/] ({escape(d.detail or 'no summary.json yet')}; metrics written "
                         f"{r.seconds_since_write() or 0:.0f}s ago)",
-             "stopped": f"[red]stopped before the end[/] ({escape(d.detail or 'crashed or killed; no summary.json')})"
+             "stopped": f"[red]stopped before the end[/] ({escape(d.detail or 'crashed or killed; no summary.json')})",
+             "ended": f"not running ({escape(d.detail or 'the logs do not say whether it finished')})",
              }[d.status]
     ck = r.checkpoints()
-    lines = [f"run        {r.path}", f"status     {where}",
+    lines = [f"run        {r.path}"]
+    if r.foreign is not None:
+        lines.append(f"engine     {ENGINES.get(r.engine, r.engine)} ({escape(r.foreign.kind)})")
+    lines += [f"status     {where}",
              f"steps      {r.steps_done} / {planned if planned is not None else '?'}",
              f"checkpoint {('step ' + str(ck[-1][0]) + '  ' + str(ck[-1][1])) if ck else 'none'}"]
     if d.status != "finished" and ck:
-        lines.append(f"resume     postrl train --resume {r.path}")
+        if r.engine == "postrl" and r.foreign is None:
+            lines.append(f"resume     postrl train --resume {r.path}")
+        elif r.engine == "trl":
+            lines.append(f"resume     trainer.train(resume_from_checkpoint='{ck[-1][1]}')")
     eb, el = _eval(r, True), _eval(r, False)
 
     def ev(e):
@@ -131,7 +159,7 @@ def render(d: Diagnosis, console=None) -> None:
             lines.append(f"           accuracy {eb['accuracy']:.3f} -> {el['accuracy']:.3f} "
                          f"({el['accuracy'] - eb['accuracy']:+.3f})")
     for n in d.notes:
-        lines.append(f"note       {n}")
+        lines.append(f"note       {escape(n)}")
     for rec in d.notices:  # what changed what the run does (RUN/notices.jsonl), said in every mode
         at = f"step {rec['step']}: " if rec.get("step") is not None else ""
         lines.append(f"{rec.get('kind', 'notice'):<10} {escape(at + rec['message'])}")

@@ -15,6 +15,7 @@ import math
 import time
 from pathlib import Path
 
+from postrl.diagnostics.engines import ENGINES
 from postrl.diagnostics.monitors import ORDER
 from postrl.report.rundir import Run, load_run
 
@@ -217,8 +218,10 @@ def _status_table(runs: list[Run], colors: list[str]) -> str:
         al = ", ".join(f"<span class='{a.get('severity', 'warn')}'>{_e(n)}</span>" for n, a in
                        sorted(summ.items(), key=lambda kv: ORDER.get(kv[0], 99))) or "<span class='ok'>none</span>"
         ck = run.checkpoints()
+        engine = f" ({_e(ENGINES.get(run.engine, run.engine))})" if run.engine != "postrl" else ""
         rows.append(
-            f"<tr><td><span class='legend-run' style='background:{color}'></span>{_e(run.name)}</td><td>{st}</td>"
+            f"<tr><td><span class='legend-run' style='background:{color}'></span>{_e(run.name)}{engine}</td>"
+            f"<td>{st}</td>"
             f"<td class='num'>{run.steps_done} / {run.steps_planned if run.steps_planned is not None else '?'}</td>"
             f"<td class='num'>{_fmt(e0.get('accuracy'))} &rarr; {_fmt(e1.get('accuracy'))}</td>"
             f"<td class='num'>{_fmt(ys[0] if ys else None)} &rarr; {_fmt(ys[-1] if ys else None)}</td>"
@@ -294,7 +297,8 @@ def build_report(paths: list[str | Path], out: str | Path) -> Path:
                            [("mismatch/logp_abs_mean", "mean |dlogp|"), ("mismatch/logp_abs_max", "max |dlogp|"),
                             ("mismatch/kl", "KL(sampler||trainer)")], logy=True)),
         ("clip", _plot(runs, colors, "clip fractions by advantage sign",
-                       [("clip_low", "low (A<0)"), ("clip_high", "high (A>0)"), ("clip_dual", "dual-clip")],
+                       [("clip_low", "low (A<0)"), ("clip_high", "high (A>0)"), ("clip_dual", "dual-clip"),
+                        ("clip_region", "both signs (another engine's count)")],
                        twin=[("ratio/max", "max ratio")], twin_label="ratio")),
         ("signal", _plot(runs, colors, "learning signal per group",
                          [("zero_variance_groups/frac", "zero-variance groups"),

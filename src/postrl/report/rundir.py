@@ -4,6 +4,11 @@ A run directory holds config.yaml, metrics.jsonl (one line per step, with its ``
 eval.jsonl, summary.json (only once finished), checkpoints/step-N/, final/ (the trained model), bad_batches/,
 run.lock (the process writing it) and status.json (how a process that did not finish ended); see
 ``postrl.train.run_state``. Lines cut by a crash or by a writer in progress are skipped.
+
+:func:`load_run` also reads runs postrl did not train (:mod:`postrl.report.foreign`: a TRL / transformers Trainer
+output folder, verl's file-logger metrics, a W&B offline run): their metrics are translated to postrl's keys
+(:func:`postrl.diagnostics.engines.translate`), their settings to postrl's config keys where they mean the same
+(``Run.config``; the engine's own in ``Run.settings``), and ``Run.engine`` says whose options the alarms name.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ class Run:
     evals: list[dict]
     samples: list[dict]
     summary: dict | None
+    engine: str = "postrl"  # who trained it: postrl, trl, verl
+    source: Path | None = None  # another engine's run: the file its metrics were read from
+    settings: dict = field(default_factory=dict)  # another engine's run: its own settings (flat)
+    foreign: object | None = field(default=None, repr=False)  # the postrl.report.foreign.Foreign it was read from
     _alarms: tuple | None = field(default=None, repr=False)
 
     @property
@@ -35,6 +44,8 @@ class Run:
 
     @property
     def steps_planned(self) -> int | None:
+        if self.foreign is not None and self.foreign.steps_planned is not None:
+            return self.foreign.steps_planned
         v = (self.config.get("train") or {}).get("steps")
         return int(v) if isinstance(v, int) else None
 
@@ -68,11 +79,14 @@ class Run:
         return sorted(root.glob("step-*.corrupt*")) if root.is_dir() else []
 
     def seconds_since_write(self) -> float | None:
-        f = self.path / "metrics.jsonl"
+        f = self.source if self.source is not None else self.path / "metrics.jsonl"
         return time.time() - f.stat().st_mtime if f.is_file() else None
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints (``step-N`` with trainer_state.json), oldest first; read-only."""
+        """Complete checkpoints (``step-N`` with trainer_state.json; a TRL run's ``checkpoint-N``), oldest first;
+        read-only."""
+        if self.foreign is not None:
+            return list(self.foreign.checkpoints)
         root = self.path / "checkpoints"
         out = []
         if root.is_dir():
@@ -104,7 +118,7 @@ class Run:
         if self._alarms is None:
             from postrl.diagnostics.monitors import replay
 
-            replayed, final = replay(self.metrics, self.evals, self.config)
+            replayed, final = replay(self.metrics, self.evals, self.config, engine=self.engine)
             per_step: list[list[dict]] = []
             for m, rep in zip(self.metrics, replayed):
                 seen: dict[str, dict] = {a["name"]: a for a in (m.get("alarms") or []) if isinstance(a, dict)}
@@ -129,11 +143,19 @@ class Run:
 
 
 def load_run(path: str | Path) -> Run:
+    """The run at ``path``: a postrl run directory, or a run of another engine (:mod:`postrl.report.foreign`)."""
     p = Path(path)
-    if not p.is_dir():
-        raise PostrlError(f"'{p}': no such run directory")
-    if not (p / "config.yaml").is_file() and not (p / "metrics.jsonl").is_file():
-        raise PostrlError(f"'{p}': not a postrl run directory (no config.yaml or metrics.jsonl)")
+    if not p.exists():
+        raise PostrlError(f"'{p}': no such run directory or file")
+    if not (p.is_dir() and ((p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file())):
+        from postrl.report.foreign import read
+
+        other = read(p)
+        if other is None:
+            raise PostrlError(f"'{p}': not a run postrl reads (a postrl run directory: config.yaml, metrics.jsonl; "
+                              "a TRL / transformers output folder: trainer_state.json; verl's file-logger JSON lines; "
+                              "a W&B offline run folder)")
+        return _foreign_run(p, other)
     config: dict = {}
     if (p / "config.yaml").is_file():
         from postrl.config import yaml_load
@@ -150,3 +172,18 @@ def load_run(path: str | Path) -> Run:
             summary = None
     return Run(p, config if isinstance(config, dict) else {}, read_jsonl(p / "metrics.jsonl"),
                read_jsonl(p / "eval.jsonl"), read_jsonl(p / "samples.jsonl"), summary)
+
+
+def _foreign_run(path: Path, other) -> Run:
+    from postrl.diagnostics.engines import settings_config, translate
+
+    metrics = [translate(other.engine, r) for r in other.rows]
+    evals = [translate(other.engine, e) for e in other.evals]
+    if other.engine == "postrl":  # postrl's own W&B sink: its config is postrl's
+        config = other.settings if isinstance(other.settings, dict) else {}
+    else:
+        config = settings_config(other.engine, other.settings)
+    done = max((int(m.get("step", 0)) for m in metrics), default=0)
+    summary = {"steps": done} if other.finished else None
+    return Run(path, config, metrics, evals, [], summary, engine=other.engine, source=other.source,
+               settings=dict(other.settings), foreign=other)

@@ -1,5 +1,6 @@
-"""Reward models you can check: Bradley-Terry (+ margin, learned rationality, ensembles, ODIN, iterative data
-smoothing), process reward models with Monte-Carlo step labels, and their evaluation.
+"""Reward models you can check: Bradley-Terry (+ margin, per-comparison rationality from a bias judge, learned
+per-label rationality, ensembles, ODIN, iterative data smoothing), process reward models with Monte-Carlo step
+labels, and their evaluation.
 
 * :mod:`~postrl.reward_models.model` -- :class:`RewardModel` (HF backbone + heads), :class:`RewardEnsemble`,
   ``save_pretrained`` / ``from_pretrained`` / :func:`load_reward_model`.
@@ -9,8 +10,10 @@ smoothing), process reward models with Monte-Carlo step labels, and their evalua
   ensemble aggregation.
 * :mod:`~postrl.reward_models.data` -- reading and checking preference files.
 * :mod:`~postrl.reward_models.backbones` -- ``AutoModel`` folders, ``tiny:<size>`` Llamas, ``bag:<dim>``.
+* :mod:`~postrl.reward_models.heron` -- HERON's pairs from an ordered list of reward factors (``postrl rm heron``).
+* :mod:`~postrl.reward_models.critique` -- Critique-out-Loud: critics, critiques in the text the head reads.
 
-CLI: ``postrl rm train``, ``postrl rm eval``, ``postrl prm train``, ``postrl calibrate``
+CLI: ``postrl rm train``, ``postrl rm eval``, ``postrl rm heron``, ``postrl prm train``, ``postrl calibrate``
 (:mod:`postrl.cli.rm`, :mod:`postrl.cli.prm`, :mod:`postrl.cli.calibrate`). Names are imported lazily so that the CLI starts without torch.
 """
 
@@ -23,7 +26,8 @@ _EXPORTS = {
     "RewardModel": "model", "RewardEnsemble": "model", "load_reward_model": "model", "reduce_steps": "model",
     "step_pieces": "model",
     "RMTrainConfig": "train", "bt_loss": "train", "fit_reward_model": "train", "train_reward_model": "train",
-    "pearson": "train", "odin_penalties": "train",
+    "pearson": "train", "odin_penalties": "train", "comparison_betas": "train", "online_step": "train",
+    "heron_pairs": "heron", "parse_factors": "heron", "Critic": "critique", "cloud_scores": "critique",
     "StepRecord": "prm", "fit_prm": "prm", "hf_sampler": "prm", "mc_step_labels": "prm", "train_prm": "prm",
     "aggregate_ensemble": "metrics", "best_of_many_accuracy": "metrics", "pairwise_accuracy": "metrics",
     "preference_ece": "metrics", "starc_distance": "metrics",

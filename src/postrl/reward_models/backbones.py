@@ -107,8 +107,12 @@ def hidden_size(backbone) -> int:
     raise PostrlError(f"backbone {type(backbone).__name__}: cannot tell its hidden size from its config")
 
 
-def load_backbone(spec: str | Path, seed: int = 0):
-    """``(backbone, tokenizer)`` for ``spec`` (see the module docstring); the tokenizer gets a pad token."""
+def load_backbone(spec: str | Path, seed: int = 0, lm_head: bool = False):
+    """``(backbone, tokenizer)`` for ``spec`` (see the module docstring); the tokenizer gets a pad token.
+
+    ``lm_head=True``: ``(backbone, tokenizer, head)`` with the causal LM's output layer (``lm_head``, logits =
+    head(last_hidden_state)), for a text-generation loss beside the reward head (``rm train --lm-reg``); the folder
+    must then hold a causal LM (``AutoModelForCausalLM``) and ``bag:<dim>`` is refused (it has no LM head)."""
     _transformers_quiet()
     spec_s = str(spec)
     if spec_s.startswith("tiny:"):
@@ -120,7 +124,10 @@ def load_backbone(spec: str | Path, seed: int = 0):
         tok = build_tokenizer()
         lm = build_model(tok, size=size, seed=seed)
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-        return backbone, _with_pad(tok)
+        return (backbone, _with_pad(tok), lm.get_output_embeddings()) if lm_head else (backbone, _with_pad(tok))
+    if lm_head and spec_s.startswith("bag:"):
+        raise PostrlError(f"backbone '{spec_s}': a bag-of-tokens encoder has no language-model head; --lm-reg needs "
+                          f"a causal LM (a model folder or tiny:<size>)")
     if spec_s.startswith("bag:"):
         from postrl.models.tiny import build_tokenizer
 
@@ -145,6 +152,15 @@ def load_backbone(spec: str | Path, seed: int = 0):
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise PostrlError(f"backbone '{p}': cannot load a tokenizer from it ({type(e).__name__})") from None
     torch.manual_seed(seed)
+    if lm_head:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(p)
+        except Exception as e:  # noqa: BLE001
+            raise PostrlError(f"backbone '{p}': --lm-reg needs a causal LM with its LM head, and "
+                              f"AutoModelForCausalLM cannot load it ({type(e).__name__})") from None
+        return lm.get_decoder(), _with_pad(tok), lm.get_output_embeddings()
     try:
         backbone = AutoModel.from_pretrained(p)
     except Exception as e:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""Preference data: reading and checking ``(prompt, chosen, rejected[, annotator, context, margin])`` rows.
+"""Preference data: reading and checking ``(prompt, chosen, rejected[, annotator, context, margin, bias])`` rows.
 
 A preference file is JSONL / JSON / CSV / parquet (read by :func:`postrl.data.read_rows`), one pair per row:
 
@@ -12,11 +12,22 @@ field           type                      meaning
 ``annotator``   str or int (optional)     who labelled the pair (per-annotator rationality)
 ``context``     str or int (optional)     a context label (per-context rationality)
 ``margin``      number (optional)         preference strength m >= 0 for the Llama-2 margin loss
+``bias``        number in [0, 1] (opt.)   probability that a cognitive bias shaped this comparison (a judge's
+                                          score, precomputed): the per-comparison rationality
+                                          (``rationality='judged'``); the column name is configurable
+``ref_prompt``  str (optional)            the prompt the *reference* model reads the completions under in
+                                          ``postrl dpo`` (context distillation: Semantic Soft Bootstrapping's
+                                          hinted teacher prompt, ``postrl pairs --ssb``); default the prompt
+``prefix``      str (optional)            a step-level pair (``postrl pairs --dapo``): the response so far (the
+                                          state); chosen and rejected are two next steps continuing it, each
+                                          ended by EOS only when ``chosen_final`` / ``rejected_final`` is true
+``chosen_advantage``, ``rejected_advantage``  numbers (optional): the critic's advantage A(s, a) of each
+                                          completion (DAPO's step-level target, ``--loss dapo_step``)
 ==============  ========================  ================================================================
 
 Any violation is a one-line :class:`~postrl.errors.DataError` naming the file, the row (1-based) and the field:
 a missing field, a non-string text, identical chosen and rejected, an annotator of the wrong type, a margin that
-is not a finite number.
+is not a finite number, a bias score that is not a number in [0, 1].
 """
 
 from __future__ import annotations
@@ -41,6 +52,13 @@ class PreferencePair:
     annotator: str | None = None
     context: str | None = None
     row: int = 0  # 1-based row in the source file
+    bias: float | None = None  # P(a cognitive bias shaped this comparison), from a judge
+    ref_prompt: str | None = None  # what the reference model reads instead of the prompt (postrl dpo)
+    prefix: str | None = None  # a step-level pair: the response so far; chosen / rejected continue it
+    chosen_final: bool = True  # (a step-level pair) the chosen step ends the response: EOS follows it
+    rejected_final: bool = True
+    chosen_advantage: float | None = None  # A(s, a) of each completion, from a critic (DAPO)
+    rejected_advantage: float | None = None
 
 
 def _label(value: Any, where: str, field: str) -> str | None:
@@ -54,8 +72,9 @@ def _label(value: Any, where: str, field: str) -> str | None:
 
 
 def check_preferences(rows: list[dict], source: str = "preferences", *, allow_lists: bool = False,
-                      ) -> list[PreferencePair] | list[tuple[PreferencePair, list[str]]]:
-    """Validate raw rows; return :class:`PreferencePair` objects (one per row).
+                      bias_column: str = "bias") -> list[PreferencePair] | list[tuple[PreferencePair, list[str]]]:
+    """Validate raw rows; return :class:`PreferencePair` objects (one per row); ``bias_column``: the column read
+    into ``PreferencePair.bias``.
 
     With ``allow_lists`` a ``rejected`` list is allowed and the result is ``(pair, rejected_list)`` per row, where
     ``pair.rejected`` is the first wrong completion. Otherwise a list is expanded into one pair per wrong one.
@@ -92,7 +111,32 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
             raise DataError(f"{where}: field 'margin' must be a finite number, got {margin!r}")
         annotator = _label(r.get("annotator"), where, "annotator")
         context = _label(r.get("context"), where, "context")
-        pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i) for x in rejected]
+        bias = r.get(bias_column)
+        if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                 or not 0.0 <= float(bias) <= 1.0):
+            raise DataError(f"{where}: field '{bias_column}' must be a probability in [0, 1] (the chance that a "
+                            f"cognitive bias shaped the comparison), got {bias!r}")
+        ref_prompt = r.get("ref_prompt")
+        if ref_prompt is not None and not isinstance(ref_prompt, str):
+            raise DataError(f"{where}: field 'ref_prompt' must be a string (the reference model's prompt), got "
+                            f"{type(ref_prompt).__name__}")
+        prefix = r.get("prefix")
+        if prefix is not None and not isinstance(prefix, str):
+            raise DataError(f"{where}: field 'prefix' must be a string (the response so far), got "
+                            f"{type(prefix).__name__}")
+        step = {}
+        for f in ("chosen_final", "rejected_final"):
+            v = r.get(f)
+            if v is not None and not isinstance(v, bool):
+                raise DataError(f"{where}: field '{f}' must be true or false, got {v!r}")
+            step[f] = (prefix is None) if v is None else v
+        for f in ("chosen_advantage", "rejected_advantage"):
+            v = r.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise DataError(f"{where}: field '{f}' must be a finite number, got {v!r}")
+            step[f] = None if v is None else float(v)
+        pairs = [PreferencePair(r["prompt"], r["chosen"], x, float(margin), annotator, context, i,
+                                None if bias is None else float(bias), ref_prompt, prefix, **step) for x in rejected]
         if allow_lists:
             out.append((pairs[0], rejected))
         else:
@@ -100,8 +144,8 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
     return out
 
 
-def read_preferences(path: str | os.PathLike, *, allow_lists: bool = False):
+def read_preferences(path: str | os.PathLike, *, allow_lists: bool = False, bias_column: str = "bias"):
     """Read and check a preference file (see the module docstring)."""
     from postrl.data import read_rows
 
-    return check_preferences(read_rows(path), str(Path(path)), allow_lists=allow_lists)
+    return check_preferences(read_rows(path), str(Path(path)), allow_lists=allow_lists, bias_column=bias_column)

@@ -97,7 +97,8 @@ class RewardModel(nn.Module):
 
     def __init__(self, backbone, tokenizer, *, kind: str = "bt", num_heads: int = 1, max_length: int = 1024,
                  chat_template: str = "auto", groups: Sequence[str] | None = None, rationality: str | None = None,
-                 delimiter: str = "\n\n", reduce: str = "min", meta: dict | None = None, seed: int = 0):
+                 delimiter: str = "\n\n", reduce: str = "min", meta: dict | None = None, seed: int = 0,
+                 lm_head: nn.Module | None = None):
         super().__init__()
         if kind not in KINDS:
             raise PostrlError(f"reward model kind '{kind}': valid kinds: {', '.join(KINDS)}")
@@ -126,6 +127,7 @@ class RewardModel(nn.Module):
             self.heads.weight.copy_(torch.randn(num_heads, h, generator=gen) / math.sqrt(h))
             self.heads.bias.zero_()
         self.beta_raw = nn.Parameter(torch.zeros(len(self.groups)))
+        self.lm_head = lm_head  # the backbone's LM head, kept for a text-generation loss (rm train --lm-reg)
         self._prompt_cache: dict[str, list[int]] = {}
         self._use_cache_kw = _accepts_use_cache(backbone)
 
@@ -234,10 +236,15 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Every head at the last real token: [B, H] (right padding: position = mask.sum - 1)."""
+        return self.forward_hidden(input_ids, attention_mask)[0]
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every head at the last real token [B, H], the backbone's hidden states [B, T, hidden])."""
         h = self.hidden(input_ids, attention_mask)
         last = (attention_mask.sum(-1) - 1).clamp(min=0)
         pooled = h[torch.arange(h.shape[0], device=h.device), last]
-        return self.heads(pooled)
+        return self.heads(pooled), h
 
     def head_outputs(self, prompts: Sequence[str], completions: Sequence[str], batch_size: int = 32,
                      seqs: list[list[int]] | None = None) -> torch.Tensor:
@@ -257,22 +264,29 @@ class RewardModel(nn.Module):
             self.train(was)
         return torch.cat(outs) if outs else torch.zeros(0, self.num_heads)
 
-    def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """Head 0 at the given positions: ends [B, S] long (-1 = none) -> logits [B, S] (NaN where none)."""
+    def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ends: torch.Tensor,
+                    return_hidden: bool = False):
+        """Head 0 at the given positions: ends [B, S] long (-1 = none) -> logits [B, S] (NaN where none); with
+        ``return_hidden`` also the backbone's hidden state there, [B, S, hidden] (NaN where none)."""
         h = self.hidden(input_ids, attention_mask)
         idx = ends.clamp(min=0)
         g = h[torch.arange(h.shape[0], device=h.device)[:, None], idx]  # [B, S, hidden]
         logits = self.heads(g)[..., 0]
-        return torch.where(ends >= 0, logits, torch.full_like(logits, float("nan")))
+        logits = torch.where(ends >= 0, logits, torch.full_like(logits, float("nan")))
+        if not return_hidden:
+            return logits
+        return logits, torch.where((ends >= 0)[..., None], g, torch.full_like(g, float("nan")))
 
     def step_scores(self, prompts: Sequence[str], completions: Sequence[str], batch_size: int = 32,
-                    steps: Sequence[Sequence[str]] | None = None) -> torch.Tensor:
+                    steps: Sequence[Sequence[str]] | None = None, return_hidden: bool = False):
         """PRM step scores sigma(head) at every step end: [N, S_max], NaN beyond a completion's own S steps.
 
         Steps: :func:`step_pieces` of each completion (at ``self.delimiter``, or located from ``steps[i]``);
-        S_max is the most steps of any completion in the call (at least 1 column).
+        S_max is the most steps of any completion in the call (at least 1 column). ``return_hidden``: also the
+        PRM's hidden state at each step end, [N, S_max, hidden] (NaN padded), what a conditional calibrator
+        (``postrl.calibration.ConditionalOT``, "Distributional Process Reward Models") conditions on.
         """
-        rows = []
+        rows, hid = [], []
         was = self.training
         self.eval()
         try:
@@ -285,14 +299,46 @@ class RewardModel(nn.Module):
                     for i, (_, e) in enumerate(enc):
                         ends[i, : len(e)] = torch.as_tensor(e, dtype=torch.long)
                     ids, mask = self.collate([x for x, _ in enc])
-                    rows.extend(torch.sigmoid(self.step_logits(ids, mask, ends.to(self.device))).cpu().unbind(0))
+                    out = self.step_logits(ids, mask, ends.to(self.device), return_hidden=return_hidden)
+                    logits, h = out if return_hidden else (out, None)
+                    rows.extend(torch.sigmoid(logits).cpu().unbind(0))
+                    if h is not None:
+                        hid.extend(h.float().cpu().unbind(0))
         finally:
             self.train(was)
         width = max([r.numel() for r in rows], default=1)
         out = torch.full((len(rows), width), float("nan"))
         for i, r in enumerate(rows):
             out[i, : r.numel()] = r
-        return out
+        if not return_hidden:
+            return out
+        H = hidden_size(self.backbone)
+        hidden = torch.full((len(rows), width, H), float("nan"))
+        for i, h in enumerate(hid):
+            hidden[i, : h.shape[0]] = h
+        return out, hidden
+
+    def prompt_scores(self, prompts: Sequence[str], batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigma(head 0) [N], hidden state [N, hidden]) at the last token of each encoded prompt: the PRM's
+        reading of the problem before any step (the prefix an instance-adaptive Best-of-N budget is decided at)."""
+        scores, hidden = [], []
+        was = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                for s in range(0, len(prompts), batch_size):
+                    seqs = [(self._prompt_ids(p) or [self._fallback_id()])[-self.max_length:]
+                            for p in prompts[s:s + batch_size]]
+                    ids, mask = self.collate(seqs)
+                    ends = (mask.sum(-1) - 1).clamp(min=0)[:, None]
+                    logits, h = self.step_logits(ids, mask, ends, return_hidden=True)
+                    scores.append(torch.sigmoid(logits[:, 0]).cpu())
+                    hidden.append(h[:, 0].float().cpu())
+        finally:
+            self.train(was)
+        if not scores:
+            return torch.zeros(0), torch.zeros(0, hidden_size(self.backbone))
+        return torch.cat(scores), torch.cat(hidden)
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], batch_size: int = 32,
               seqs: list[list[int]] | None = None) -> torch.Tensor:

@@ -186,6 +186,32 @@ def format_reward(prompts, completions, *, pattern: Regex = r"\s*[-+]?\d+\s*",
     return [1.0 if rx.fullmatch(c) else 0.0 for c in completions]
 
 
+@register("reward", "template_format",
+          source="Prompt Augmentation Scales up GRPO Training on Mathematical Reasoning (each template's format)")
+def template_format(prompts, completions, template_format=None, *, allow_empty: bool = False):
+    """1.0 when the completion has the format its own prompt template asked for, else 0.0; None without one.
+
+    Reads the row's ``template_format`` column, which the sampling plan ``prompt_augmentation`` writes: a list of
+    tag names -> the strict tag check of ``format`` with ``tags`` (exactly one non-empty ``<t>...</t>`` block per
+    tag, in order, whitespace only around them; ``allow_empty`` as there); a string -> ``re.fullmatch(regex,
+    completion, DOTALL)``; None (a template without a format, or a row without the column) -> None, the reward does
+    not apply to that row. With prompt augmentation a group mixes templates, so one format reward must accept
+    each template's own format (after the paper's format reward per template); the completion includes the
+    template's ``response_prefix``.
+    """
+    if template_format is None:
+        return [None] * len(completions)
+    out: list[float | None] = []
+    for c, f in zip(completions, template_format):
+        if f is None:
+            out.append(None)
+        elif isinstance(f, (list, tuple)):
+            out.append(_tag_format(c, [str(t) for t in f], allow_empty))
+        else:
+            out.append(1.0 if re.fullmatch(str(f), c, re.DOTALL) else 0.0)
+    return out
+
+
 @register("reward", "exact", source="exact match after normalisation (TRL/open-r1 style string verifier)")
 def exact(prompts, completions, answer=None, *, extract: Extract = "auto", case_sensitive: bool = False):
     """1.0 when normalize(extracted answer) == normalize(reference ``answer``), else 0.0.

@@ -202,8 +202,13 @@ def code_reshaped(prompts, completions, tests=None, *, w_parse: Weight = 0.05, w
                   memory_mb: MemoryMB = 512, test_timeout: Timeout | None = None, isolation: Isolation = None):
     """Staged partial credit for code: parses, loads, runs without error, passes tests, lints clean.
 
-    After "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair" (the abstract names the idea, turning
-    the binary pass/fail signal into a denser one from intermediate properties of the code, not the formula):
+    After "Signal Reshaping for GRPO in Weak-Feedback Agentic Code Repair", whose outcome reward is layered:
+    fail < compile-only < compile-and-semantic-correct ("binary rewards remove the compile-only middle tier").
+    This reward is a finer staging of those tiers (the abstract gives no values): the compile tier is P and C (and
+    R), the semantic tier the tests T; the lint term is postrl's, not the paper's (the summary in seed 000 read the
+    paper as scoring readability and style, which it does not). The paper's two other parts are the advantage
+    ``process_weighted`` (step-level process scores outside the group normalisation; ``code_repair`` gives each
+    attempt's score as its process score) and the filter ``failure_governance``.
 
         r = w_parse * P + w_compile * P * C + w_run * C * R + w_tests * T + w_lint * P * L
 

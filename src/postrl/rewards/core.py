@@ -53,7 +53,8 @@ source, and the first failing input (lowest row) is reported. ``strict=True`` ra
 
 Contract errors stop the run whatever ``strict`` says (a programming error, not a data fault): a call that returns
 the wrong number of values, or something that is not a list of values, raises :class:`RewardError` naming the
-reward, the expected and the returned count.
+reward, the expected and the returned count. A source that raises :class:`~postrl.errors.DataError` (a row of
+the data is not what it needs, e.g. a malformed gold value) stops the run with that one-line error too.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from typing import Any, Callable
 import torch
 
 from postrl import stages
-from postrl.errors import RewardError
+from postrl.errors import DataError, RewardError
 from postrl.stages import signature
 
 _VERL_PARAMS = {"data_source", "solution_str", "ground_truth"}
@@ -582,6 +583,8 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
                 failed.append((k, a, b, f"timed out after {timeout:g}s"))
             elif status == "error" and isinstance(value, _ContractError):
                 raise RewardError(f"reward '{name}' {value}")
+            elif status == "error" and isinstance(value, DataError):  # the data is wrong: no row to isolate
+                raise value
             elif status == "error":
                 halves = split_rows(a, b, group_ids, whole_groups[k])
                 if halves and extra[k] + len(halves) <= isolate_calls:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Ge, Le
 
+from postrl.io import column_flag
 from postrl.registry import register
 from postrl.rewards.builtin import Extract, extract_answer, normalize_text, parse_number
 
@@ -55,8 +56,8 @@ def _majority(keys: list, weights: list[float]):
 @register("reward", "majority_vote",
           source="TTRL (Test-Time Reinforcement Learning); RLCCF (Wisdom of the Crowd: Coevolutionary Collective "
                  "Feedback)")
-def majority_vote(prompts, completions, group_ids, voter=None, *, extract: Extract = "auto",
-                  weighting: Literal["none", "self_consistency"] = "none"):
+def majority_vote(prompts, completions, group_ids, voter=None, labeled=None, *, extract: Extract = "auto",
+                  weighting: Literal["none", "self_consistency"] = "none", only_unlabeled: bool = False):
     """1.0 when the completion's answer equals its group's voted answer, else 0.0 (label-free).
 
     TTRL (weighting='none'): the voted answer is the most frequent extracted answer of the group; r_i =
@@ -73,9 +74,16 @@ def majority_vote(prompts, completions, group_ids, voter=None, *, extract: Extra
     the completion, or completions of other models supplied as data); without a ``voter`` column the group is one
     voter and the mode equals TTRL. One vote per voter for its own majority (not one vote per sample weighted by
     its voter's SC); SC computed per prompt from this group's samples; no co-training of several models.
+    ``only_unlabeled`` (default false; semi-supervised data, TraPO): rows whose ``labeled`` column is true get None
+    (the reward does not apply: the verifier scores them), so ``rewards: [correct, {majority_vote, only_unlabeled:
+    true}]`` pays labeled rows by their answer and unlabeled rows by the vote (``postrl.io.column_flag`` reads the
+    column; a row without it is unlabeled).
     """
     keys = [_answer_key(extract_answer(c, extract)) for c in completions]
-    out = [0.0] * len(completions)
+    out: list = [0.0] * len(completions)
+    skip = [False] * len(completions)
+    if only_unlabeled and labeled is not None:
+        skip = [column_flag(v, f"reward majority_vote: row {i} column 'labeled'") for i, v in enumerate(labeled)]
     for rows in _groups(group_ids).values():
         gk = [keys[i] for i in rows]
         if weighting == "none":
@@ -94,7 +102,7 @@ def majority_vote(prompts, completions, group_ids, voter=None, *, extract: Extra
                 vw.append(sum(k == m for k in answered) / len(answered))
             maj = _majority(vk, vw)
         for i in rows:
-            out[i] = float(maj is not None and keys[i] == maj)
+            out[i] = None if skip[i] else float(maj is not None and keys[i] == maj)
     return out
 
 

@@ -6,8 +6,11 @@ that add a named column also set ``reward_names`` and ``reward_weights``; proces
 ``reward`` (normally ``weighted_sum``, last).
 
 Modules: ``transforms`` (par, centered, running_norm, ensemble_mean/min/uwo/brme, dataset_median), ``process``
-(clip_prm, delta_prm, min_form, gated, potential), ``length`` (overlong_soft, truncation_penalty, laser, laser_d,
-grpo_lambda, kimi_length, cosine_length, conciseness_gated, adaptive_length_coef, step_length_regularizer).
+(clip_prm, delta_prm, min_form, gated, potential, thought_reward, pspo_wrs), ``length`` (overlong_soft,
+truncation_penalty, laser, laser_d, grpo_lambda, kimi_length, cosine_length, conciseness_gated,
+adaptive_length_coef, grsp), ``modes`` (thinkdial_budget, autothink), ``noise``
+(reward_noise), ``diversity`` (diversity_potential, gardo_diversity); ``attribution`` holds the field producer
+``occlusion_token_reward`` (token credit by occlusion, read by the advantage ``occlusion_credit``).
 Stateful stages are classes (:class:`postrl.stages.Stateful`, built once per run by :func:`postrl.stages.build`):
 ``__call__`` reads the state, ``observe`` records the step's batches, ``end_step`` updates the state once per step;
 their state travels with the checkpoint.
@@ -44,4 +47,5 @@ def weighted_sum(rewards: torch.Tensor, reward_weights: torch.Tensor, reward_ski
     return {"reward": torch.where(skip.all(-1), torch.full_like(reward, float("nan")), reward)}
 
 
-from postrl.shaping import length, process, transforms  # noqa: E402,F401  (register the stages)
+# (register the stages)
+from postrl.shaping import attribution, diversity, length, modes, noise, process, transforms  # noqa: E402,F401

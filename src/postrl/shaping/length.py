@@ -13,14 +13,13 @@ import math
 from typing import Annotated, Any
 
 import torch
-from annotated_types import Ge, Gt, Le
+from annotated_types import Ge, Gt, Interval, Le
 
 from postrl.errors import ConfigError
 from postrl.registry import register
-from postrl.groups import group_index, group_minmax
+from postrl.groups import group_index, group_minmax, group_stats
 from postrl.shaping._util import NAN, append_column, col, cols, correctness, with_column
 from postrl.stages import StepEnd, Stateful, parameters
-from postrl.reasoning_steps import step_lengths
 
 
 def _nan_where(x: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -100,6 +99,59 @@ def truncation_penalty(rewards, reward_names, lengths, truncated, *, max_length:
         r = out[:, k]
         out[:, k] = torch.where(over & torch.isfinite(r), torch.zeros_like(r), r)
     return {"rewards": out}
+
+
+def _difficulty_lengths(params: dict, run: Any, where: str) -> dict:
+    """``difficulty_truncation``'s base cap against the run: ``max_length`` defaults to ``rollout.max_new_tokens``;
+    ``min_length`` must not exceed it."""
+    if run is not None and params.get("max_length") is None:
+        params = {**params, "max_length": run.rollout.max_new_tokens}
+    ml, lo = params.get("max_length"), params.get("min_length", 1)
+    if ml is not None and lo > ml:
+        raise ConfigError(f"{where}: expected min_length <= max_length, got min_length={lo}, max_length={ml}")
+    return params
+
+
+@register("shaping", "difficulty_truncation", source="DLER: Doing Length pEnalty Right (Difficulty-Aware DLER)",
+          needs=("groups",), check=_difficulty_lengths)
+def difficulty_truncation(rewards, reward_names, lengths, truncated, group_ids, *, max_length: Annotated[int, Ge(1)]
+                          | None = None, tighten: Annotated[float, Interval(ge=0, lt=1)] = 0.5,
+                          min_length: Annotated[int, Ge(1)] = 1, source: str = "correct",
+                          correct_threshold: float = 1.0, sources: list[str] | None = None,
+                          include_truncated: bool = True):
+    """Difficulty-aware DLER truncation: each prompt's length cap tightens with its group's accuracy; r' = 0 over it.
+
+    After "DLER: Doing Length pEnalty Right" ("Difficulty-Aware DLER, which adaptively tightens truncation on
+    easier questions"; the abstract gives no formula). The group's accuracy is the difficulty signal:
+        acc_g = mean_{j in g} 1[r_j^source >= correct_threshold]     (finite entries of the ``source`` column)
+        L_g   = max(min_length, floor(max_length * (1 - tighten * acc_g)))
+        r'_i  = 0 on the ``sources`` columns (default all) if L_i > L_g(i) or (``include_truncated`` and the
+                completion hit the generation limit), else r_i
+    so an all-correct (easy) prompt is cut at (1 - tighten) * max_length and an all-wrong one at max_length, the
+    plain ``truncation_penalty``. Assumed: the linear map from accuracy to cap and defaults tighten 0.5,
+    min_length 1; ``max_length`` defaults to ``rollout.max_new_tokens`` in a config (required when called
+    directly). Accuracy is read before truncation (a long correct answer still marks its prompt easy); a failed
+    entry stays NaN; a group without a finite ``source`` value keeps the full cap. Combine as the DLER recipe:
+    ``advantage.scale: batch``, clip-higher, ``dynamic_sampling``. Adds ``truncation_cap`` [N] to the batch.
+    Shapes: rewards [N, K], lengths [N], truncated [N], group_ids [N] -> {rewards, truncation_cap}.
+    """
+    if max_length is None:
+        raise ConfigError("shaping.difficulty_truncation.max_length: required outside a config (a config derives "
+                          "it from rollout.max_new_tokens)")
+    c, known = correctness(rewards, reward_names, source, correct_threshold, "difficulty_truncation")
+    inv, ng = group_index(group_ids)
+    hits = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, c.to(torch.float64))
+    n = torch.zeros(ng, dtype=torch.float64).index_add_(0, inv, known.to(torch.float64))
+    acc = torch.where(n > 0, hits / n.clamp(min=1.0), torch.zeros_like(n))
+    cap = torch.floor(max_length * (1.0 - tighten * acc)).clamp(min=min_length)[inv]
+    over = lengths.to(torch.float64) > cap
+    if include_truncated:
+        over = over | truncated.bool()
+    out = rewards.clone()
+    for k in cols(reward_names, sources, "difficulty_truncation"):
+        r = out[:, k]
+        out[:, k] = torch.where(over & torch.isfinite(r), torch.zeros_like(r), r)
+    return {"rewards": out, "truncation_cap": cap.to(torch.float32)}
 
 
 _LASER = "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping"
@@ -352,39 +404,62 @@ class AdaptiveLengthCoef(Stateful):
         return used
 
 
-@register("shaping", "step_length_regularizer", source="Implicit Compression Regularization: Concise Reasoning "
-                                                     "via Internal Shorter Distributions in RL Post-Training")
-def step_length_regularizer(rewards, reward_names, reward_weights, step_ends, *,
-                            ratio: Annotated[float, Gt(0), Le(1)] = 0.8, coef: float = 0.1,
-                            min_sd: Annotated[float, Gt(0)] = 0.1,
-                            name: str = "step_length_regularizer", weight: float = 1.0):
-    """Reward for moving the policy's step-length distribution toward a shorter copy of itself (appended column).
+def _grsp_clusters(params: dict, run: Any, where: str) -> dict:
+    """``grsp``: ``edges`` strictly increasing and one weight per cluster (len(edges) + 1)."""
+    p = {**{k: d for k, (_, d) in parameters(grsp).items()}, **params}
+    edges, weights = tuple(p["edges"]), tuple(p["cluster_weights"])
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"{where}.edges: expected strictly increasing segment lengths, got {list(edges)}")
+    if len(weights) != len(edges) + 1:
+        raise ConfigError(f"{where}.cluster_weights: expected {len(edges) + 1} weights (one per cluster: "
+                          f"len({where}.edges) + 1), got {len(weights)}")
+    return params
 
-    x = log l, l = a step's length in tokens (from ``step_ends``). P = the batch's step-length distribution, fitted
-    as a log-normal: x ~ N(mu, sd^2), mu and sd the mean and standard deviation of x over all steps of the batch
-    (sd at least ``min_sd``). Q = the "internal shorter distribution": the same with every length ``ratio`` times
-    as long, N(mu + delta, sd^2), delta = log ratio <= 0. The objective is KL(P || Q); its score-function gradient
-    gives each sampled step the reward -(log P(x) - log Q(x)), so completion i gets the mean over its steps
-      r_i = -coef * mean_s [log P(x_s) - log Q(x_s)] = coef * mean_s [2 delta (x_s - mu) - delta^2] / (2 sd^2)
-    (= -coef * [KL(p_i || Q) - KL(p_i || P)], p_i the completion's own step lengths). It decreases with the
-    steps' length relative to the batch's distribution: steps shorter than the batch's typical ones gain, longer
-    ones lose; it is scale-free (all lengths times c: the same rewards) and has no per-token length term and no
-    fixed length target. After ICR (the abstract: regularise the distribution of step lengths toward an internal
-    shorter target instead of penalising length); the log-normal fit, the KL(P || Q) direction and the per-step
-    mean are assumptions. Defaults: ratio 0.8, coef 0.1, min_sd 0.1. Completions without steps get 0.
-    (It replaced a log2-histogram KL of each completion against the batch, which penalised steps much shorter
-    than typical as much as steps much longer.)
+
+@register("shaping", "grsp", source="Mitigating Overthinking through Reasoning Shaping (GRSP: Group Relative "
+                                    "Segment Penalization)", needs=("groups",), check=_grsp_clusters)
+def grsp(rewards, reward_names, reward_weights, group_ids, step_ends, *,
+         edges: tuple[Annotated[int, Ge(1)], ...] = (32, 128),
+         cluster_weights: tuple[Annotated[float, Ge(0)], ...] = (1.0, 0.5, 0.25),
+         coef: Annotated[float, Ge(0)] = 0.1, eps: Annotated[float, Ge(0)] = 1e-6, source: str | None = None,
+         correct_threshold: float = 1.0, name: str = "grsp", weight: float = 1.0):
+    """GRSP: a penalty on the number of reasoning segments relative to the group, segments weighted by length.
+
+    After "Mitigating Overthinking through Reasoning Shaping" (the abstract: "Group Relative Segment
+    Penalization", a step-level penalty, with "a length-aware weighting mechanism across segment clusters"; no
+    formula). Segments are the reasoning steps (``step_ends``, split at ``reward.step_delimiter``: e.g. a
+    delimiter such as "\\n\\n" or a reflection keyword). For completion i with segments of l_s tokens:
+
+        c(l)  = the cluster of a segment of l tokens: 0 if l <= edges[0], 1 if l <= edges[1], ..., K-1 beyond
+        S_i   = sum_s cluster_weights[c(l_s)]                      the length-weighted segment count
+        z_i   = (S_i - mean_g S) / (std_g S + eps)                 over the rows of i's group g (unbiased std;
+                                                                  z = 0 in a group whose S are all equal)
+        column = -coef * z_i                                       (appended as ``name``, weight ``weight``)
+
+    so a completion with more (weighted) segments than its group's average loses, one with fewer gains, and the
+    term sums to zero over a group. Default weights descend with the segment length (1.0 for segments of <= 32
+    tokens, 0.5 up to 128, 0.25 beyond): many short segments (the hesitant "wait, ..." steps of overthinking) are
+    penalised most, long substantive ones least. Assumed (the abstract names only "length-aware weighting across
+    segment clusters"): the fixed length clusters, the descending weights, the group z-score, and coef 0.1.
+    ``source`` (default None: every row) restricts the penalty to the correct completions (``source`` >=
+    ``correct_threshold``): the statistics are then over the group's correct rows, the others get 0, a failed
+    correctness NaN. Completions without segments count S = 0. ``edges`` strictly increasing, one weight per
+    cluster (checked when the config is read).
+    Shapes: step_ends [N, S] (-1 padded), group_ids [N] -> an appended column [N].
     """
-    lens = step_lengths(step_ends).to(torch.float64)  # [N, S], NaN where no step
-    valid = torch.isfinite(lens) & (lens > 0)
-    x = torch.log(torch.where(valid, lens, torch.ones_like(lens)))
-    n = valid.sum(-1)
-    r = torch.zeros(lens.shape[0], dtype=torch.float64)
-    if valid.any():
-        xs = x[valid]
-        mu, sd = xs.mean(), max(float(xs.std(unbiased=False)), min_sd)
-        delta = math.log(ratio)
-        per_step = torch.where(valid, (2 * delta * (x - mu) - delta * delta) / (2 * sd * sd), torch.zeros_like(x))
-        r = torch.where(n > 0, coef * per_step.sum(-1) / n.clamp(min=1), r)
-    return append_column(rewards, reward_names, reward_weights, r.to(rewards.dtype), name, weight,
-                         "step_length_regularizer")
+    has = step_ends >= 0
+    prev = torch.cat([torch.full_like(step_ends[:, :1], -1), step_ends[:, :-1]], dim=1)
+    lens = torch.where(has, (step_ends - prev).to(torch.float64), torch.zeros(step_ends.shape, dtype=torch.float64))
+    e = torch.tensor(list(edges), dtype=torch.float64)
+    cluster = torch.bucketize(lens.contiguous(), e, right=False)  # l <= edges[0] -> 0
+    w = torch.tensor(list(cluster_weights), dtype=torch.float64)[cluster]
+    S = torch.where(has, w, torch.zeros_like(w)).sum(-1)
+    if source is not None:
+        ok, known = correctness(rewards, reward_names, source, correct_threshold, "grsp")
+        rows = ok & known
+    else:
+        ok = known = rows = torch.ones(S.shape[0], dtype=torch.bool)
+    mean, std, _ = group_stats(S, group_ids, rows)
+    z = (S - mean) / (std + eps)
+    z = torch.where(rows & (std > 0), z, torch.zeros_like(z))
+    return append_column(rewards, reward_names, reward_weights, _nan_where(-coef * z, known), name, weight, "grsp")

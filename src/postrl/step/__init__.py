@@ -8,11 +8,14 @@ generation, the optimizer, checkpoints, processes):
     info = step.score(batch)                  rewards (fault isolated) -> shaping; stateful stages record
     keep = step.keep(batch)                   keep-mask filters (a driver that cannot refill masks the rest)
     step.kl_penalty(batch)                    kl.placement=reward: r -= coef * sum_t KL_t (needs old/ref log-probs)
-    step.advantages(ctx, batch)               fields produced through the model context, then the estimator
+    step.advantages(ctx, batch)               fields (the estimator's, the regularisers') produced through the
+                                              model context, then the estimator
+    step.observe_objective(batch)             with the old / reference log-probs in place: the stateful
+                                              regularisers observe the batch that trains
     fields = step.objective.batch_fields(batch, rows)   the batch's part of the loss's per-token fields
     loss, stats, info = step.objective(fields, weights) the objective (losses/objective.py)
     metrics = step.metrics(batch, info)       the batch's metrics (docs/metrics.md)
-    metrics |= step.end(metrics, n_seq, all_reduce_mean=..., gather=...)   state changes, once
+    metrics |= step.end(metrics, n_seq, all_reduce_mean=..., gather=..., reset_reference=...)   state changes, once
     alarms = step.watchdog.step(metrics)      the monitors (docs/metrics.md)
     state = step.state_dict()                 every stateful stage and the KL controller, for checkpoints
 
@@ -72,6 +75,11 @@ class Step:
     def all_stages(self) -> list[stages.Stage]:
         return [s for group in self.sections.values() for s in group]
 
+    def needing(self, need: str) -> list[stages.Stage]:
+        """The run's stages (the policy loss included) that declared ``need`` (e.g. ``reference_reset``): a driver
+        that cannot offer it refuses them at start-up."""
+        return [s for s in [*self.all_stages, self.objective.loss] if need in s.needs]
+
     def _check(self) -> list[str]:
         """What the stages declared they need of the run: a ConfigError for a selection that cannot work, warnings
         for a dubious combination (returned)."""
@@ -80,14 +88,16 @@ class Step:
         selectors = [s.name for s in self.selection if s.kind == "selector"]
         if len(selectors) > 1:
             raise ConfigError(f"filters: at most one prompt selector per run, got {', '.join(selectors)}")
-        for s in [*self.selection, self.advantage]:
+        for s in [*self.selection, self.advantage]:  # (a stage declares its needs, from its parameters if they matter)
             if "groups" in s.needs and G < 2:
                 if s.kind == "advantage":
-                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
-                                f"every advantage is 0 (use reinforce_pp, remax or gae for one completion per prompt)")
+                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: a "
+                                f"group of one completion has no baseline (use reinforce_pp, remax or gae for one "
+                                f"completion per prompt)")
                 else:
-                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (a group of one "
-                                      f"completion has no reward variance, so every group would be dropped)")
+                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group would be one "
+                                      f"completion, which this filter drops; `postrl methods {s.name}` lists its "
+                                      f"options)")
             if s.kind == "sampling":
                 s.fn.plan(G)  # raises when the group cannot hold the plan
         if self.objective.warning:
@@ -99,12 +109,15 @@ class Step:
         """Rewards then shaping, in place (``Scorer.score``); ``observe=False`` for a batch that does not train."""
         return self.scorer.score(batch, observe=observe)
 
-    def keep(self, batch: RolloutBatch) -> torch.Tensor:
-        """bool [N]: the rows every keep-mask filter keeps."""
+    def keep(self, batch: RolloutBatch, observe: bool = True) -> torch.Tensor:
+        """bool [N]: the rows every keep-mask filter keeps; a stateful filter (``trapo``) records the groups it
+        judged (``observe=True``: a generated batch of the step, kept or not; its state changes in ``end``)."""
         keep = torch.ones(len(batch), dtype=torch.bool)
         for f in self.selection:
             if f.kind == "filter":
                 keep &= f(batch).bool()
+                if observe:
+                    f.observe(batch)
         return keep
 
     def kl_penalty(self, batch: RolloutBatch) -> None:
@@ -119,18 +132,46 @@ class Step:
         batch.extra["kl_token"] = tok
 
     def advantages(self, ctx: Any, batch: RolloutBatch, observe: bool = True) -> torch.Tensor:
-        """The advantage stage on ``batch`` (the fields it reads that the batch lacks produced first through the
-        model context ``ctx``); a stateful estimator records the batch (``observe=True``: it trains)."""
+        """The advantage stage on ``batch`` (the fields it and the regularisers read that the batch lacks produced
+        first through the model context ``ctx``, once per batch: the objective then reads a regulariser's field
+        from ``batch.extra``); a stateful estimator records the batch (``observe=True``: it trains)."""
         produce(ctx, batch, self.advantage)
-        batch.advantages = self.advantage(batch)
+        for reg in self.objective.regularizers:
+            produce(ctx, batch, reg)
+        out = self.advantage(batch)
+        if isinstance(out, dict):  # advantages and per-row fields for later stages (e.g. ares: its HWE windows)
+            out = dict(out)
+            adv = out.pop("advantages")
+            batch.extra.update(out)
+        else:
+            adv = out
+        batch.advantages = adv
         if observe:
             self.advantage.observe(batch)
         return batch.advantages
 
+    def observe_objective(self, batch: RolloutBatch) -> None:
+        """Once per step, on the batch that trains, with its old / reference log-probs in place (a driver computes
+        those first; the regularisers' fields were produced in :meth:`advantages`): every stateful regulariser's
+        ``observe`` (e.g. ``chi2_occupancy``'s discriminator data, which needs ``ref_logprobs``)."""
+        for s in self.objective.regularizers:
+            s.observe(batch)
+
     def metrics(self, batch: RolloutBatch, info: dict) -> dict:
         """Per-step metrics of the batch (``postrl.diagnostics.metrics.batch_metrics``, docs/metrics.md) and each
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
-        in the reward (verl ``current_kl``: mean over rows of the per-token mean)."""
+        in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not this step's
+        rollouts (``extra['rehearsal']``: pre-sampled completions of the initial policy; ``extra['replayed']``:
+        groups of earlier steps, ``avatar_replay``; ``extra['demonstration']``: external demonstrations) are left
+        out and counted (``rehearsal/rows``, ``replay/rows``, ``demonstration/rows``)."""
+        names = {"rehearsal": "rehearsal/rows", "replayed": "replay/rows", "demonstration": "demonstration/rows"}
+        outside = {k: v.bool() for k in names
+                   if isinstance(v := batch.extra.get(k), torch.Tensor) and v.dim() == 1 and bool(v.any())}
+        if outside:
+            others = torch.stack(list(outside.values())).any(0)
+            m = self.metrics(batch.select(torch.nonzero(~others).flatten()), info)
+            m.update({names[k]: float(v.sum()) for k, v in outside.items()})
+            return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate
@@ -142,11 +183,16 @@ class Step:
         return m
 
     def end(self, metrics: dict, n_seq: int, *, all_reduce_mean: Callable[[Any], None] = lambda t: None,
-            gather: Callable[[Any], list] = lambda obj: [obj]) -> dict:
+            gather: Callable[[Any], list] = lambda obj: [obj],
+            reset_reference: Callable[[], None] | None = None) -> dict:
         """The end of the step, once, with the step's metrics reduced over processes and ``n_seq`` sequences over
         all processes: the KL controller's update and every stateful stage's (what they recorded, gathered from
-        every process). Returns their metrics."""
+        every process). ``reset_reference``: the driver's copy of the policy into its reference model, for the
+        stages that declared ``needs=('reference_reset',)`` (e.g. ``gardo_kl`` with ``reset_every``). Returns their
+        metrics."""
         end = stages.StepEnd(metrics, all_reduce_mean, gather)
+        if reset_reference is not None:
+            end.reset_reference = reset_reference
         out = self.objective.end_step(end, n_seq)
         out.update(stages.end_step(self.all_stages, end))
         return out

@@ -82,38 +82,3 @@ if __name__ == "__main__":
     import sys
 
     ship(recipe=sys.argv[1] if len(sys.argv) > 1 else None)
-
-
-def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print, recipe: str | None = None) -> Path:
-    """Build the built-in model of the default config (or of the bundled ``recipe``) from scratch (in a temporary
-    cache) and put it in ``dest``, replacing the model of the same task and size shipped there before. ``make
-    builtin`` (``make builtin-calculator``) runs this."""
-    import tempfile
-
-    from postrl import recipes
-    from postrl.config import Config, load_config
-
-    cfg = Config() if recipe is None else load_config(None, [], base=recipes.load(recipe))
-    old_cache = os.environ.get("POSTRL_CACHE")
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["POSTRL_CACHE"] = tmp
-        try:
-            built = ensure_builtin(cfg, log=log, use_shipped=False)
-        finally:
-            if old_cache is None:
-                os.environ.pop("POSTRL_CACHE", None)
-            else:
-                os.environ["POSTRL_CACHE"] = old_cache
-        dest.mkdir(parents=True, exist_ok=True)
-        for stale in dest.glob(f"builtin-{cfg.task.name}-{cfg.model.builtin_size}-*"):
-            shutil.rmtree(stale)
-        final = dest / built.name
-        shutil.copytree(built, final)
-    log(f"shipped {final}")
-    return final
-
-
-if __name__ == "__main__":
-    import sys
-
-    ship(recipe=sys.argv[1] if len(sys.argv) > 1 else None)

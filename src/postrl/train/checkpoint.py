@@ -8,6 +8,8 @@ Layout of one run::
         tokenizer.json, tokenizer_config.json, ...      (tokenizer.save_pretrained)
         optimizer.pt, scheduler.pt                      (state_dicts, torch.save)
         rng.pt                                          (python / numpy / torch CPU / torch CUDA RNG states)
+        reference/                                      (only when the reference model was reset to the policy
+                                                         during training: its weights, a model folder)
         trainer_state.json                              (caller's state dict + "step"; written last)
 
 The folder is a normal Hugging Face model folder: ``AutoModelForCausalLM.from_pretrained`` and
@@ -63,6 +65,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's PeftModel.save_pretrained (model.lora)
 ADAPTER_DIR = "adapter"  # final/adapter/ with model.lora.save=both
+REFERENCE_DIR = "reference"  # a reference model reset to the policy during training
 FINAL_DIR = "final"
 
 # A temporary folder whose writer is still alive is left alone unless nothing in it changed for this long
@@ -86,10 +89,13 @@ def save_checkpoint(
     scheduler,
     state: dict,
     keep_last: int | None = 2,
+    reference=None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-{step:08d}/`` atomically and return its path.
 
     ``tokenizer``, ``optimizer`` and ``scheduler`` may be ``None`` (their files are then not written).
+    ``reference``: a reference model whose weights are no longer the initial policy's (a stage reset it to the
+    policy), saved in ``reference/``.
     ``state`` must be JSON-serialisable; ``step`` is added to it. After the new checkpoint is in place, all but
     the newest ``keep_last`` complete checkpoints are deleted (the one just written is always kept;
     ``keep_last=None`` keeps everything) and temporary folders left by crashed saves are removed.
@@ -128,6 +134,9 @@ def save_checkpoint(
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
         torch.save(_rng_state(), tmp / RNG_FILE)
+        if reference is not None:
+            (tmp / REFERENCE_DIR).mkdir()
+            _save_model(reference, tmp / REFERENCE_DIR)
         # Written last: its presence marks a complete checkpoint.
         (tmp / STATE_FILE).write_text(state_json + "\n", encoding="utf-8")
         _fsync_tree(tmp)
@@ -254,10 +263,12 @@ def load_checkpoint(
     optimizer=None,
     scheduler=None,
     restore_rng: bool = True,
+    reference=None,
 ) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` into already-constructed objects; return its state.
 
-    Weights are copied into ``model`` in place (tied weights stay tied). ``optimizer`` / ``scheduler`` get their
+    Weights are copied into ``model`` in place (tied weights stay tied); into ``reference`` too when the checkpoint
+    has a ``reference/`` folder (a reference reset during training; without one ``reference`` is left as it is). ``optimizer`` / ``scheduler`` get their
     state_dicts loaded when given; RNG states are restored when ``restore_rng``. The returned dict is the saved
     trainer state (including ``step``). Every required file is checked before anything is modified.
     """
@@ -288,7 +299,12 @@ def load_checkpoint(
     if not isinstance(state, dict):
         raise PostrlError(f"checkpoint {ckpt}: {STATE_FILE} must hold a JSON object")
 
+    ref_files = _weight_files(ckpt / REFERENCE_DIR) if reference is not None else None
+    if ref_files is not None and not all(f.is_file() for f in ref_files):
+        raise PostrlError(f"checkpoint {ckpt} is incomplete: missing weights in {REFERENCE_DIR}/")
     _load_weights(ckpt, weight_files, model)
+    if ref_files is not None:
+        _load_weights(ckpt / REFERENCE_DIR, ref_files, reference)
     if optimizer is not None:
         optimizer.load_state_dict(_torch_load(ckpt / OPTIMIZER_FILE))
     if scheduler is not None:

@@ -314,13 +314,14 @@ class StopSignals:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def stop(self, run_dir: Path, step: int, signum: int, main: bool) -> BaseException:
-        """Record the stop after ``step`` (its checkpoint written), say it, and return the exception to raise."""
+    def stop(self, run_dir: Path, step: int, signum: int, main: bool, resume: str | None = None) -> BaseException:
+        """Record the stop after ``step`` (its checkpoint written), say it (``resume``: the command that continues
+        the run, default ``postrl train --resume RUN``), and return the exception to raise."""
         name = signal.Signals(signum).name
         if main:
             write_status(run_dir, "stopped", step, signal=name)
             print(f"postrl: stopped at step {step} by {name}; checkpoint {run_dir}/checkpoints; continue with: "
-                  f"postrl train --resume {run_dir}", file=sys.stderr, flush=True)
+                  f"{resume or f'postrl train --resume {run_dir}'}", file=sys.stderr, flush=True)
         return _exit_for(signum)
 
 
