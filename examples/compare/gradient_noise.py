@@ -6,7 +6,8 @@ budget planner (``postrl budget``) checked against the measured variance.
 
 No training: the policy is the shipped arithmetic warm start, fixed. For each seed, G_max completions of each of P
 fixed held-out prompts are sampled at temperature 1 and scored by the task verifier (binary, clean). The per-sample
-score vectors s_i = grad log pi(y_i) are computed exactly for the Linear layers of the last decoder block (one batched
+score vectors s_i = grad log pi(y_i) are computed exactly for the two output projections of the last decoder block
+(attention o_proj and MLP down_proj: 65,536 weights; one batched
 backward of sum_i log pi(y_i); per-sample gradients from the saved inputs and output gradients of each Linear:
 grad_W_i = sum_t g_t^T x_t over the tokens of sample i). Every estimator of the seed is then a weighted sum of them:
 
@@ -89,7 +90,7 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     last = model.model.layers[-1]
-    layers = [(n, m) for n, m in last.named_modules() if isinstance(m, torch.nn.Linear)]
+    layers = [(n, m) for n, m in last.named_modules() if n in ("self_attn.o_proj", "mlp.down_proj")]
     for _, m in layers:
         m.weight.requires_grad_(True)
     dim = sum(m.weight.numel() for _, m in layers)
@@ -126,7 +127,12 @@ def main() -> None:
                 plan_cands.setdefault(key, []).append(budget)
                 if key not in configs:
                     configs.append(key)
+    for base in ("none", "loo"):  # every candidate's clean counterpart is a configuration too
+        for c in list(configs):
+            if c[3] == base and ("noise", c[1], 0.0, base, 1) not in configs:
+                configs.append(("noise", c[1], 0.0, base, 1))
     K = len(configs)
+    clean_of = torch.tensor([configs.index(("noise", c[1], 0.0, c[3], 1)) for c in configs])
     gen_rng = torch.Generator().manual_seed(2026)
     sum_g = torch.zeros(K, dim, dtype=torch.float64)
     sum_sq = torch.zeros(K, dtype=torch.float64)
@@ -141,11 +147,11 @@ def main() -> None:
         gen = sampler.generate(prompt_ids, gmax, params, seed=seed)
         r = torch.tensor([task.verify(gen.texts[i], rows[i // gmax]) for i in range(P * gmax)],
                          dtype=torch.float64).view(P, gmax)
-        S = per_sample_grads(model, gen, layers).double()  # [P*gmax, D]
+        S = per_sample_grads(model, gen, layers)  # [P*gmax, D] float32
         Sv = S.view(P, gmax, dim)
-        nrm = (Sv ** 2).sum(-1)  # [P, gmax]
+        nrm = (Sv.double() ** 2).sum(-1)  # [P, gmax]
         s_sq += nrm.sum(1)
-        rs_sum += (r.unsqueeze(-1) * Sv).sum(1)
+        rs_sum += (r.float().unsqueeze(-1) * Sv).sum(1).double()
         rs_sq += (r ** 2 * nrm).sum(1)
         r_sum += r.sum(1)
         n_per += gmax
@@ -153,7 +159,6 @@ def main() -> None:
         u = torch.rand(P, gmax, generator=gen_rng, dtype=torch.float64)
         zm = {m: torch.randn(P, gmax, m, generator=gen_rng, dtype=torch.float64).mean(-1) for m in range(1, 17)}
         W = torch.zeros(K, P, gmax, dtype=torch.float64)
-        W0 = torch.zeros(K, P, gmax, dtype=torch.float64)
         for k, (kind, g, level, base, m) in enumerate(configs):
             rc = r[:, :g]
             if kind == "noise":
@@ -162,12 +167,11 @@ def main() -> None:
                 rn = torch.where(u[:, :g] < level, 1 - rc, rc)
             else:
                 rn = rc + level * zm[m][:, :g]
-            for dst, val in ((W, rn), (W0, rc)):
-                if base == "loo":
-                    val = val - (val.sum(1, keepdim=True) - val) / (g - 1)
-                dst[k, :, :g] = val / g / P
-        est = W.view(K, -1) @ S
-        clean = W0.view(K, -1) @ S
+            if base == "loo":
+                rn = rn - (rn.sum(1, keepdim=True) - rn) / (g - 1)
+            W[k, :, :g] = rn / g / P
+        est = (W.view(K, -1).float() @ S).double()
+        clean = est[clean_of]  # the clean estimate of the same completions, group size and baseline
         sum_g += est
         sum_sq += (est ** 2).sum(1)
         d = est - clean
