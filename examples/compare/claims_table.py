@@ -6,6 +6,7 @@ One row per variant, one column per metric: mean [95% interval] over the seeds; 
 the paired difference to the base and its two-sided p (``postrl.compare.interval`` / ``paired_t``, recomputed from
 the per-seed values). ``KEY:best`` is the maximum of KEY's curve per seed, ``auc:KEY`` its area divided by its step
 span (``postrl.compare.auc``), ``KEY@STEP`` its value at STEP. The cells' mean wall seconds close each row.
+``--base NAME`` takes the paired differences against variant NAME instead of the spec's base.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def per_seed(results: dict, variant: str, metric: str) -> dict | None:
     return v[metric]["per_seed"] if metric in v else None
 
 
-def table(results: dict, metrics: list[str], digits: int = 3) -> str:
-    base_name = results["spec"]["base"]
+def table(results: dict, metrics: list[str], digits: int = 3, base_name: str | None = None) -> str:
+    base_name = base_name or results["spec"]["base"]
     variants = results["variants"]
     lines = ["| variant | " + " | ".join(metrics) + " | cell s |", "|---" * (len(metrics) + 2) + "|"]
     for name, v in variants.items():
@@ -80,5 +81,11 @@ def table(results: dict, metrics: list[str], digits: int = 3) -> str:
 
 
 if __name__ == "__main__":
-    res = json.load(open(sys.argv[1]))
-    print(table(res, sys.argv[2:]))
+    args = sys.argv[1:]
+    base = None
+    if "--base" in args:  # paired differences against another variant (every variant shares the seeds)
+        i = args.index("--base")
+        base = args[i + 1]
+        del args[i:i + 2]
+    res = json.load(open(args[0]))
+    print(table(res, args[1:], base_name=base))

@@ -8,10 +8,12 @@ hedge 0), half prefer the right bare number over a wrong one. Annotators 1-3 are
 a wrong bare one or over a wrong hedged one (``"M, I think"``); they never compare a hedged right answer with a bare
 one, so the only evidence on that comparison is annotator 0's.
 
-- ``rm_split_all/``: one reward model on all 800 pairs (what one usually trains): the only hedge-vs-bare evidence is
-  the flawed one, so it learns to prefer hedging;
-- ``rm_split_ens/``: an ensemble of 4 members, member k trained on annotator k's pairs only (members on different
-  data subsets): member 0 learns the flaw, members 1-3 have only seen hedged answers lose.
+- ``rm_split_member_k/``: a reward model on annotator k's 200 pairs; member 0 learns the flaw (measured: "65, I
+  think" +6.5 to +6.7, "65" -0.7 to -2.4), members 1-3, which have only seen hedged answers lose, score it -5.6 to -8.0;
+- ``rm_split_ens/``: the four as one ensemble (members on different data subsets, disagreeing on the hedge);
+- ``rm_split_all/``: one reward model on all 800 pairs. The careful annotators' "wrong hedged answer loses" pairs
+  outweigh the flawed ones: it scores the hedge lower than the bare answer (-1.0 vs -0.2), with a weak correctness
+  signal.
 
 Both with ``postrl rm train --backbone tiny:nano`` (3 epochs, batch 32, lr 3e-3), seed 0.
 """

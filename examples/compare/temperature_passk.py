@@ -8,7 +8,8 @@ For each sampling seed, n completions of each of N held-out prompts are sampled 
 n); the mixed set draws K / m completions at each of the m temperatures (the ``multi_temperature`` plan's split):
 pass@K_mixed = 1 - prod_T C(n - c_T, K/m) / C(n, K/m). Reported per K: the mean over prompts per seed, its 95%
 interval over the seeds, and the paired t-test over prompts (all seeds pooled) of mixed against the best single
-temperature at that K. Per-prompt solved sets: a prompt is solved at T when any of its n completions at T (all
+temperature at that K; the same with all seeds' completions pooled (n x seeds per prompt and temperature, K up to
+that: the large-K end where the paper finds single-temperature scaling saturating). Per-prompt solved sets: a prompt is solved at T when any of its n completions at T (all
 seeds pooled) is right; the prompts solved at some temperatures only are the paper's "different temperatures solve
 different problems".
 """
@@ -93,6 +94,20 @@ def main() -> None:
         d = paired_t(dict(enumerate(per_prompt["mixed"])), dict(enumerate(per_prompt[best])))
         row["mixed_vs_best"] = d
         result["table"].append(row)
+    # all seeds pooled: n * seeds completions per prompt and temperature; K up to that, paired t over prompts
+    pooled = {T: [sum(counts[(s, T)][i] for s in range(args.seeds)) for i in range(N)] for T in temps}
+    big = n * args.seeds
+    result["pooled"] = []
+    for k in sorted({k * args.seeds for k in ks} | {big}):
+        if k % m or k > big:
+            continue
+        per = {f"T={T:g}": [1 - none_right(big, pooled[T][i], k) for i in range(N)] for T in temps}
+        per["mixed"] = [1 - math.prod(none_right(big, pooled[T][i], k // m) for T in temps) for i in range(N)]
+        best = max((x for x in per if x != "mixed"), key=lambda x: sum(per[x]))
+        row = {"K": k, "best_single": best, **{x: sum(v) / N for x, v in per.items()},
+               "mixed_vs_best": paired_t(dict(enumerate(per["mixed"])), dict(enumerate(per[best])))}
+        result["pooled"].append(row)
+    result["counts"] = {f"{s}:{T:g}": counts[(s, T)] for s in range(args.seeds) for T in temps}
     # per-prompt solved sets over all seeds' completions at each temperature
     solved = {T: {i for i in range(N) if any(counts[(s, T)][i] for s in range(args.seeds))} for T in temps}
     anyT = set().union(*solved.values())
@@ -112,6 +127,10 @@ def main() -> None:
                           [f"T={T:g}" for T in temps] + ["mixed"])
         d = row["mixed_vs_best"]
         print(f"K={row['K']}: {cells}  mixed-best({row['best_single']}) {d['diff']:+.4f} p={d['p']:.3g}")
+    for row in result["pooled"]:
+        d = row["mixed_vs_best"]
+        print(f"pooled K={row['K']}: " + "  ".join(f"{x} {row[x]:.3f}" for x in row if x.startswith("T=") or
+                                                    x == "mixed") + f"  mixed-best {d['diff']:+.4f} p={d['p']:.3g}")
     print({k: result[k] for k in ("solved", "solved_any", "solved_all", "solved_only", "wall_s")})
 
 
