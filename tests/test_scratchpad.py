@@ -91,3 +91,19 @@ def test_the_recipe_ships_its_warm_start_and_it_writes_long_partly_wrong_traces(
     long = [len(t) for t in out.texts if "-" in t]
     assert sum(long) / len(long) > 1.5 * sum(len(t) for t in out.texts if ";" in t and "-" not in t) / max(
         1, sum(";" in t and "-" not in t for t in out.texts))
+
+
+def test_the_recipe_trains_from_its_shipped_model(tmp_path, monkeypatch):
+    from postrl.cli import main
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("POSTRL_CACHE", str(cache))
+    out = tmp_path / "run"
+    assert main(["train", "--recipe", "scratchpad", "--quiet", f"output_dir={out}", "train.steps=2",
+                 "train.prompts_per_step=2", "rollout.group_size=4", "train.eval_size=4", "train.eval_k=1"]) == 0
+    assert not any(cache.iterdir())  # RL started from the shipped warm start: nothing was built
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["length/mean"] > 5 for r in rows)  # scratchpads, not bare answers

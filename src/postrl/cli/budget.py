@@ -64,18 +64,20 @@ def run(args) -> int:
         print(f"{mark} {p.option}: noise sd {sd:g}, call cost {cost:g}: group_size {p.group_size}, "
               f"{p.calls} call(s) per completion (continuous optimum {p.continuous_calls:.3g}), cost {p.cost:g}, "
               f"gradient variance {p.variance:.4g} x E||grad log pi||^2 ({p.noise_share:.0%} from the noise)")
-    print("calls  group  variance   (" + best.option + ")")
     sd = next(s for n, s, _ in options if n == best.option)
     cost = next(c for n, _, c in options if n == best.option)
     k = 1 if args.baseline == "loo" else 0
-    for m in range(1, min(args.max_calls, max(8, 2 * best.calls)) + 1):
+    if sd > 0:  # the trade-off of the chosen scorer (a noiseless one is scored once)
+        print("calls  group  variance   (" + best.option + ")")
+    for m in range(1, min(args.max_calls, max(8, 2 * best.calls)) + 1 if sd > 0 else 1):
         g = int(math.floor(args.budget / (args.rollout_cost + m * cost) + 1e-9))
         if g <= k:
             break
         v = gradient_variance(g, m, noise_sd=sd, signal=signal, baseline=args.baseline)
         print(f"{m:5d}  {g:5d}  {v:.4g}{'  <- best' if m == best.calls else ''}")
-    print(f"set rollout.group_size: {best.group_size} and score each completion {best.calls} time(s) "
-          f"(mean of the calls)")
+    which = f" with '{best.option}'" if len(plans) > 1 else ""
+    print(f"set rollout.group_size: {best.group_size} and score each completion {best.calls} time(s){which} "
+          f"(the reward is the mean of the calls)")
     return 0
 
 
