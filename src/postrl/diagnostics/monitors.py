@@ -664,7 +664,10 @@ INTRINSIC_REWARDS = ("majority_vote", "co_reward", "novelty")
 
 
 def _label_free(ctx: Context) -> bool:
-    names = [r.get("name") for r in ctx.get("rewards", []) or [] if isinstance(r, dict)]
+    """Every reward that trains (weight != 0) is intrinsic; a weight-0 reward is only logged (a verifier kept as the
+    gold column, which gives the run its ``accuracy`` curve) and does not make the run supervised."""
+    specs = [r for r in ctx.get("rewards", []) or [] if isinstance(r, dict)]
+    names = [r.get("name") for r in specs if r.get("weight", 1.0) != 0]
     return bool(names) and all(n in INTRINSIC_REWARDS for n in names)
 
 
