@@ -35,6 +35,9 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
+from postrl.accel.decoder import _ONEDNN_MIN_HIDDEN, blas_controller
+from postrl.accel.matmul import OneDNNLinear, _mm
+
 
 # Models up to this hidden size generate on one thread (``for_model``): a decode step's products are too small for a
 # second thread to pay, and a fixed count keeps sampling bit-reproducible (a measured choice may differ between
@@ -82,8 +85,6 @@ class ThreadPolicy:
         inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
         if threads is None and hidden <= SMALL_HIDDEN:
             kw.setdefault("pinned", {"generation": 1})  # tiny decode operators; bit-reproducible sampling
-        from postrl.accel.matmul import OneDNNLinear
-        from postrl.accel.decoder import _ONEDNN_MIN_HIDDEN
 
         onednn_gen = False
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
@@ -130,7 +131,7 @@ class ThreadPolicy:
 
             return unit_np, reps
         if self.onednn.get(phase):
-            from postrl.accel.matmul import _mm as linear
+            linear = _mm
 
             def grad_w(h, x):  # [inter, hidden], as the oneDNN layer's backward computes it
                 return linear(x.t(), h.t()).t()
@@ -171,8 +172,6 @@ class ThreadPolicy:
             torch.set_num_threads(c)
             if phase in self.numpy:
                 blas.limit(limits=c)  # undone when ``blas`` exits
-
-        from postrl.accel.decoder import blas_controller
 
         blas = blas_controller() if phase in self.numpy else None
         try:

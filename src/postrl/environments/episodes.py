@@ -369,6 +369,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
         sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]].get("prompt", "") for r in range(N)],
         completions=[tok.decode(c, skip_special_tokens=True) for c in comp], columns=columns, extra=ex)
     if purify == "cleaner":
+        # circular at import: postrl.environments.cleaner imports this module
         from postrl.environments.cleaner import purify as purify_batch
 
         batch = purify_batch(ctx, batch, similarity=purify_similarity)
