@@ -2,7 +2,8 @@
 # `make test`: same set-up plus the test extras, then the whole test suite.
 # `make builtin`: rebuild the shipped warm-started model of the main job (postrl/models/shipped/) from scratch;
 # `make builtin-calculator`: the calculator recipe's (multi-turn tool use) shipped model; `make builtin-tool-calls`:
-# the tool_calls recipe's (ToolRL call prediction).
+# the tool_calls recipe's (ToolRL call prediction); `make builtin-scratchpad`: the scratchpad recipe's (the reasoning
+# testbed of issue 32).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 CORE := $(VENV)/.postrl-core
 DEV := $(VENV)/.postrl-dev
 
-.PHONY: demo test soak install clean builtin builtin-calculator builtin-tool-calls
+.PHONY: demo test soak install clean builtin builtin-calculator builtin-tool-calls builtin-scratchpad
 
 install: $(DEV)
 
@@ -51,6 +52,9 @@ builtin-calculator: $(CORE)
 
 builtin-tool-calls: $(CORE)
 	$(PY) -m postrl.train.builtin tool_calls
+
+builtin-scratchpad: $(CORE)
+	$(PY) -m postrl.train.builtin scratchpad
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -347,8 +347,8 @@ def test_reference_reset_is_refused_where_the_driver_cannot_do_it():
     from postrl.integrations.trl import GRPOTrainer
 
     with pytest.raises(ConfigError, match="gardo_kl.*not available in the TRL adapter.*sync_ref_model"):
-        GRPOTrainer(model="unused", postrl={"kl": {"coef": 0.1}, "regularizers": [{"name": "gardo_kl",
-                                                                                    "reset_every": 10}]},
+        GRPOTrainer(model="unused", postrl={"rewards": [{"name": "format"}], "kl": {"coef": 0.1},
+                                            "regularizers": [{"name": "gardo_kl", "reset_every": 10}]},
                     args=trl.GRPOConfig(output_dir="unused", use_cpu=True, report_to="none", num_generations=4,
                                         per_device_train_batch_size=8, gradient_checkpointing=False))
 

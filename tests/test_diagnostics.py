@@ -417,6 +417,85 @@ def test_turn_monitors_do_not_fire_on_healthy_multi_turn_metrics_and_fire_past_t
         assert not any(al for al in per_step)
 
 
+def _reward_down(h: list[dict], steps: range) -> list[dict]:
+    """``h`` with every reward failing at ``steps`` (1-based) as the trainer logs such a step: no valid row, reward
+    NaN, the update's statistics logged as 0 (nothing was measured), every group 'zero-variance'."""
+    for m in h:
+        if m["step"] in steps:
+            m.update({"valid": 0.0, "reward/mean": float("nan"), "reward/group_std": 0.0, "entropy": 0.0,
+                      "zero_variance_groups/frac": 1.0, "zero_variance_groups/all_correct": 0.0,
+                      "zero_variance_groups/all_wrong": 0.0, "reward/nanr/failure_rate": 1.0,
+                      "reward/nanr/failures": 64.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0})
+            m.pop("accuracy", None), m.pop("pass@1", None), m.pop("pass@8", None)
+        else:
+            m.update({"valid": 1.0, "reward/nanr/failure_rate": 0.0, "reward/nanr/failures": 0.0})
+    return h
+
+
+def test_a_step_where_no_reward_is_finite_is_no_entropy_collapse_nor_zero_variance():
+    # scripts/alarm_rates.py, a reward returning NaN on every completion: entropy_collapse and zero_variance_groups
+    # fired at step 3 (patience 3) on the 0.0 entropy and the 100% 'identical' groups of steps where nothing trained
+    per_step, _ = _run_watchdog(_reward_down(_healthy_history(), range(1, 31)))
+    first = {}
+    for i, al in enumerate(per_step):
+        for a in al:
+            first.setdefault(a.name, i + 1)
+    assert first == {"reward_all_failed": 1, "nan_guard": 1}, first
+    nan = per_step[0][[a.name for a in per_step[0]].index("nan_guard")]
+    assert "no completion got a finite reward" in nan.message and "probe-reward" in nan.fix
+    # a reward outage of 4 steps in the middle of a healthy run: no alarm but the reward's, and the entropy
+    # baseline after it is still the healthy one (a 95% drop from it fires)
+    h = _reward_down(_healthy_history(), range(12, 16))
+    per_step, _ = _run_watchdog(h)
+    names = {a.name for al in per_step for a in al}
+    assert names == {"reward_all_failed", "nan_guard"}, names
+    h = _reward_down(_healthy_history(), range(2, 6))
+    for m in h[-4:]:
+        m["entropy"] = 0.04  # < 5% of the mean of the 5 first *trained* steps (about 0.97)
+    per_step, _ = _run_watchdog(h)
+    assert [i + 1 for i, al in enumerate(per_step) if any(a.name == "entropy_collapse" for a in al)] == [29, 30]
+
+
+def test_one_completion_per_prompt_is_no_zero_variance_group():
+    # scripts/alarm_rates.py, the ppo recipe (group_size 1, a critic's baseline): every 'group' holds one reward, so
+    # zero_variance_groups/frac is 1 and reward/group_std 0 at every step; zero_variance_groups fired at step 3 of
+    # every healthy run
+    h = _healthy_history()
+    for m in h:
+        m.update({"zero_variance_groups/frac": 1.0, "zero_variance_groups/all_wrong": 0.7,
+                  "zero_variance_groups/all_correct": 0.3, "reward/group_std": 0.0, "reward/std": 0.45})
+        for k in ("pass@8", "length/reward_corr"):
+            m.pop(k)
+    ppo = load_config(None, ["rollout.group_size=1", "advantage={name: gae}"]).model_dump(mode="json")
+    per_step, final = _run_watchdog(h, ppo)
+    assert not any(per_step) and not final, [a.text() for al in per_step for a in al]
+    grpo = load_config(None, ["rollout.group_size=8"]).model_dump(mode="json")  # with groups: the same rows fire
+    assert {a.name for al in _run_watchdog(h, grpo)[0] for a in al} == {"zero_variance_groups"}
+
+
+def _kl_steps(kls: list[float], config: dict | None = None) -> list[int]:
+    h = _healthy_history(len(kls))
+    for m, kl in zip(h, kls):
+        m["kl"] = kl
+    per_step, _ = _run_watchdog(h, config)
+    return [i + 1 for i, al in enumerate(per_step) if any(a.name == "kl_blowup" for a in al)]
+
+
+def test_kl_blowup_reads_a_smoothed_kl_and_no_growth_from_the_first_step():
+    # the KL of a healthy grpo run of scripts/alarm_rates.py (nano model, 64 completions a step; steps 24-25 from
+    # another seed's single-step spike): kl_blowup fired at step 12 (0.128 = 16 x step 2's 0.008, the growth from a
+    # KL that starts at 0) and at step 25 (one step at 0.513 between 0.32 and 0.18)
+    healthy = [0.0, 0.008, 0.028, 0.046, 0.067, 0.067, 0.021, 0.084, 0.127, 0.048, 0.158, 0.128, 0.049, 0.11, 0.15,
+               0.082, 0.235, 0.237, 0.161, 0.171, 0.144, 0.166, 0.115, 0.323, 0.513, 0.175, 0.24, 0.24, 0.19, 0.2]
+    assert _kl_steps(healthy) == []
+    one = load_config(None, ["diagnostics.kl_blowup.smooth=1"]).model_dump(mode="json")
+    assert _kl_steps(healthy, one) == [12, 17, 25]  # smooth=1: each step's own KL, as before
+    # learning rate 100x too high (the lr_100x runs): at the first step after the first update
+    assert _kl_steps([0.0, 5.18, 8.66, 9.02] + [9.0] * 6)[:1] == [2]
+    # a sudden growth from an established KL: 0.03 then 0.4 from step 16; the means of 3 steps pass 10x at step 18
+    assert _kl_steps([0.0] + [0.03] * 14 + [0.4] * 10)[:1] == [18]
+
+
 def test_alarm_texts_name_the_config_to_change():
     per_step, _ = _run_watchdog(_broken("truncation"))
     a = next(a for al in per_step for a in al if a.name == "truncation")

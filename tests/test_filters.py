@@ -329,20 +329,17 @@ def test_parse_reflection():
 
 def test_stage_checks():
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling}]"])
-    with pytest.raises(ConfigError, match="group_size must be >= 2.*singletons: keep keeps groups of one"):
+    with pytest.raises(ConfigError, match="group_size must be >= 2.*postrl methods dynamic_sampling"):
         Step(cfg)
-    # singletons: keep (verl's convention) keeps every group of one: accepted, with a warning that says so and no
-    # claim that groups are dropped
+    # singletons: keep (verl's convention) keeps every group of one: the stage then needs no group (its needs follow
+    # its parameters), so it is accepted without a warning
     cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling, singletons: keep}]",
                              "advantage.name=reinforce_pp"])
-    w = Step(cfg).warnings
-    assert len(w) == 1 and "singletons: keep" in w[0] and "is kept" in w[0] and "dropped" not in w[0], w
-    cfg = load_config(None, ["rollout.group_size=1", "filters=[{name: dynamic_sampling, singletons: keep}]",
-                             "advantage={name: grpo, singleton: raw}"])
-    w = Step(cfg).warnings
-    assert len(w) == 2 and "no baseline" in w[1] and "every advantage is 0" not in w[1], w
+    assert Step(cfg).warnings == []
+    assert stages.build("filter", "dynamic_sampling", {"singletons": "keep"}).needs == ()
+    assert stages.build("filter", "dynamic_sampling").needs == ("groups",)
     cfg = load_config(None, ["rollout.group_size=1"])
-    assert "every advantage is 0" in Step(cfg).warnings[0]
+    assert "has no baseline" in Step(cfg).warnings[0]
     assert Step(load_config(None, ["rollout.group_size=1", "advantage.name=reinforce_pp"])).warnings == []
     cfg = load_config(None, ["filters=[{name: insight}, {name: pass_rate_curriculum}]"])
     with pytest.raises(ConfigError, match="at most one prompt selector"):

@@ -129,6 +129,28 @@ def test_alarms_on_engine_metrics_name_that_engines_options(engine, alarm, serie
     assert sum("monitors skipped" in s for s in said) == 1  # said once, whatever the number of steps
 
 
+def test_trl_rows_of_a_reward_that_is_never_finite_raise_nan_guard():
+    """TRL 1.16 logs None for a metric whose every value was NaN: a reward function returning NaN (or None) on every
+    completion gives rows like these (copied from a plain GRPOTrainer run of scripts/alarm_rates.py): every
+    completion unscorable, advantages 0, nothing learns, frac_reward_zero_std 0. No alarm fired before."""
+    said = []
+    w = ForeignWatchdog("trl", {"learning_rate": 3e-4, "max_completion_length": 16}, say=said.append)
+    row = {"loss": 0.0, "grad_norm": 0.0, "learning_rate": 3e-4, "completions/mean_length": 8.7,
+           "completions/clipped_ratio": 0.0, "rewards/nan/mean": None, "rewards/nan/std": None, "reward": None,
+           "reward_std": None, "frac_reward_zero_std": 0.0, "kl": 0.0, "entropy": 0.236, "clip_ratio/region_mean": 0.0}
+    assert math.isnan(engines.translate("trl", row)["reward/mean"])
+    fired = w.step(dict(row), 1)
+    assert [a.name for a in fired] == ["nan_guard"] and fired[0].severity == "error"
+    a = fired[0]
+    assert "no completion got a finite reward" in a.message and "fix the reward function" in a.fix
+    assert "learning_rate" not in a.fix  # the model is fine: not the fix of an overflow
+    assert not POSTRL_KEY.search(a.fix), a.fix
+    # a reward function returning None for a whole batch beside one that scores (a multi-task run: None is "does
+    # not apply") is no alarm
+    ok = {**row, "rewards/other/mean": 0.4, "reward": 0.4, "reward_std": 0.3, "frac_reward_zero_std": 0.2}
+    assert ForeignWatchdog("trl", say=said.append).step(ok, 1) == []
+
+
 def test_skipped_monitors_name_the_engines_metric():
     said = []
     w = ForeignWatchdog("trl", say=said.append)

@@ -25,7 +25,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
 
 from logprob_reference import renormalised_reference  # noqa: E402
 from postrl.errors import ConfigError  # noqa: E402
-from postrl.integrations.trl import GRPOTrainer  # noqa: E402
+from postrl.integrations.trl import GRPOTrainer, TRLConfigError  # noqa: E402
 from postrl.models.tiny import build_local  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -237,16 +237,38 @@ def test_keep_mask_filter_masks_dropped_groups(model_dir, tmp_path):
     assert torch.tensor(list(t._logs["advantages"])).abs().max() == 0
 
 
-def test_trl_options_the_section_replaces_are_refused(model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="loss_type.*loss.agg"):
-        GRPOTrainer(model=model_dir, postrl={}, args=_args(tmp_path, loss_type="grpo"), train_dataset=_dataset())
-    with pytest.raises(ConfigError, match="beta.*kl.coef"):
-        GRPOTrainer(model=model_dir, postrl={}, args=_args(tmp_path, beta=0.1), train_dataset=_dataset())
-    with pytest.raises(ConfigError, match="reward_funcs"):
-        GRPOTrainer(model=model_dir, reward_funcs=[char_score], args=_args(tmp_path), train_dataset=_dataset())
-    with pytest.raises(ConfigError, match="unknown advantage"):
-        GRPOTrainer(model=model_dir, postrl={"advantage": {"name": "grpoo"}}, args=_args(tmp_path),
+def test_trl_options_that_cannot_carry_over_are_one_line_errors(model_dir, tmp_path):
+    """An option with no postrl counterpart, and a TRL option that the postrl section contradicts, are one line
+    naming what to do; every error of the adapter is a ConfigError and the ValueError TRL raises."""
+    with pytest.raises(ValueError, match=r"GRPOConfig.delta=1.1 must exceed 1 \+ epsilon_high \(1.2\)") as e:
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, args=_args(tmp_path, delta=1.1),
                     train_dataset=_dataset())
+    assert isinstance(e.value, ConfigError) and "\n" not in str(e.value)
+    with pytest.raises(TRLConfigError, match=r"GRPOConfig.loss_type sets loss.agg='seq_mean_token_mean' but the "
+                                             r"postrl section sets loss.agg='token_mean': set it in one place"):
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, args=_args(tmp_path, loss_type="grpo"),
+                    train_dataset=_dataset(), postrl={"loss": {"agg": "token_mean"}})
+    with pytest.raises(ValueError, match="GRPOConfig.epsilon is a parameter of TRL's loss"):
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, args=_args(tmp_path, epsilon=0.3),
+                    train_dataset=_dataset(), postrl={"loss": {"name": "sapo"}})
+    with pytest.raises(ValueError, match="reward_weights weighs reward_funcs"):
+        GRPOTrainer(model=model_dir, args=_args(tmp_path, reward_weights=[1.0, 1.0]), train_dataset=_dataset(),
+                    postrl={"rewards": [{"name": "correct"}, {"name": "format"}]})
+    with pytest.raises(ValueError, match="No reward source provided.*or name rewards in the postrl section"):
+        GRPOTrainer(model=model_dir, args=_args(tmp_path), train_dataset=_dataset())  # (TRL's error, and postrl's way)
+    with pytest.raises(ValueError, match="unknown advantage 'grpoo'") as e:  # postrl's own errors too
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"advantage": {"name": "grpoo"}},
+                    args=_args(tmp_path), train_dataset=_dataset())
+    assert isinstance(e.value, ConfigError)
+
+
+def test_a_teacher_is_refused_in_one_line(model_dir, tmp_path):
+    """The adapter cannot give a teacher's log-probs (on-policy distillation): refused before TRL loads anything."""
+    with pytest.raises(ConfigError, match=r"regularizer 'distill' reads teacher_logp: the TRL adapter cannot give a "
+                                          r"teacher model's log-probs"):
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"model": {"teacher": {"path": model_dir}},
+                                                                     "regularizers": [{"name": "distill"}]},
+                    args=_args(tmp_path), train_dataset=_dataset())
 
 
 def test_readme_snippet_runs(model_dir, tmp_path, monkeypatch):
@@ -284,6 +306,266 @@ def test_checkpoint_carries_postrl_state(model_dir, tmp_path):
     assert first.postrl_steps == resumed.postrl_steps == 2
     assert first.postrl.objective.kl_ctrl.value != 0.05  # the controller moved
     assert resumed.postrl.objective.kl_ctrl.value == pytest.approx(first.postrl.objective.kl_ctrl.value, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- TRL as a drop-in
+# The adapter takes TRL's arguments unchanged: the same call gives TRL's step (TRL's own suite, run against the adapter
+# offline, is in the report of issue 28; these are its representative cases, each compared with TRL's own trainer).
+
+_CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    """A tiny sequence-classification reward model (one label) with the policy's tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from postrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(3)
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=2, num_labels=1,
+                                                    pad_token_id=tok.pad_token_id))
+    path = tmp_path_factory.mktemp("tiny-rm") / "tiny-rm"
+    rm.save_pretrained(path)
+    tok.chat_template = _CHAT
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The tiny policy with a chat template (conversational prompts)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-chat") / "model"
+    build_local(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = _CHAT
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _chat_dataset(n: int = 16):
+    return datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i} + {i + 1} ="}],
+                                        "answer": str(2 * i + 1)} for i in range(n)])
+
+
+def _same_run(a, b, tol: float = 1e-5) -> None:
+    """The two trainers took the same steps: losses, advantages and weights (and the weights moved)."""
+    la, lb = _losses(a), _losses(b)
+    assert len(la) == len(lb) > 0 and max(abs(x - y) for x, y in zip(la, lb)) < tol, (la, lb)
+    assert torch.allclose(torch.tensor(list(a._logs["advantages"])), torch.tensor(list(b._logs["advantages"])),
+                          atol=tol)
+    wa, wb = _weights(a), _weights(b)
+    start = AutoModelForCausalLM.from_pretrained(a.model.config._name_or_path).state_dict()
+    assert _max_diff(wa, start) > 1e-3
+    assert _max_diff(wa, wb) < tol
+
+
+def eighths(prompts, completions, **kwargs):
+    """A reward in multiples of 1/8: with scale_rewards='none' the advantages r - mean_g(r) are exact in float32
+    (TRL) and float64 (postrl's grpo) alike, so the two trainers' steps can be compared to the last bits (an
+    on-policy gradient, a small difference of large per-completion terms, turns a 1e-7 rounding difference of the
+    advantages into ~1e-4 of the weights, enough to flip a clipping decision at the next step)."""
+    return [(sum(map(ord, c if isinstance(c, str) else c[0]["content"])) % 8) / 8 for c in completions]
+
+
+def _both(model_dir, tmp_path, dataset=None, **kw):
+    """TRL's trainer and the adapter on the same call (``kw``: GRPOTrainer's keywords plus ``args``; default
+    scale_rewards='none', see ``eighths``)."""
+    args = {"scale_rewards": "none", **kw.pop("args", {})}
+    out = []
+    for cls, sub in ((TRLGRPOTrainer, "trl"), (GRPOTrainer, "postrl")):
+        t = cls(model=model_dir, args=_args(tmp_path / sub, **args), train_dataset=dataset or _dataset(), **kw)
+        t.train()
+        out.append(t)
+    return out
+
+
+def test_reward_funcs_and_weights_as_trl_takes_them(model_dir, tmp_path):
+    """reward_funcs (two callables) with reward_weights and TRL's loss_type='grpo', no postrl section: the adapter
+    takes TRL's step and logs TRL's metric names (rewards/<function name>/mean, reward = the weighted sum)."""
+    trl_side, ours = _both(model_dir, tmp_path, reward_funcs=[eighths, length_score],
+                           args=dict(loss_type="grpo", reward_weights=[1.0, 0.5], num_iterations=2))
+    _same_run(trl_side, ours)
+    for a, b in zip(trl_side.state.log_history, ours.state.log_history):
+        for key in ("reward", "rewards/eighths/mean", "rewards/length_score/mean", "entropy",
+                    "clip_ratio/region_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    # postrl's own metric of the same source (logged when the generation's last pass ends)
+    mine = next(r["postrl/reward/eighths/mean"] for r in ours.state.log_history if "postrl/reward/eighths/mean" in r)
+    assert mine == pytest.approx(next(r["rewards/eighths/mean"] for r in ours.state.log_history
+                                      if "rewards/eighths/mean" in r), abs=1e-6)
+    assert ours.reward_func_names == ["eighths", "length_score"]
+    assert ours.postrl_config.advantage.params == {"scale": "none", "eps": 1e-4}  # TRL's scale_rewards
+
+
+def test_reward_model_by_folder_and_by_object(model_dir, reward_model_dir, tmp_path):
+    """A reward model given as TRL takes one (a local folder, or a PreTrainedModel with reward_processing_classes)
+    is scored as TRL scores it (logits[:, 0] of prompt + completion): the same steps as TRL's trainer, the metric
+    named after the model (rewards/<folder name>/mean)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    trl_side, by_folder = _both(model_dir, tmp_path, reward_funcs=reward_model_dir)
+    _same_run(trl_side, by_folder)
+    assert any("rewards/tiny-rm/mean" in r for r in by_folder.state.log_history)
+    rm = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
+    by_object = GRPOTrainer(model=model_dir, reward_funcs=rm, args=_args(tmp_path / "obj", scale_rewards="none"),
+                            train_dataset=_dataset(),
+                            reward_processing_classes=AutoTokenizer.from_pretrained(reward_model_dir))
+    by_object.train()
+    _same_run(trl_side, by_object)
+    # the model is a postrl reward source: its failures would be isolated and counted like any other source's
+    assert by_object.postrl.scorer.specs[0].name == "tiny-rm"
+    assert any("postrl/reward/tiny-rm/mean" in r for r in by_object.state.log_history)
+
+
+seen_calls: list = []
+
+
+def conversational_reward(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, answer,
+                          **kwargs):
+    """Records what it receives (TRL's contract) and scores the completion's content."""
+    seen_calls.append(dict(prompts=prompts, completions=completions, state=trainer_state,
+                           ids=completion_ids, answer=answer))
+    log_extra("chars", [len(c[0]["content"]) for c in completions])
+    log_metric("calls", 1.0)
+    return eighths(prompts, completions)
+
+
+def test_conversational_rewards_get_trls_arguments(chat_model_dir, reward_model_dir, tmp_path):
+    """Conversational data: a reward function gets TRL's arguments (prompts and completions as message lists,
+    completion_ids, the columns, trainer_state = TRL's TrainerState, log_extra / log_metric into TRL's logs), a
+    reward model scores the chat template of prompt + completion; the same steps as TRL's trainer."""
+    from transformers import TrainerState
+
+    trl_side, ours = _both(chat_model_dir, tmp_path, dataset=_chat_dataset(),
+                           reward_funcs=[conversational_reward, reward_model_dir])
+    _same_run(trl_side, ours)
+    calls = seen_calls[len(seen_calls) // 2:]  # the adapter's calls (TRL's came first)
+    assert len(calls) == 2
+    for call in calls:
+        assert call["prompts"][0][0]["role"] == "user" and call["completions"][0][0]["role"] == "assistant"
+        assert isinstance(call["state"], TrainerState) and call["state"] is ours.state
+        assert all(isinstance(i, list) and all(isinstance(t, int) for t in i) for i in call["ids"])
+        assert len(call["answer"]) == len(call["completions"]) == 16  # the generation batch: 8 x 2 micro-batches
+    assert list(ours._logs["extra"]["chars"]) == list(trl_side._logs["extra"]["chars"])
+    assert [r.get("calls") for r in ours.state.log_history] == [r.get("calls") for r in trl_side.state.log_history]
+
+
+def test_beta_follows_trls_bias_corrected_kl(model_dir, tmp_path):
+    """beta with TRL's default use_bias_correction_kl=True (the KL times the differentiable ratio pi/pi_old) and
+    with it off: both take TRL's steps (3 steps, two passes over each batch), and the two differ."""
+    runs = {}
+    for corr in (True, False):
+        trl_side, ours = _both(model_dir, tmp_path / str(corr), reward_funcs=eighths,
+                               args=dict(beta=0.2, use_bias_correction_kl=corr, max_steps=3, num_iterations=2))
+        _same_run(trl_side, ours)
+        assert ours.postrl_config.kl.is_correction == ("token" if corr else "none")
+        assert all(a.get("kl") == pytest.approx(b.get("kl"), abs=1e-6) for a, b in
+                   zip(trl_side.state.log_history, ours.state.log_history))
+        runs[corr] = _weights(ours)
+    assert _max_diff(runs[True], runs[False]) > 1e-5
+
+
+@pytest.mark.parametrize("loss_type, kw", [
+    ("dr_grpo", {}), ("bnpo", {"gradient_accumulation_steps": 1}), ("cispo", {"epsilon_high": 5.0}),
+    ("cispo", {}), ("sapo", {}), ("luspo", {"importance_sampling_level": "sequence"}), ("vespo", {}),
+    ("dapo", {"steps_per_generation": 3}), ("grpo", {"steps_per_generation": 3}),
+    ("dapo", {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.01, "delta": 1.5}),
+])
+def test_trl_loss_options_take_trls_step(model_dir, tmp_path, loss_type, kw):
+    """TRL's loss options become postrl stages that take TRL's step (two passes over each batch: ratio != 1); with
+    steps_per_generation=3 and 2 micro-batches per optimizer step, an optimizer step spans two passes."""
+    trl_side, ours = _both(model_dir, tmp_path, reward_funcs=eighths,
+                           args=dict(loss_type=loss_type, num_iterations=2, **kw))
+    _same_run(trl_side, ours)
+
+
+def test_entropy_bonus_is_trls(model_dir, tmp_path):
+    """entropy_coef and use_adaptive_entropy keep TRL's entropy bonus (differentiable: TRL's fused head) and its
+    controller: the same steps and the same final coefficient as TRL's trainer."""
+    trl_side, ours = _both(model_dir, tmp_path, reward_funcs=eighths,
+                           args=dict(entropy_coef=0.05, use_adaptive_entropy=True, entropy_target=15.0))
+    _same_run(trl_side, ours)
+    assert ours.entropy_coef == pytest.approx(trl_side.entropy_coef) and ours.entropy_coef > 0.05
+
+
+def test_off_policy_mask_equals_trls():
+    """The off_policy_mask regularizer is TRL's get_off_policy_mask (DeepSeek-V3.2), NaN sampler log-probs
+    included."""
+    from postrl.stages import build
+
+    g = torch.Generator().manual_seed(0)
+    logp, sampler = -torch.rand(6, 5, generator=g), -torch.rand(6, 5, generator=g)
+    sampler[0, 1] = float("nan")
+    mask = (torch.rand(6, 5, generator=g) > 0.2).float()
+    adv = torch.randn(6, generator=g)
+    ours = build("regularizer", "off_policy_mask", {"threshold": 0.05})(
+        {"advantages": adv, "logp": logp, "sampler_logp": sampler, "mask": mask})["pg_mask"]
+    theirs = TRLGRPOTrainer.get_off_policy_mask(adv.unsqueeze(1), logp, sampler, mask, 0.05)
+    assert 0 < ours[:, 0].sum() < 6 and torch.equal(ours, theirs.expand_as(ours))
+
+
+def test_trls_defaults_without_args(model_dir, tmp_path, monkeypatch):
+    """No args: TRL's default GRPOConfig (output_dir '<model name>-GRPO'). (bf16, TRL's default, needs a GPU: on
+    CPU the config is made with use_cpu=True, as TRL's own test suite does.)"""
+    from trl.trainer.base_config import _BaseConfig
+
+    original = _BaseConfig.__post_init__
+
+    def on_cpu(self):
+        self.use_cpu = True
+        original(self)
+
+    monkeypatch.setattr(_BaseConfig, "__post_init__", on_cpu)
+    monkeypatch.chdir(tmp_path)
+    t = GRPOTrainer(model=model_dir, reward_funcs=char_score, train_dataset=_dataset())
+    assert t.args.output_dir == "model-GRPO"
+
+
+def test_mixture_of_experts_logs_trls_aux_loss(tmp_path):
+    """A mixture-of-experts policy: the router's load-balancing loss is added and logged (aux_loss) as TRL does."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from postrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id))
+    path = tmp_path / "moe"
+    moe.save_pretrained(path)
+    tok.save_pretrained(path)
+    trl_side, ours = _both(str(path), tmp_path, reward_funcs=eighths)
+    assert ours.aux_loss_enabled
+    _same_run(trl_side, ours)
+    a = [r["aux_loss"] for r in trl_side.state.log_history if "aux_loss" in r]
+    b = [r["aux_loss"] for r in ours.state.log_history if "aux_loss" in r]
+    assert len(a) == len(b) > 0 and b == pytest.approx(a, abs=1e-6)
+
+
+@pytest.mark.parametrize("logprobs", ["full", "filtered"])
+def test_postrl_entropy_regularizer_gets_trls_differentiable_entropy(model_dir, tmp_path, logprobs):
+    """A postrl regulariser that differentiates the entropy (entropy_bonus) trains through TRL's entropy (TRL
+    1.16's fused head gives it a gradient; with top-p and rollout.logprobs=filtered, the adapter's own forward
+    does): with every advantage 0 the entropy term alone moves the weights."""
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    section = {"rewards": [{"name": f"{MODULE}:always_zero"}], "rollout": {"logprobs": logprobs}}
+    kw = {"top_p": 0.9} if logprobs == "filtered" else {}
+    flat = _run_postrl(model_dir, tmp_path / "flat", section, **kw)
+    assert _max_diff(_weights(flat), start) == 0  # no signal without the regulariser
+    bonus = _run_postrl(model_dir, tmp_path / "bonus",
+                        {**section, "regularizers": [{"name": "entropy_bonus", "coef": 1.0}]}, **kw)
+    assert bool(bonus._logprob_filter) == (logprobs == "filtered")
+    assert bonus.postrl.objective.entropy_grad and _max_diff(_weights(bonus), start) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- top-p / top-k
@@ -333,7 +615,7 @@ def test_trl_sampling_settings_are_read_and_min_p_is_refused(model_dir, tmp_path
     assert not trl_sampling(_args(tmp_path, top_p=0.5, generation_kwargs={"do_sample": False}), "filtered").filters
     assert not trl_sampling(_args(tmp_path)).filters  # TRL's defaults: top_p 1, top_k 0
     with pytest.raises(ConfigError, match="min_p"):
-        GRPOTrainer(model=model_dir, postrl={"rollout": {"logprobs": "filtered"}},
+        GRPOTrainer(model=model_dir, reward_funcs=char_score, postrl={"rollout": {"logprobs": "filtered"}},
                     args=_args(tmp_path, min_p=0.1), train_dataset=_dataset())
 
 

@@ -1,6 +1,7 @@
 """The verl plug-in (postrl.integrations.verl) against verl's own registries, call paths and config schema, on CPU."""
 
 import math
+import re
 import os
 import shlex
 import subprocess
@@ -263,6 +264,19 @@ def test_compute_score_runs_postrl_rewards_with_fault_isolation(tmp_path, monkey
     from verl.utils.import_utils import load_extern_object
 
     assert load_extern_object("pkg://postrl.integrations.verl", "compute_score") is plugin.compute_score
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.teacher.path=/t", "regularizers=[{name: distill}]"],
+     "regularizer 'distill' reads teacher_logp, a teacher model's log-probs, which the verl plug-in cannot give; use "
+     "verl's own on-policy distillation"),
+    (["loss.name=rl_plus", "filters=[{name: demonstrations}]"], "loss 'rl_plus' reads batch field 'demonstration'"),
+])
+def test_teacher_and_demonstrations_are_refused_for_verl(overrides, message):
+    from postrl.config import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plugin.check_config(load_config(None, ["rewards=[{name: correct}]", *overrides]))
 
 
 def test_group_shaping_is_refused_for_verl(postrl_config):

@@ -81,7 +81,7 @@ def test_reference_by_disabled_adapter_equals_a_frozen_copy_of_the_base(model_di
         m = tr.train_step(s)
     assert m["kl"] > 0  # the policy moved from the reference
     batch, _ = tr.batches.next_batch(3)
-    ref = tr._ref_logprobs(batch)
+    ref = tr.frozen_logprobs(batch, "ref_logp")
     frozen, _ = load_model_and_tokenizer(model_dir)
     frozen.eval()
     with torch.no_grad():

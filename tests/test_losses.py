@@ -455,6 +455,68 @@ def test_straight_through_kl_has_k2_gradient_and_estimator_value():
     assert {"k1+", "abs+"} <= set(registry.names("kl"))
 
 
+def test_kl_is_correction_weights_the_kl_by_the_differentiable_ratio():
+    """kl.is_correction=token: the loss's KL term is k3_t * exp(logp_t - old_logp_t) (TRL use_bias_correction_kl).
+    On policy (old = sg(logp)) its value is the plain k3 but its gradient gains k3_t (d exp(logp - sg(logp)) = 1):
+    d/dlogp [k3 * r] = (1 - exp(ref - logp)) + k3 per token, times the token_mean weight 1/2 (two tokens)."""
+    from postrl.losses.objective import Objective
+
+    def run(correction: str):
+        cfg = load_config(None, ["kl.coef=1.0", f"kl.is_correction={correction}", "loss.agg=token_mean"])
+        obj = Objective.from_config(cfg)
+        logp = torch.tensor([[-0.5, -2.0]], requires_grad=True)
+        ref = torch.tensor([[-1.0, -1.0]])
+        mask = torch.ones(1, 2)
+        fields = {"logp": logp, "old_logp": logp.detach(), "ref_logp": ref, "advantages": torch.zeros(1),
+                  "mask": mask, "lengths": mask.sum(-1)}
+        loss, stats, info = obj(fields, obj.weights(mask))
+        return loss, grad_of(loss, logp), stats["kl"]
+
+    k3 = torch.exp(torch.tensor([-0.5, 1.0])) - torch.tensor([-0.5, 1.0]) - 1  # ref - logp = -0.5, 1.0
+    plain_loss, plain_grad, plain_kl = run("none")
+    loss, grad, kl = run("token")
+    assert kl == pytest.approx(plain_kl) == pytest.approx(float(k3.mean()), abs=1e-6)  # same value on policy
+    dk3 = 1 - torch.exp(torch.tensor([[-0.5, 1.0]]))
+    assert torch.allclose(plain_grad, dk3 / 2, atol=1e-6)
+    assert torch.allclose(grad, (dk3 + k3) / 2, atol=1e-6)
+    with pytest.raises(ConfigError, match="kl.is_correction weighs the KL term of the loss"):
+        load_config(None, ["kl.coef=0.1", "kl.placement=reward", "kl.is_correction=token"])
+
+
+def test_off_policy_mask_hand_values():
+    """off_policy_mask: d_i = mean over the row's tokens of sampler_logp - logp; keep A >= 0 or d_i <= threshold."""
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    sampler = torch.tensor([[0.0, 0.0], [-1.0, float("nan")], [0.0, -2.0]])  # d = 1, 0 (NaN counts 0), 0
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    adv = torch.tensor([-1.0, -1.0, -1.0])
+    out = build("regularizer", "off_policy_mask", {"threshold": 0.5})(
+        {"advantages": adv, "logp": logp, "sampler_logp": sampler, "mask": mask})["pg_mask"]
+    assert out.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    out = build("regularizer", "off_policy_mask", {"threshold": 0.5})(
+        {"advantages": -adv, "logp": logp, "sampler_logp": sampler, "mask": mask})["pg_mask"]
+    assert out.sum() == 6  # positive advantages are always kept
+
+
+def test_vespo_hand_values():
+    """vespo: on policy phi(1) = e^lambda 1^k e^-lambda = 1, so L = -A logp; a sequence whose log-ratios sum to
+    log 2 (A > 0: k = 2, lambda = 3) has phi = exp(3 + 2 log 2 - 3 * 2) = 4 e^-3; the weight is detached."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss, info = build("loss", "vespo")({"logp": logp, "old_logp": logp.detach(), "advantages": torch.tensor([2.0]),
+                                         "mask": mask})
+    assert torch.allclose(loss, torch.tensor([[2.0, 4.0]]))
+    old = logp.detach() - torch.tensor([[LOG(2) / 2, LOG(2) / 2]])
+    loss, info = build("loss", "vespo")({"logp": logp, "old_logp": old, "advantages": torch.tensor([1.0]),
+                                         "mask": mask})
+    phi = 4 * math.exp(-3)
+    assert torch.allclose(info["phi"], torch.full((1, 2), phi), atol=1e-6)
+    assert torch.allclose(grad_of(loss.sum(), logp), torch.full((1, 2), -phi), atol=1e-6)  # d(-phi A logp) = -phi A
+    # A < 0 (k = 3, lambda = 2): exp(2 + 3 log 2 - 2 * 2) = 8 e^-2
+    _, info = build("loss", "vespo")({"logp": logp, "old_logp": old, "advantages": torch.tensor([-1.0]),
+                                      "mask": mask})
+    assert torch.allclose(info["phi"], torch.full((1, 2), 8 * math.exp(-2)), atol=1e-6)
+
+
 def test_kl_reward_penalty_hand_values():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.9, 0.9]]))
     ref = torch.log(torch.tensor([[0.25, 0.5, 0.3], [0.4, 0.9, 0.9]]))

@@ -47,8 +47,9 @@ def tiny(model_dir: Path, out: Path, name: str) -> list[str]:
 
 
 def test_the_issue_recipes_are_bundled():
-    # task recipes: calculator (tests/test_calculator_learns.py), tool_calls (tests/test_tool_calls_learns.py)
-    assert set(recipes.names()) == EXPECTED | {"calculator", "tool_calls"}
+    # task recipes: calculator (tests/test_calculator_learns.py), tool_calls (tests/test_tool_calls_learns.py),
+    # scratchpad (the reasoning testbed, tests/test_scratchpad.py)
+    assert set(recipes.names()) == EXPECTED | {"calculator", "tool_calls", "scratchpad"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

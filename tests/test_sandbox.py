@@ -46,11 +46,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _stray(results) -> list[int]:
-    """Processes left by these runs: any descendant of this test process, any process of a run's uid. Python's
-    multiprocessing resource tracker, which the first spawned process of the session (test_helpers' generation
-    helpers) starts and which lives until the session ends, is not one of them."""
-    left = [p for p in launch.descendants(os.getpid()) if "multiprocessing.resource_tracker" not in _cmdline(p)]
+def _stray(results, before: set[int] | frozenset = frozenset()) -> list[int]:
+    """Processes left by these runs: any descendant of this test process that was not there before them
+    (``before``: e.g. a W&B service or a multiprocessing resource tracker an earlier test of the session started,
+    which lives until the session ends), any process of a run's uid."""
+    left = [p for p in launch.descendants(os.getpid())
+            if p not in before and "multiprocessing.resource_tracker" not in _cmdline(p)]
     for r in results:
         if r is not None and r.uid is not None:
             left += launch.uid_pids(r.uid)
@@ -60,6 +61,7 @@ def _stray(results) -> list[int]:
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     """Run the hostile suite once (two parallel batches) and hand the results to the tests."""
+    before = set(launch.descendants(os.getpid()))  # what earlier tests of the session left running (not ours)
     outside = tmp_path_factory.mktemp("outside")
     secret_file = outside / "secret.txt"
     secret_file.write_text("TOP-SECRET-FILE")
@@ -114,7 +116,7 @@ def hostile(tmp_path_factory):
             connected = True
         except socket.timeout:
             connected = False
-        yield {"results": out, "connected": connected, "target": target}
+        yield {"results": out, "connected": connected, "target": target, "before": before}
     finally:
         srv.close()
         os.environ.pop(SECRET_ENV, None)
@@ -267,7 +269,7 @@ def test_orphans_are_killed_and_the_program_still_scores(hostile):
 
 def test_nothing_survives_and_the_host_keeps_working(hostile):
     results = [r for _, r in hostile["results"].values()]
-    assert _stray(results) == []
+    assert _stray(results, hostile["before"]) == []
     assert all(_alive(p) for p in (os.getpid(), os.getppid()))
     assert code_tests(None, [GOOD], [TESTS], timeout=5.0) == [1.0]
 
@@ -295,11 +297,12 @@ def test_fallback_mode_contains_what_it_claims():
     lim = Limits(timeout=3.0, memory_mb=128, output_bytes=4096)
     progs = [GOOD.strip("`").removeprefix("python\n"), "import os\nos.kill(os.getppid(), 9)\n",
              "import sys\nsys.exit(0)\n", "while True:\n    print('x' * 100)\n", "x = bytearray(10 ** 9)\n"]
+    before = set(launch.descendants(os.getpid()))
     with SandboxPool(2, limits=lim, mode="fallback") as pool:
         results = pool.map(progs, [TESTS] * len(progs))
     assert [r.status for r in results] == ["ok", "killed", "failed", "output_limit", "memory"]
     assert [r.passed for r in results] == [2, 0, 0, 0, 0]
-    assert _stray(results) == []
+    assert _stray(results, before) == []
     assert not caps["isolated"]["network"] and not caps["isolated"]["filesystem_read"]
 
 

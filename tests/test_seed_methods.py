@@ -203,6 +203,11 @@ def test_intrinsic_collapse_names_the_collapse_step():
     assert "since step 40, the model collapse step" in last.message
     # a run with a verifiable reward is not label-free: no alarm
     assert not any(a.name == "intrinsic_collapse" for s in _run(rows, {"rewards": [{"name": "correct"}]}) for a in s)
+    # ... but a verifier of weight 0 is only logged (the gold column of a label-free run): the run is label-free
+    gold = {"rewards": [{"name": "majority_vote"}, {"name": "correct", "weight": 0.0}]}
+    assert [[a.name for a in s if a.name == "intrinsic_collapse"] for s in _run(rows, gold)] == names
+    trained = {"rewards": [{"name": "majority_vote"}, {"name": "correct", "weight": 0.5}]}
+    assert not any(a.name == "intrinsic_collapse" for s in _run(rows, trained) for a in s)
 
 
 def test_intrinsic_collapse_rise_then_fall_of_accuracy():

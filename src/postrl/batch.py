@@ -31,6 +31,7 @@ step_rewards        [N, S] float   per-step scores of the process reward source 
 advantages          [N] or [N, T]  set by the advantage stage
 old_logprobs        [N, T]         policy log-probs before the update (None when one epoch: ratio uses detach)
 ref_logprobs        [N, T]         reference model log-probs (None without a reference)
+teacher_logprobs    [N, T]         teacher model log-probs (``model.teacher``; None without a teacher)
 extra               dict           anything a stage adds for later stages or the logs; per-row entries
                                    (a tensor with N rows, a list of N) follow the rows in select/concat
 ==================  =============  ===========================================================
@@ -69,6 +70,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -202,6 +204,7 @@ class RolloutBatch:
             advantages=cat_opt("advantages", T),
             old_logprobs=cat_opt("old_logprobs", T),
             ref_logprobs=cat_opt("ref_logprobs", T),
+            teacher_logprobs=cat_opt("teacher_logprobs", T),
             step_ends=cat_steps("step_ends", -1),
             step_rewards=cat_steps("step_rewards", float("nan")),
             extra=extra,

@@ -36,7 +36,10 @@ class ModelContext:
     rewards with the run's rewards and shaping (a score made for a baseline: stateful stages do not learn from
     it); ``logprob_fn``: the function computing per-token log-probs (:func:`postrl.logprobs.completion_logprobs`,
     or a faster path with its signature, e.g. ``postrl.accel``'s or an engine's own forward); ``autocast``: run
-    the forward under bf16 autocast (``model.dtype=bfloat16``)."""
+    the forward under bf16 autocast (``model.dtype=bfloat16``); ``teacher``: the run's frozen teacher model
+    (``model.teacher.path``; None without one), whose log-probs are ``logprobs(batch, model=ctx.teacher)``;
+    ``teacher_generate(prompt_token_lists, n, SamplingParams, seeds) -> Generation``: generation with the teacher
+    (None without one)."""
 
     model: Any
     tokenizer: Any
@@ -50,6 +53,8 @@ class ModelContext:
     pad_id: int = 0
     logprob_fn: Callable = completion_logprobs
     autocast: bool = False
+    teacher: Any = None
+    teacher_generate: Callable | None = None
 
     def token_logprobs(self, batch, rows: torch.Tensor, *, model: Any = None, with_entropy: bool = False,
                        entropy_grad: bool = False, with_logits: bool = False):

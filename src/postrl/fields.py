@@ -153,7 +153,7 @@ def greedy_reward(ctx: ModelContext, batch: RolloutBatch) -> torch.Tensor:
     g = RolloutBatch(prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, completion_ids=gen.completion_ids,
                      completion_mask=gen.completion_mask.float(), group_ids=torch.arange(len(rows)),
                      sampler_logprobs=gen.logprobs, truncated=gen.truncated, prompts=[batch.prompts[i] for i in rows],
-                     completions=[(prefix[i] if prefix else "") + t for i, t in zip(rows, gen.texts)],
+                     completions=[((prefix[i] or "") if prefix else "") + t for i, t in zip(rows, gen.texts)],
                      columns={k: [v[i] for i in rows] for k, v in batch.columns.items()})
     ctx.score(g)
     return g.reward.float()[inv]

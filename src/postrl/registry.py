@@ -60,7 +60,8 @@ def register(kind: str, name: str | None = None, *, source: str = "", descriptio
     first line; ``needs`` declares what the stage requires of the run, checked at start-up
     (``postrl.step``): ``groups`` (a group of several completions per prompt), ``sandbox`` (the code
     sandbox), ``reference_reset`` (the driver copies the policy into its reference model when the stage asks, through
-    ``StepEnd.reset_reference``); a function of the validated parameters when that depends on them
+    ``StepEnd.reset_reference``), ``teacher`` (the teacher model, ``model.teacher.path``: the trainer loads it only for
+    such a stage); a function of the validated parameters when that depends on them
     (``needs=lambda params: ...``). ``check(params, run, where) -> params``: a rule over several parameters or over the run's settings
     (``run``: the config being read, or None; ``where``: the config key), called when the config is read; it raises ``ConfigError`` naming the keys and returns
     the parameters with what it derived from the run filled in. Registering a name twice replaces the earlier entry

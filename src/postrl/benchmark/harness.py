@@ -189,7 +189,7 @@ def measure_peaks_cuda(quick: bool = False) -> dict:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     bw = 2.0 * numel * 4 / best(lambda: y.copy_(x))
-    del a, b, x, y
+    a = b = x = y = None  # (free the GPU memory before empty_cache)
     torch.cuda.empty_cache()
     return {"device": "cuda", "gpu": torch.cuda.get_device_name(), "matmul_flops": flops, "matmul_n": n,
             "matmul_threads": 0, "matmul_lib": "cuda", "matmul_by_lib": {"cuda": flops}, "copy_bytes_per_s": bw,

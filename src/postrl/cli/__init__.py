@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from postrl.cli import (calibrate, check_logprobs, compare, config, doctor, dpo, export, merge, methods, presample,
-                        prm, probe_reward, report, rm, samples, sandbox, sft, train)
+from postrl.cli import (budget, calibrate, check_logprobs, compare, config, doctor, dpo, export, merge, methods,
+                        presample, prm, probe_reward, report, rm, samples, sandbox, sft, train)
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
@@ -41,7 +41,7 @@ EPILOG = """examples:
 
 # in the order `postrl --help` lists them (bench between config and samples: added below)
 _BEFORE_BENCH = (train, sft, presample, eval_command, methods, config)
-_AFTER_BENCH = (samples, report, compare, doctor, probe_reward, check_logprobs, rm, prm, calibrate, dpo, export,
+_AFTER_BENCH = (samples, report, compare, doctor, budget, probe_reward, check_logprobs, rm, prm, calibrate, dpo, export,
                 merge, sandbox)
 
 

@@ -116,6 +116,16 @@ class LoraConfig(_Strict):
         return self
 
 
+class TeacherConfig(_Strict):
+    """A frozen teacher model (on-policy distillation), loaded when ``path`` is set and a configured stage needs it
+    (registered with ``needs=("teacher",)``); it must use the policy's vocabulary (its per-token log-probs are
+    compared with the policy's on the same token ids)."""
+
+    path: str | None = Field(None, description="a from_pretrained folder with the policy's vocabulary (None: no "
+                             "teacher); its per-token log-probs of the batch's completions are the field teacher_logp "
+                             "(regularizer distill) and it writes the hints of the expansion teacher_hint")
+
+
 class ModelConfig(_Strict):
     path: str = Field("builtin", description="local folder for from_pretrained, or 'builtin' (tiny model + SFT)")
     builtin_size: str = Field("tiny", description="size of the built-in model (nano/tiny/small/medium)")
@@ -126,6 +136,8 @@ class ModelConfig(_Strict):
         "auto", description="auto: use the tokenizer's chat template when it has one; none: plain prompt"
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters (model.lora.r enables)")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="a frozen teacher model "
+                                   "(model.teacher.path enables; docs/losses.md, on-policy distillation)")
 
 
 class TaskConfig(StageSpec):
@@ -255,6 +267,11 @@ class KLConfig(_Strict):
     target: float = Field(0.1, gt=0.0, description="target KL of the adaptive controller; base KL threshold of the "
                           "pid controller")
     horizon: int = Field(10000, ge=1, description="horizon of the adaptive controller (in sequences)")
+    is_correction: Literal["none", "token", "sequence"] = Field(
+        "none", description="kl.placement=loss: multiply each token's KL estimate by the importance ratio "
+        "pi_theta/pi_old, differentiable (token: per token; sequence: exp of the sequence's mean log-ratio), so the "
+        "KL of the sampling policy's tokens estimates the current policy's (DeepSeek-V3.2; TRL "
+        "use_bias_correction_kl, TRL's default); none: the plain estimate")
     pid_gains: tuple[float, float, float] = Field(
         (0.3, 0.01, 0.05), description="pid controller: (kp, ki, kd) on the reward-velocity error (SAFE's)")
     reward_velocity: float = Field(0.001, description="pid controller: target velocity of the reward's moving "
@@ -273,6 +290,8 @@ class KLConfig(_Strict):
         if self.controller != "fixed" and self.coef <= 0:
             raise ValueError(f"kl.controller={self.controller} needs kl.coef > 0 (the initial coefficient; pid: its "
                              "gain)")
+        if self.is_correction != "none" and self.placement == "reward":
+            raise ValueError("kl.is_correction weighs the KL term of the loss; with kl.placement=reward set it to none")
         return self
 
 

@@ -100,6 +100,8 @@ class KLBlowupConfig(_Section):
     max_growth: float = Field(10.0, gt=1.0, description="alarm when KL grew this many times over `window` steps "
                               "(and exceeds max_kl / 4)")
     window: int = Field(10, ge=2)
+    smooth: int = Field(3, ge=1, description="the KL compared with max_kl and its growth is the mean of this many "
+                        "last steps (one step's estimate on a small batch is noisy; 1: the step's own)")
     max_ratio: float = Field(20.0, gt=1.0, description="alarm when the largest token ratio pi/pi_old exceeds this")
     max_ppo_kl: float = Field(0.2, gt=0.0, description="alarm when the KL between the policy before and during "
                               "the update (verl actor/ppo_kl) exceeds this")

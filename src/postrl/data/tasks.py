@@ -169,6 +169,95 @@ class ArithmeticTask(ProceduralTask):
         return 1.0 if value is not None and value == expected else 0.0
 
 
+# --------------------------------------------------------------------------------------------- scratchpad
+
+_ANSWER_MARK = "so "
+
+
+def _scratchpad_check(params: dict, run: Any, where: str) -> dict:
+    """``scratchpad``: the teacher's three behaviours are fractions of the demonstrations."""
+    p = {**{k: d for k, (_, d) in parameters(ScratchpadTask).items()}, **params}
+    if p["direct"] + p["verbose"] > 1:
+        raise ConfigError(f"{where}.verbose: direct + verbose must be at most 1, got {p['direct']} + {p['verbose']}")
+    return params
+
+
+@register("task", "scratchpad", source="procedural reasoning testbed (issue 32): multi-step sums with a scratchpad",
+          check=_scratchpad_check)
+class ScratchpadTask(ProceduralTask):
+    """Sum ``numbers`` integers, ``"23+7+4+8="``; a good solution writes the partial sums, then the answer.
+
+    The answer (and the verifier) is the integer after the last ``"so "``: ``"23+7=30;30+4=34;34+8=42;so 42"``.
+    The steps are ``;``-separated (``reward.step_delimiter: ";"``). The first number has 1..``digits`` digits, the
+    others 1..``step_digits``. A small model cannot add four numbers at once but can add two, so the scratchpad is
+    what makes a solution likely right: the task rewards longer reasoning, up to a point.
+
+    The demonstrations (``solution``, for the SFT warm start) come from an imperfect teacher:
+
+    - a fraction ``direct`` answers at once (``"so 42"``, the right answer): a model imitating it guesses;
+    - a fraction ``verbose`` checks every partial sum by subtracting back (``"23+7=30;30-7=23;30+4=34;..."``):
+      twice as long and no more often right, the padding a length penalty should remove;
+    - the rest write the plain scratchpad;
+    - in every scratchpad each partial sum is off by 1..3 with probability ``slip`` (carried on, so the answer is
+      wrong): a warm start that writes partly wrong traces.
+
+    Default (4 numbers, first up to 2 digits, others 1): plain trace 29 characters, verbose 50, direct 5.
+    """
+
+    name = "scratchpad"
+
+    def __init__(self, *, numbers: Annotated[int, Ge(2), Le(12)] = 4, digits: Annotated[int, Ge(1), Le(6)] = 2,
+                 step_digits: Annotated[int, Ge(1), Le(6)] = 1, direct: Annotated[float, Ge(0), Le(1)] = 0.0,
+                 verbose: Annotated[float, Ge(0), Le(1)] = 0.0, slip: Annotated[float, Ge(0), Le(1)] = 0.0):
+        self.numbers, self.digits, self.step_digits = numbers, digits, step_digits
+        self.direct, self.verbose, self.slip = float(direct), float(verbose), float(slip)
+        self.params = {"numbers": numbers, "digits": digits, "step_digits": step_digits, "direct": self.direct,
+                       "verbose": self.verbose, "slip": self.slip}
+
+    @staticmethod
+    def _number(rng: random.Random, digits: int) -> int:
+        k = rng.randint(1, digits)
+        return rng.randint(1 if k == 1 else 10 ** (k - 1), 10 ** k - 1)
+
+    def sample(self, rng: random.Random) -> dict:
+        nums = [self._number(rng, self.digits)] + [self._number(rng, self.step_digits)
+                                                   for _ in range(self.numbers - 1)]
+        answer = str(sum(nums))
+        style = rng.random()
+        if style < self.direct:
+            solution = f"{_ANSWER_MARK}{answer}"
+        else:
+            verbose = style < self.direct + self.verbose
+            acc, steps = nums[0], []
+            for x in nums[1:]:
+                total = acc + x
+                if self.slip and rng.random() < self.slip:
+                    total += rng.choice((-1, 1)) * rng.randint(1, 3)
+                steps.append(f"{acc}+{x}={total}")
+                if verbose:
+                    steps.append(f"{total}-{x}={acc}")
+                acc = total
+            solution = ";".join(steps) + f";{_ANSWER_MARK}{acc}"
+        return {"prompt": "+".join(map(str, nums)) + "=", "answer": answer, "numbers": nums, "solution": solution,
+                "task": self.name}
+
+    @staticmethod
+    def final_answer(completion: str) -> int | None:
+        """The integer after the last ``"so "`` (None when there is none)."""
+        if _ANSWER_MARK not in completion:
+            return None
+        return parse_int(completion.rsplit(_ANSWER_MARK, 1)[1])
+
+    @staticmethod
+    def verify(completion: str, row: dict) -> float | None:
+        try:
+            expected = int(str(row["answer"]).strip())
+        except (KeyError, ValueError):
+            return None
+        value = ScratchpadTask.final_answer(completion)
+        return 1.0 if value is not None and value == expected else 0.0
+
+
 # --------------------------------------------------------------------------------------------- countdown
 
 _PREC = {"+": 1, "-": 1, "*": 2}

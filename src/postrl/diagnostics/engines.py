@@ -327,6 +327,12 @@ def _compile(engine: str) -> tuple[dict[str, Alias], list[tuple[re.Pattern, Alia
 _READERS: dict[str, tuple] = {}
 
 
+NONE_IS_NAN = {"trl"}
+"""Engines whose logged None is a non-finite value: TRL's ``GRPOTrainer.log`` averages each metric over the values it
+gathered, NaN left out, and logs None where every value was NaN (e.g. ``reward`` when no completion got a finite
+reward, TRL 1.16)."""
+
+
 def _value(v: Any, how: str) -> Any:
     if how == "1-x" and isinstance(v, (int, float)) and not isinstance(v, bool):
         return 1.0 - float(v)
@@ -351,7 +357,8 @@ alarms`); ``postrl/alarm/<name>`` flags are not metrics."""
 def translate(engine: str, raw: dict) -> dict:
     """One logged row of ``engine`` with postrl's keys: the names :data:`SECTIONS` reads are renamed (and converted),
     ``postrl/<key>`` (postrl's own metrics inside that engine) become ``<key>`` and win over a translated value,
-    ``postrl/alarm/*`` flags are dropped, every other key is kept as it is."""
+    ``postrl/alarm/*`` flags are dropped, every other key is kept as it is; a None of an engine in
+    :data:`NONE_IS_NAN` is NaN."""
     if engine == "postrl":
         return dict(raw)
     if engine not in _READERS:
@@ -364,6 +371,8 @@ def translate(engine: str, raw: dict) -> dict:
             if not k.startswith(POSTRL_PREFIX + "alarm/"):
                 own[k[len(POSTRL_PREFIX):]] = v
             continue
+        if v is None and engine in NONE_IS_NAN:
+            v = math.nan
         a = exact.get(k)
         if a is not None:
             out.setdefault(a.key, _value(v, a.how))

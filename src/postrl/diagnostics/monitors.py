@@ -116,6 +116,21 @@ def _slope(ys: list[float]) -> float:
     return sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
 
 
+def _trained(m: dict) -> bool:
+    """False for a step where no completion had a finite reward (``valid`` = 0): nothing trained, so the update's
+    statistics (entropy, ...) were not measured (the trainer logs them as 0) and no group has rewards to compare;
+    the reward alarms (``reward_all_failed``, ``nan_guard``) name that step's cause."""
+    v = _num(m, "valid")
+    return v is None or v > 0.0
+
+
+def _single(ctx: Context) -> bool:
+    """One completion per prompt (``rollout.group_size`` = 1, PPO with a critic): every group is a single reward, so
+    'groups with identical rewards' and within-group statistics say nothing."""
+    g = ctx.get("rollout.group_size")
+    return isinstance(g, int) and not isinstance(g, bool) and g == 1
+
+
 def _pass_k_key(m: dict) -> str | None:
     ks = [k for k in m if k.startswith("pass@") and k != "pass@1" and k[5:].isdigit()]
     return max(ks, key=lambda k: int(k[5:])) if ks else None
@@ -127,7 +142,7 @@ def _pass_k_key(m: dict) -> str | None:
 def zero_variance_groups(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
     z = _num(cur, "zero_variance_groups/frac")
-    if z is None or z < p.max_frac:
+    if z is None or z < p.max_frac or not _trained(cur) or _single(ctx):
         return None
     ac, aw = _num(cur, "zero_variance_groups/all_correct"), _num(cur, "zero_variance_groups/all_wrong")
     G = ctx.get("rollout.group_size", "?")
@@ -258,6 +273,9 @@ def malformed_calls(h: list[dict], ctx: Context, p) -> Alarm | None:
 
 
 def entropy_collapse(h: list[dict], ctx: Context, p) -> Alarm | None:
+    if not _trained(h[-1]):
+        return None
+    h = [m for m in h if _trained(m)]  # a step where nothing trained measured no entropy (nor the baseline)
     ent = _series(h, "entropy")
     e = _num(h[-1], "entropy")
     if e is None or not ent:
@@ -390,13 +408,23 @@ def eval_gap(h: list[dict], ctx: Context, p) -> Alarm | None:
 def kl_blowup(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
     parts = []
-    kl = _num(cur, "kl")
     kls = _series(h, "kl")
-    if kl is not None and kl > p.max_kl:
-        parts.append(f"KL to the reference {kl:.3f} nats/token > {p.max_kl} ({ctx.setting('kl.coef')})")
-    elif kl is not None and len(kls) > p.window and kls[-p.window - 1] > 0 and kl > p.max_kl / 4 \
-            and kl / kls[-p.window - 1] > p.max_growth:
-        parts.append(f"KL to the reference grew {kls[-p.window - 1]:.4f} -> {kl:.4f} in {p.window} steps")
+    if _num(cur, "kl") is not None:
+        # the mean of the last `smooth` steps: one step's KL estimate on a small batch is noisy (healthy runs of
+        # scripts/alarm_rates.py had single steps at 5x their neighbours, 0.05 -> 0.25 -> 0.06)
+        n = p.smooth
+        kl = _avg(kls[-n:])
+        over = f"mean of the last {min(n, len(kls))} steps " if n > 1 and len(kls) > 1 else ""
+        # the growth's base: the same mean `window` steps earlier, over steps after the first (where the policy is
+        # the reference: the KL is 0 by construction, and the first updates' KL is small against any later one)
+        base = _avg(kls[-p.window - n:-p.window]) if len(kls) > p.window + n else 0.0
+        if kl > p.max_kl:
+            parts.append(f"KL to the reference {kl:.3f} nats/token ({over}now {kls[-1]:.3f}) > {p.max_kl} "
+                         f"({ctx.setting('kl.coef')})" if over else
+                         f"KL to the reference {kl:.3f} nats/token > {p.max_kl} ({ctx.setting('kl.coef')})")
+        elif base > 0 and kl > p.max_kl / 4 and kl / base > p.max_growth:
+            parts.append(f"KL to the reference grew {base:.4f} -> {kl:.4f} in {p.window} steps"
+                         + (f" (means of {n} steps)" if n > 1 else ""))
     rmax = _num(cur, "ratio/max")
     if rmax is None:
         rmax = _num(cur, "ratio_max")
@@ -461,6 +489,12 @@ def nan_guard(h: list[dict], ctx: Context, p) -> Alarm | None:
                              "than float16; inspect the saved batch with torch.load"), severity="error")
     bad = [k for k in ("reward/mean", "pg_loss", "entropy", "grad_norm") if k in cur and _num(cur, k) is None
            and cur[k] is not None]
+    if bad == ["reward/mean"]:  # the model's metrics are finite: no completion got a finite reward
+        return Alarm("nan_guard", f"non-finite metric(s) at step {step}: reward/mean: no completion got a finite "
+                     f"reward, so none carries a learning signal",
+                     "every reward function failed (raised, or returned None / NaN) on every completion",
+                     ctx.fix("nan_guard:reward", "fix the reward functions (reward/<name>/failures; run them on a few "
+                             "completions with `postrl probe-reward`)"), severity="error")
     if bad:
         return Alarm("nan_guard", f"non-finite metric(s) at step {step}: {', '.join(bad)}",
                      "every reward failed (reward/mean), or the model's outputs overflowed",
@@ -640,6 +674,8 @@ def teacher_variance(h: list[dict], ctx: Context, p) -> Alarm | None:
     cur = h[-1]
     gs, sd = _num(cur, "reward/group_std"), _num(cur, "reward/std")
     zv = _num(cur, "zero_variance_groups/frac")
+    if _single(ctx):
+        return None
     if gs is None or (zv is not None and zv >= ctx.get("diagnostics.zero_variance_groups.max_frac", 0.8)):
         return None  # identical rewards in most groups: zero_variance_groups names that cause
     low = gs < p.min_std
@@ -664,7 +700,10 @@ INTRINSIC_REWARDS = ("majority_vote", "co_reward", "novelty")
 
 
 def _label_free(ctx: Context) -> bool:
-    names = [r.get("name") for r in ctx.get("rewards", []) or [] if isinstance(r, dict)]
+    """Every reward that trains (weight != 0) is intrinsic; a weight-0 reward is only logged (a verifier kept as the
+    gold column, which gives the run its ``accuracy`` curve) and does not make the run supervised."""
+    specs = [r for r in ctx.get("rewards", []) or [] if isinstance(r, dict)]
+    names = [r.get("name") for r in specs if r.get("weight", 1.0) != 0]
     return bool(names) and all(n in INTRINSIC_REWARDS for n in names)
 
 

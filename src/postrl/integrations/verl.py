@@ -352,6 +352,12 @@ def check_config(cfg: Any) -> None:
     aggregation has a verl mode, the rewards and shaping run per response. One-line :class:`ConfigError`."""
     step = Step(cfg)
     adv = step.advantage
+    for s in [adv, step.objective.loss, *step.objective.regularizers]:
+        if "teacher_logp" in s.reads:
+            raise ConfigError(f"{s.kind} '{s.name}' reads teacher_logp, a teacher model's log-probs, which the verl "
+                              f"plug-in cannot give; use verl's own on-policy distillation (distillation.enabled=true, "
+                              f"distillation.teacher_models.teacher_model.model_path=...; docs/losses.md maps "
+                              f"distill's options to it)")
     _check_reads(adv)
     if "rewards" in adv.reads and len(cfg.rewards) > 1:
         raise ConfigError(f"advantage '{cfg.advantage.name}' reads the per-source reward matrix; verl passes an "

@@ -13,7 +13,8 @@ Stages read per-token fields by positional parameter name: ``logp`` (trainer log
 ``old_logp`` (the policy that generated the batch; ``logp.detach()`` in a single pass), ``advantages``
 ([N] or [N, T]), ``mask`` (completion mask x valid rows), ``entropy`` (per-token, differentiable; computed only
 when a stage asks for it, otherwise a no-grad diagnostic), ``logits`` ([N, T, V], only when a stage asks),
-``sampler_logp``, ``ref_logp`` (a reference model is loaded when a stage asks), ``lengths`` ([N]).
+``sampler_logp``, ``ref_logp`` (a reference model is loaded when a stage asks), ``teacher_logp`` (the teacher's,
+``model.teacher.path``: on-policy distillation, :mod:`postrl.losses.distill`), ``lengths`` ([N]).
 Offline preference losses (kind ``preference``: DPO, IPO, hinge, rDPO, RPO, SimPO, AlphaPO; one value per
 chosen/rejected pair, driven by ``postrl dpo``) are in :mod:`postrl.losses.preference`.
 The aggregation table (postrl / verl ``loss_agg_mode`` / TRL ``loss_type``) is in
@@ -37,6 +38,7 @@ from postrl.losses.gardo import GardoKL, uncertainty_gate
 from postrl.losses.tis import tis_weights
 from postrl.losses import icr, srpo  # noqa: E402,F401  (register ICR and SRPO: regularisers and their fields)
 from postrl.losses import avatar  # noqa: E402,F401  (registers AVATAR's temporal_advantage_shaping)
+from postrl.losses import distill, hybrid  # noqa: E402,F401  (on-policy distillation; RL-PLUS's hybrid loss)
 
 __all__ = [
     "ppo_clip", "gspo", "gmpo", "gpg", "cispo", "dispo", "sapo", "clip_cov", "kl_cov",

@@ -10,13 +10,17 @@ accumulation changes nothing):
              + sum_j coef_j sum(U_j)       a regulariser's 'unweighted' term U_j, normalised by the stage itself
                                            (f_divergence_rehearsal: rows outside the loss mask)
 
+with KL = the estimator's [n, T] values, times the importance ratio exp(logp - old_logp) (per token, or per
+sequence: exp of the masked mean log-ratio) when ``kl.is_correction`` asks for it (TRL ``use_bias_correction_kl``:
+``per_token_kl * coef_1``, the ratio differentiated).
+
 The same :class:`Objective` is used by the update and by the sharpness diagnostic. ``fields`` holds the per-token
 tensors the stages read by name (``logp``, ``old_logp``, ``advantages``, ``mask``, ``entropy``, ``logits``,
-``sampler_logp``, ``ref_logp``, ``lengths`` and any per-row tensor of ``batch.extra``); :meth:`batch_fields` takes
-the batch's part of them for some rows, the model's part (``logp``, ``entropy``, ``logits``) is the caller's.
-``reads`` is what the stages read: a reference model is needed when it holds ``ref_logp``, logits only when it
-holds ``logits``, and the entropy is differentiated only when a stage reads it without listing it in its
-``no_grad_fields``.
+``sampler_logp``, ``ref_logp``, ``teacher_logp``, ``lengths`` and any per-row tensor of ``batch.extra``);
+:meth:`batch_fields` takes the batch's part of them for some rows, the model's part (``logp``, ``entropy``,
+``logits``) is the caller's. ``reads`` is what the stages read: a reference model is run when it holds
+``ref_logp``, the teacher when it holds ``teacher_logp``, logits are kept only when it holds ``logits``, and the
+entropy is differentiated only when a stage reads it without listing it in its ``no_grad_fields``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from postrl.losses import KLController, check_aggregation
 from postrl.losses.tis import tis_weights
 from postrl.stages import StepEnd
 
-_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs"}
+# per-token fields of the batch read by name: the advantages, the sampler's log-probs and the frozen models'
+# (the reference's, the teacher's: the trainer fills them when a stage reads them, postrl.train.policy.FROZEN)
+_BATCH_FIELDS = {"advantages": "advantages", "sampler_logp": "sampler_logprobs", "ref_logp": "ref_logprobs",
+                 "teacher_logp": "teacher_logprobs"}
 _OBSERVED = {"ref_logprobs": "ref_logp", "old_logprobs": "old_logp", "sampler_logprobs": "sampler_logp"}
 """A stateful regulariser's ``observe`` reads batch fields (``ref_logprobs`` ...); what the objective must have for
 it (e.g. a reference model for ``ref_logprobs``) is named as the loss's fields are."""
@@ -49,6 +56,7 @@ class Objective:
         # one KL: its estimator (kind kl) either in the loss (kl.placement=loss) or in the reward (Step.kl_penalty)
         self.kl = stages.build("kl", kl.estimator, where="kl.estimator").fn if kl.coef > 0 else None
         self.kl_placement = kl.placement
+        self.kl_is = getattr(kl, "is_correction", "none")
         self.kl_ctrl = KLController(kl.coef, mode=kl.controller, target=kl.target, horizon=kl.horizon,
                                     pid_gains=kl.pid_gains, reward_velocity=kl.reward_velocity,
                                     entropy_floor=kl.entropy_floor)
@@ -113,7 +121,8 @@ class Objective:
 
     def __call__(self, fields: dict, w: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
         """(loss, statistics, the policy loss's info) of a micro-batch; statistics are weighted sums (a
-        mini-batch's sum is its aggregate), ``ratio_max`` a maximum."""
+        mini-batch's sum is its aggregate), ``ratio_max`` a maximum; with the KL in the loss, ``info['kl_token']`` is
+        its per-token [n, T] value (detached, after ``kl.is_correction``)."""
         loss_mat, info = self.loss(fields)
         m = fields["mask"]
         stats: dict[str, float] = {}
@@ -145,7 +154,14 @@ class Objective:
         if fields.get("entropy") is not None:
             stats["entropy"] = float((w * fields["entropy"].detach()).sum())
         if self.kl_in_loss:
-            kl = (w * self.kl(fields["logp"], fields["ref_logp"])).sum()
+            kl_mat = self.kl(fields["logp"], fields["ref_logp"])
+            if self.kl_is != "none":
+                log_ratio = fields["logp"] - fields["old_logp"]
+                if self.kl_is == "sequence":
+                    log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+                kl_mat = kl_mat * torch.exp(log_ratio)
+            kl = (w * kl_mat).sum()
+            info = {**info, "kl_token": kl_mat.detach()}
             loss = loss + self.kl_ctrl.value * kl
             stats["kl"] = kl.item()
         for key, val in info.items():

@@ -16,6 +16,7 @@ Under a token-level aggregation each sequence is weighted by its length instead:
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import torch
@@ -154,9 +155,11 @@ def gpg(logp: torch.Tensor, advantages: torch.Tensor):
 
 @register("loss", "cispo", source="MiniMax-M1 (CISPO); verl cispo; TRL loss_type='cispo'")
 def cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-          eps_high: ClipHigh = 4.0, eps_low: ClipLow | None = None):
+          eps_high: Annotated[float, Gt(-1)] = 4.0, eps_low: ClipLow | None = None):
     """L_t = -sg(min(rho_t, 1 + eps_high)) A_t logp_t: the IS weight is clipped and detached, so the gradient
     flows through log pi only (d L / d logp_t = -sg(min(rho_t, 1 + eps_high)) A_t) and no token is dropped.
+    The cap 1 + eps_high is positive; below 1 (eps_high < 0) it scales every weight down (TRL's
+    ``loss_type='cispo'`` with ``epsilon_high`` left at ``epsilon`` = 0.2 caps at 0.2).
 
     ``eps_low`` (default None: no lower bound, as MiniMax-M1 which sets eps_low^IS large and tunes eps_high^IS
     only) clips the weight from below at 1 - eps_low. Default eps_high = 4.0: an IS-weight cap of 5.0 (postrl's
@@ -223,6 +226,34 @@ def sapo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *
     tau = torch.where(adv > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return -gate * adv, {"ratio": ratio.detach()}
+
+
+@register("loss", "vespo", source="VESPO: Variational Sequence-Level Soft Policy Optimization (arXiv 2602.10693); "
+          "TRL loss_type='vespo'")
+def vespo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+          k_pos: Annotated[float, Ge(0)] = 2.0, lambda_pos: Positive = 3.0, k_neg: Annotated[float, Ge(0)] = 3.0,
+          lambda_neg: Positive = 2.0):
+    """L_t = -sg(phi(w_i)) A_t logp_t: a REINFORCE term whose sequence weight phi is a gamma-shaped soft trust region
+    on the sequence's importance ratio w_i (after VESPO, as TRL implements it).
+
+    log w_i = clamp(sum_t m_it clamp(logp_it - old_logp_it, -20, 20), log 1e-8, 20) (a sum over the sequence, not a
+    mean); phi(w) = exp(lambda + k log w - lambda w) = e^lambda w^k e^(-lambda w), so phi(1) = 1 and phi falls off
+    for w far below or above 1; (k, lambda) = (k_pos, lambda_pos) where A >= 0, else (k_neg, lambda_neg); phi is
+    detached (a gradient scale), NaN / inf -> 0. Defaults k_pos = 2, lambda_pos = 3, k_neg = 3, lambda_neg = 2
+    (TRL's ``vespo_*`` defaults). Assumed where only TRL's code was read (the paper's abstract is not in postrl's
+    notes): TRL's form and clamps. Equal to TRL ``loss_type='vespo'`` with ``loss.agg=token_mean`` (TRL's dapo
+    normalisation), except that with vLLM TRL folds its sampler ratio into w, where postrl's ``loss.tis``
+    multiplies the loss instead. Shapes: logp, old_logp, mask [N, T]; advantages [N] or [N, T].
+    """
+    adv = _adv(advantages)
+    lower = math.log(1e-8)
+    log_w = ((logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask).sum(-1, keepdim=True)
+    log_w = log_w.clamp(lower, LOG_RATIO_CLAMP)
+    pos = adv >= 0
+    k = torch.where(pos, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
+    lam = torch.where(pos, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * adv * logp, {"ratio": _ratio(logp, old_logp).detach(), "phi": phi.expand_as(logp)}
 
 
 # ---------------------------------------------------------------------------------------------- entropy mechanism

@@ -283,6 +283,30 @@ def f_divergence(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Ten
     return w * f
 
 
+# ---------------------------------------------------------------------------------------------- off-policy masking
+
+
+@register("regularizer", "off_policy_mask", source="DeepSeek-V3.2 (off-policy sequence masking, eq. 9); TRL "
+          "off_policy_mask_threshold")
+def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, *,
+                    threshold: Annotated[float, Gt(0)] = 0.5) -> dict:
+    """Drop the sequences that both lower the policy (A < 0) and have drifted far from the policy that sampled them.
+
+    After DeepSeek-V3.2's off-policy sequence masking: d_i = sum_t m_it (sampler_logp_it - sg(logp_it)) /
+    max(1, sum_t m_it) (the sequence's mean KL(pi_sampler || pi_theta) estimate on its own tokens; a NaN sampler
+    log-prob counts 0), pg_mask_it = 1[A_it >= 0 or d_i <= threshold]; the policy-loss matrix is multiplied by the
+    mask, the aggregation's normaliser is unchanged. Equal to TRL ``off_policy_mask_threshold=threshold``
+    (``get_off_policy_mask``: TRL's ``sampling_per_token_logps`` when the sampler gave them, else its old
+    log-probs; postrl's ``sampler_logp`` is the same). Default threshold = 0.5 (TRL's documented example; the paper
+    tunes it). ``coef`` unused. Shapes: advantages [N] or [N, T], the rest [N, T] -> {"pg_mask": [N, T]}.
+    """
+    kl = torch.nan_to_num(sampler_logp - logp.detach(), nan=0.0)
+    d = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+    keep = (adv >= 0) | (d <= threshold)
+    return {"pg_mask": keep.to(logp.dtype).expand_as(logp)}
+
+
 def f_generator(log_t: torch.Tensor, divergence: str) -> torch.Tensor:
     """The generator terms of D_f(pi_ref || pi_theta) at t = pi_theta / pi_ref (``log_t``, clamped to [-20, 20]):
     ``forward_kl`` t - 1 - log t; ``js`` (t log t - (1 + t) log((1 + t) / 2)) / 2."""

@@ -7,7 +7,8 @@ ships with the package (``postrl/models/shipped/``), so ``postrl train`` starts 
 (``python -m postrl.train.builtin``) rebuilds it with the same code, bit for bit on this project's development
 machine (``tests/test_builtin.py`` rebuilds it and compares). The ``calculator`` recipe's model (nano, SFT on
 demonstrations of tool use) ships too (:data:`SHIPPED_RECIPES`; ``make builtin-calculator``, i.e.
-``python -m postrl.train.builtin calculator``), so ``postrl train --recipe calculator`` starts RL at once. Any other config's model is built by
+``python -m postrl.train.builtin calculator``), so ``postrl train --recipe calculator`` starts RL at once; so do
+the ``tool_calls`` and ``scratchpad`` recipes' (``make builtin-tool-calls``, ``make builtin-scratchpad``). Any other config's model is built by
 ``postrl train`` before the run (:mod:`postrl.train.builtin`; this module only finds it) and cached under
 ``$POSTRL_CACHE`` (default ``~/.cache/postrl``); later runs load it from there, like any local model.
 """
@@ -31,7 +32,7 @@ def builtin_key(cfg) -> str:
 
 
 SHIPPED = Path(__file__).parent / "shipped"
-SHIPPED_RECIPES = ("calculator", "tool_calls")  # recipes whose built-in model ships besides the default config's
+SHIPPED_RECIPES = ("calculator", "tool_calls", "scratchpad")  # recipes whose built-in model ships besides the default config's
 
 
 def builtin_name(cfg) -> str:

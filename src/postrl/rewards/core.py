@@ -14,7 +14,10 @@ Calling conventions (detected from the signature, user functions work unchanged)
   have other names (``def f(p, c)``) is called ``f(prompts, completions, ...)``, positionally.
   Conversational prompts (a list of ``{"role", "content"}`` messages, TRL's conversational format) reach a
   user's function as message lists and each completion as ``[{"role": "assistant", "content": text}]``, as in
-  TRL; postrl's own reward sources (modules ``postrl.*``) read the completion text.
+  TRL, or as the caller's own message lists (``completion_messages``: a driver that has them, e.g. the TRL
+  adapter, whose completions may hold tool calls and tool results); postrl's own reward sources (modules
+  ``postrl.*``) read the completion text, unless they set ``trl_format = True`` (they then get what a user's
+  function gets).
 - verl: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` once per completion; a dict result
   contributes its ``"score"``. Each completion's call fails on its own: a call that raises fails that entry only.
 - ``async def`` functions of either kind are awaited; the per-completion calls of an async verl function run
@@ -170,7 +173,10 @@ def is_conversational(prompts: list) -> bool:
 
 
 def postrl_own(fn: Callable) -> bool:
-    """True for postrl's own reward sources (defined in a ``postrl.*`` module): they read completion text."""
+    """True for postrl's own reward sources (defined in a ``postrl.*`` module): they read completion text. A source
+    that sets ``trl_format = True`` reads TRL's format instead (conversational completions as messages)."""
+    if getattr(fn, "trl_format", False):
+        return False
     mod = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
     return mod == "postrl" or mod.startswith("postrl.")
 
@@ -213,13 +219,14 @@ class CallLog:
 
 def call_reward(fn: Callable, prompts: list, completions: list[str], columns: dict[str, list], params: dict,
                 context: RewardContext | None = None, timeout: float | None = None,
-                trainer_state: Any = None, log: CallLog | None = None, conversational: bool | None = None) -> list:
+                trainer_state: Any = None, log: CallLog | None = None, conversational: bool | None = None,
+                messages: list | None = None) -> list:
     """Call one reward source on a batch; returns its raw list of values (one per completion).
 
     A TRL-style source is called by keyword as TRL calls it (module docstring); ``trainer_state`` and ``log``'s
     ``log_extra`` / ``log_metric`` go to a source that names them or takes ``**kwargs``; with conversational
     prompts (``conversational`` None: :func:`is_conversational` of ``prompts``) a user's source gets each completion
-    as ``[{"role": "assistant", "content": text}]``. ``timeout`` bounds each awaited coroutine of an async source
+    as ``messages`` gives it (one message list per completion), else as ``[{"role": "assistant", "content": text}]``. ``timeout`` bounds each awaited coroutine of an async source
     (sync sources are bounded by the caller's thread timeout). A verl-style source is called once per completion
     and each call fails alone: its exception becomes that completion's entry. Raises ``_ContractError`` when a
     batch source returns something other than a list of values.
@@ -255,7 +262,8 @@ def call_reward(fn: Callable, prompts: list, completions: list[str], columns: di
     if conversational is None:
         conversational = is_conversational(prompts)
     if conversational and not postrl_own(fn):
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
+        completions = list(messages) if messages is not None else \
+            [[{"role": "assistant", "content": c}] for c in completions]
     if _by_keyword(fn, {"prompts", "completions", *kwargs}):
         res = fn(prompts=prompts, completions=completions, **kwargs)
     else:
@@ -474,7 +482,8 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
                 context: RewardContext | None = None, strict: bool = False, timeout: float | None = None,
                 workers: int = 1, chunk_size: int | None = None,
                 built: list[tuple[Any, dict]] | None = None, completion_ids: list[list[int]] | None = None,
-                trainer_state: Any = None, isolate_calls: int = ISOLATE_CALLS) -> RewardOutcome:
+                trainer_state: Any = None, isolate_calls: int = ISOLATE_CALLS,
+                completion_messages: list | None = None) -> RewardOutcome:
     """Score ``completions`` with every reward spec (objects with ``.name`` and ``.params``).
 
     Returns the reward matrix [N, K] (NaN marks a failed entry, or one whose source returned None: ``skipped``)
@@ -485,13 +494,17 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
     params) per spec, made once per run by the trainer (``postrl.stages.build``: a reward class is instantiated
     with its params and keeps its state across steps); without it each spec's registered function is called with
     ``spec.params``. ``completion_ids`` (one list of token ids per completion, without padding) becomes a column;
-    ``trainer_state`` (:func:`trainer_state`) is passed whole to every call (TRL's keyword arguments).
+    ``trainer_state`` (:func:`trainer_state`, or the caller's ``transformers.TrainerState``) is passed whole to every
+    call (TRL's keyword arguments). ``completion_messages``: with conversational prompts, each completion as the
+    message list a user's function receives (default: one assistant message holding the text).
     """
     n = len(completions)
     if completion_ids is not None:
         if len(completion_ids) != n:
             raise ValueError(f"score_batch: {len(completion_ids)} completion_ids for {n} completions")
         columns = {**columns, "completion_ids": list(completion_ids)}
+    if completion_messages is not None and len(completion_messages) != n:
+        raise ValueError(f"score_batch: {len(completion_messages)} completion_messages for {n} completions")
     vals = [[math.nan] * len(specs) for _ in range(n)]  # the matrix, as lists (a tensor write costs ~2 us each)
     skipped = [[False] * len(specs) for _ in range(n)]
     out = RewardOutcome(torch.empty((n, len(specs))), names=[s.name for s in specs])
@@ -513,7 +526,8 @@ def score_batch(prompts: list, completions: list[str], columns: dict[str, list],
         def run() -> tuple[list, CallLog]:
             log = CallLog()
             return call_reward(fns[k], prompts[a:b], completions[a:b], cols, call_params[k], context, timeout,
-                               trainer_state, log, conversational), log
+                               trainer_state, log, conversational,
+                               completion_messages[a:b] if completion_messages is not None else None), log
         return run
 
     def keep_log(a: int, b: int, log: CallLog) -> None:

@@ -43,11 +43,14 @@ class Expansion:
     policy loss or metric counts them); they are appended once, after the keep filters (e.g. ``rehearsal``).
     ``mode = "replace"`` (with ``scored`` False): ``expand`` returns the batch itself with some groups swapped for
     as many rows (``avatar_replay``). A stateful expansion (a :class:`postrl.stages.Stateful` too) records the
-    step's final batch in ``observe``."""
+    step's final batch in ``observe``. ``joins`` True: the rows it returns join groups of the batch (their
+    ``group_ids`` are the batch's own ids, kept as they are) instead of forming new groups (e.g. ``demonstrations``,
+    ``teacher_hint``)."""
 
     reads: tuple[str, ...] = ()
     scored: bool = True
     mode: str = "append"
+    joins: bool = False
 
     def expand(self, batch: Any, ctx: Any) -> Any:
         return None
@@ -58,7 +61,12 @@ class Expansion:
 class ExpandContext:
     """What an expanding stage may use: ``generate(prompt_token_lists, n, seeds)`` -> ``Generation`` with the run's
     sampling parameters; ``decode(token_ids)`` -> text (special tokens skipped); ``encode(text)`` -> token ids
-    (no special tokens); the run's group size and a seed for this step and attempt."""
+    (no special tokens); the run's group size and a seed for this step and attempt. Optional (None where the driver
+    cannot give them): ``score(batch)`` fills a batch's rewards with the run's rewards and shaping (stateful stages
+    do not learn from it); ``logprobs(batch)`` -> [N, T] the current policy's log-probs of the batch's completion
+    tokens at the rollout temperature (no gradient); ``teacher_generate(prompt_token_lists, n, seeds,
+    max_new_tokens)`` -> ``Generation`` with the run's teacher (``model.teacher``) and sampling parameters;
+    ``eos_id``: the policy's end-of-sequence token."""
 
     generate: Callable
     decode: Callable[[list[int]], str]
@@ -66,6 +74,10 @@ class ExpandContext:
     seed: int
     pad_id: int = 0
     encode: Callable[[str], list[int]] | None = None  # text -> token ids, no special tokens (reflection prompts)
+    score: Callable[[Any], Any] | None = None
+    logprobs: Callable[[Any], torch.Tensor] | None = None
+    teacher_generate: Callable | None = None
+    eos_id: int | None = None
 
 
 def _prompt_tokens(batch: RolloutBatch, i: int) -> list[int]:

@@ -39,7 +39,7 @@ def raw_column(rewards: torch.Tensor, reward_names: list, name: str, what: str,
 
 # ------------------------------------------------------------------------------------------------ keep masks
 @register("filter", "dynamic_sampling", source="DAPO (Yu et al. 2025) dynamic sampling; verl algorithm.filter_groups",
-          needs=("groups",))
+          needs=lambda p: () if p.get("singletons") == "keep" else ("groups",))  # (verl's convention keeps groups of one)
 def dynamic_sampling(rewards: torch.Tensor, reward_names: list, group_ids: torch.Tensor,
                      raw_rewards: torch.Tensor | None = None, raw_reward_names: tuple | None = None, *,
                      reward: str = "correct", max_attempts: Annotated[int, Ge(1)] = 10,
@@ -112,7 +112,8 @@ def _governance_check(params: dict, run, where: str) -> dict:
     return params
 
 
-@register("filter", "failure_governance", source=_RESHAPING, needs=("groups",), check=_governance_check)
+@register("filter", "failure_governance", source=_RESHAPING, check=_governance_check,
+          needs=lambda p: () if p.get("min_rows") == 1 else ("groups",))  # (min_rows 1: a completion alone is kept)
 def failure_governance(group_ids: torch.Tensor, failure_cause: list | None = None, valid: torch.Tensor | None = None,
                        *, exclude: tuple[str, ...] = GOVERNANCE_EXCLUDE,
                        min_rows: Annotated[int, Ge(1)] = 2) -> torch.Tensor:

@@ -46,12 +46,14 @@ class Step:
 
     ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (process rewards' step
     ends); ``log``: where warnings go (one line each); ``notice``: where what changes the run goes (every mode:
-    ``postrl.train.run_state.Notices``)."""
+    ``postrl.train.run_state.Notices``); ``sources``: reward sources the driver adds before the config's
+    ``rewards``, as ``(name, callable, weight)`` (``Scorer``; the TRL adapter's ``reward_funcs``)."""
 
     def __init__(self, cfg: Any, *, context: RewardContext | None = None, tokenizer: Any = None,
-                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None):
+                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None,
+                 sources: list | None = None):
         self.scorer = Scorer(cfg.reward, cfg.rewards, cfg.shaping, context or RewardContext(), tokenizer, log=log,
-                             notice=notice)
+                             notice=notice, sources=sources)
         self.selection = stages.build_all(stages.FILTER_KINDS, cfg.filters, section="filters")
         self.attempts = max([spec.attempts() for spec, st in zip(cfg.filters, self.selection)
                              if st.kind == "filter"], default=1)
@@ -86,28 +88,16 @@ class Step:
         selectors = [s.name for s in self.selection if s.kind == "selector"]
         if len(selectors) > 1:
             raise ConfigError(f"filters: at most one prompt selector per run, got {', '.join(selectors)}")
-        for s in [*self.selection, self.advantage]:
+        for s in [*self.selection, self.advantage]:  # (a stage declares its needs, from its parameters if they matter)
             if "groups" in s.needs and G < 2:
-                if s.kind == "advantage" and s.params.get("singleton") == "raw":
-                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
-                                f"with singleton: raw (verl's convention) every group is one completion, so each "
-                                f"advantage comes from its own reward with no baseline")
-                elif s.kind == "advantage":
-                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: "
-                                f"every advantage is 0 (use reinforce_pp, remax or gae for one completion per prompt)")
-                elif s.params.get("singletons") == "keep":  # verl's convention: a group of one is kept
-                    warn.append(f"filters.{s.name}: singletons: keep and rollout.group_size=1: every group is one "
-                                f"completion and is kept, so the filter only drops completions whose reward failed")
-                elif s.params.get("min_rows") == 1:  # failure_governance: a comparable completion alone is kept
-                    warn.append(f"filters.{s.name}: min_rows: 1 and rollout.group_size=1: every group is one "
-                                f"completion, so nothing is compared within a group")
-                elif "singletons" in stages.parameters(s.fn):
-                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (a group of one "
-                                      f"completion has no reward variance, so every group would be dropped; "
-                                      f"singletons: keep keeps groups of one, verl's convention)")
+                if s.kind == "advantage":
+                    warn.append(f"advantage '{s.name}' uses the group as its baseline and rollout.group_size=1: a "
+                                f"group of one completion has no baseline (use reinforce_pp, remax or gae for one "
+                                f"completion per prompt)")
                 else:
-                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group is one "
-                                      f"completion, so every group would be dropped)")
+                    raise ConfigError(f"filters.{s.name}: rollout.group_size must be >= 2 (every group would be one "
+                                      f"completion, which this filter drops; `postrl methods {s.name}` lists its "
+                                      f"options)")
             if s.kind == "sampling":
                 s.fn.plan(G)  # raises when the group cannot hold the plan
         if self.objective.warning:
@@ -172,13 +162,16 @@ class Step:
         reward source's failure rate on the scored batch (before filters); with ``kl.placement=reward`` the KL
         in the reward (verl ``current_kl``: mean over rows of the per-token mean). Rows that are not this step's
         rollouts (``extra['rehearsal']``: pre-sampled completions of the initial policy; ``extra['replayed']``:
-        groups of earlier steps, ``avatar_replay``) are left out and counted (``rehearsal/rows``, ``replay/rows``)."""
-        for key, name in (("rehearsal", "rehearsal/rows"), ("replayed", "replay/rows")):
-            rows = batch.extra.get(key)
-            if isinstance(rows, torch.Tensor) and rows.dim() == 1 and bool(rows.any()):
-                m = self.metrics(batch.select(torch.nonzero(~rows.bool()).flatten()), info)
-                m[name] = float(rows.sum())
-                return m
+        groups of earlier steps, ``avatar_replay``; ``extra['demonstration']``: external demonstrations) are left
+        out and counted (``rehearsal/rows``, ``replay/rows``, ``demonstration/rows``)."""
+        names = {"rehearsal": "rehearsal/rows", "replayed": "replay/rows", "demonstration": "demonstration/rows"}
+        outside = {k: v.bool() for k in names
+                   if isinstance(v := batch.extra.get(k), torch.Tensor) and v.dim() == 1 and bool(v.any())}
+        if outside:
+            others = torch.stack(list(outside.values())).any(0)
+            m = self.metrics(batch.select(torch.nonzero(~others).flatten()), info)
+            m.update({names[k]: float(v.sum()) for k, v in outside.items()})
+            return m
         m = batch_metrics(batch, info, low_prob=self.low_prob)
         for name, rate in info.get("failure_rate", {}).items():
             m[f"reward/{name}/failure_rate"] = rate

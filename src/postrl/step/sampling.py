@@ -10,7 +10,8 @@ TRL and verl, use only the step's scoring and keep masks):
   (``observe``; every process's records reach it at the end of the step);
 * a **sampling** plan generates the groups its own way (each completion's temperature; each completion's prompt
   template, so a group's rows may have different prompts: ``prompt_ids`` are per row);
-* **expansions** (cure_branching, retry_from_failure) append scored groups made from the scored batch;
+* **expansions** (cure_branching, retry_from_failure) append scored groups made from the scored batch; those that
+  ``join`` (demonstrations, teacher_hint) append scored rows to the batch's own groups;
 * **keep-mask filters** drop groups; with ``max_attempts`` > 1 (the filter entry's), fresh prompts (seed derived from (seed, step,
   attempt)) are generated, scored and filtered until the batch holds as many groups as the unfiltered first round,
   or the cap is hit: the shortfall is filled with dropped groups masked out of the loss (``valid`` False), a
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -39,6 +41,27 @@ from postrl.environments import make as make_environment
 from postrl.fields import produce
 from postrl.generation import encode_prompt, fit_prompts
 from postrl.environments import episodes
+
+def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
+    """``RolloutBatch.concat`` of the step's batches, after giving each batch the per-row ``extra`` fields that only
+    some of them carry (an expansion's row flags, e.g. ``branch``, ``demonstration``, ``guided``, ``hint``: rows
+    without one get zeros / False, or None in a list), which ``concat`` would otherwise drop."""
+    keys: dict[str, Any] = {}
+    for b in batches:
+        for k, v in b.extra.items():
+            if (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(b)) or \
+                    (isinstance(v, list) and len(v) == len(b)):
+                keys.setdefault(k, v)
+    for b in batches:
+        for k, v in keys.items():
+            if k in b.extra:
+                continue
+            if isinstance(v, torch.Tensor):
+                b.extra[k] = torch.zeros((len(b), *v.shape[1:]), dtype=v.dtype)
+            else:
+                b.extra[k] = [None] * len(b)
+    return RolloutBatch.concat(batches, pad_id)
+
 
 class BatchSource:
     """Builds each step's training batch (see the module docstring). ``step``: the run's :class:`Step` (scoring,
@@ -176,7 +199,7 @@ class BatchSource:
             more = self.rollout(step, attempt=attempts)
             failures += sum(self._score(more)["failures"].values())
             k, d = split(prepare(more, attempts))
-            kept, dropped = RolloutBatch.concat([kept, k], pad), RolloutBatch.concat([dropped, d], pad)
+            kept, dropped = concat([kept, k], pad), concat([dropped, d], pad)
             n_dropped += d.num_groups
             attempts += 1
         short = target - kept.num_groups
@@ -184,7 +207,7 @@ class BatchSource:
             kept = kept.take_groups(kept.group_order()[:target])
         elif short > 0:  # cap hit: fill with dropped groups that take no part in the update
             fill = dropped.take_groups(dropped.group_order()[:short]).masked()
-            kept = RolloutBatch.concat([kept, fill], pad) if len(kept) else fill
+            kept = concat([kept, fill], pad) if len(kept) else fill
             msg = (f"step {step + 1}: filters kept {target - short} of {target} groups after {attempts} generation "
                    f"rounds (max_attempts={self.max_attempts}); the other {short} groups are masked out of the "
                    f"update")
@@ -208,11 +231,18 @@ class BatchSource:
 
     def _context(self, e: Any, step: int, attempt: int) -> ExpandContext:
         ctx = self.ctx
+        teacher = None
+        if ctx.teacher_generate is not None:
+            def teacher(ids, n, seeds, max_new_tokens):
+                return ctx.teacher_generate(ids, n, replace(ctx.sampling, max_new_tokens=max_new_tokens), seeds)
         return ExpandContext(generate=lambda ids, n, seeds: ctx.generate(ids, n, ctx.sampling, seeds),
                              decode=lambda ids: ctx.tokenizer.decode(ids, skip_special_tokens=True),
                              encode=lambda text: list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]),
                              group_size=self.rollout_cfg.group_size, pad_id=ctx.pad_id,
-                             seed=derive_seed(self.seed, step, attempt, self.rank, e.name))
+                             seed=derive_seed(self.seed, step, attempt, self.rank, e.name),
+                             score=lambda b: self.scorer.score(b, observe=False),
+                             logprobs=lambda b: ctx.logprobs(b)[0], teacher_generate=teacher,
+                             eos_id=ctx.tokenizer.eos_token_id)
 
     def _unscored(self, batch: RolloutBatch, step: int) -> RolloutBatch:
         """Append the rows of the expansions that are not rollouts (``scored`` False, e.g. ``rehearsal``), once,
@@ -226,18 +256,12 @@ class BatchSource:
                 continue
             if more is None or not len(more):
                 continue
-            for k, v in more.extra.items():
-                if k in batch.extra:
-                    continue
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(more):
-                    batch.extra[k] = torch.zeros((len(batch), *v.shape[1:]), dtype=v.dtype)
-                elif isinstance(v, list) and len(v) == len(more):
-                    batch.extra[k] = [None] * len(batch)
-            batch = RolloutBatch.concat([batch, more], self.ctx.pad_id)
+            batch = concat([batch, more], self.ctx.pad_id)
         return batch
 
     def _expand(self, batch: RolloutBatch, step: int, attempt: int) -> RolloutBatch:
-        """Append the scored groups of the expansions (cure_branching, retry_from_failure)."""
+        """Append the scored rows of the expansions: new groups (cure_branching, retry_from_failure), or rows that
+        join the batch's groups (``joins``: demonstrations, teacher_hint), which keep their group ids."""
         ctx = self.ctx
         for e in self.expansions:
             produce(ctx, batch, e)
@@ -246,7 +270,9 @@ class BatchSource:
             if more is None or not len(more):
                 continue
             self.scorer.score(more)
-            batch.extra.setdefault("branch", torch.zeros(len(batch), dtype=torch.bool))
             batch.extra.setdefault("completion_prefix", [""] * len(batch))
-            batch = RolloutBatch.concat([batch, more], ctx.pad_id)
+            gids = torch.cat([batch.group_ids, more.group_ids]) if getattr(e.fn, "joins", False) else None
+            batch = concat([batch, more], ctx.pad_id)
+            if gids is not None:
+                batch.group_ids = gids
         return batch

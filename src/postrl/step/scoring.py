@@ -3,7 +3,11 @@
 ``Scorer.score(batch)`` fills ``rewards`` [N, K] (every source scores every completion: in parallel, per-call
 timeout, failures isolated as NaN and counted; the config's ``reward`` section), ``raw_rewards`` (before shaping),
 ``extra['reward_skipped']`` [N, K] (a source returned None: it does not apply to the row), the step texts / step
-ends when a source or stage reads them, then runs the shaping stages in config order; ``valid`` marks the
+ends when a source or stage reads them, then runs the shaping stages in config order (a driver may add reward
+sources the config does not name: ``sources``, callables with a name and a weight, scored first, e.g. the TRL
+adapter's ``reward_funcs``; ``batch.extra['trainer_state']`` and ``batch.extra['completion_messages']``, when a driver
+sets them, are what TRL-style sources receive as ``trainer_state`` and, for conversational prompts, as
+``completions``); ``valid`` marks the
 completions with a finite reward. What TRL-style sources log (``log_extra``: ``extra['log_extra:<column>']``, one
 value per row, into samples.jsonl; ``log_metric``: the step's mean per name, in the returned ``metrics``) comes
 back with the outcome. A source that raises on every completion (two or more) of the first batch the Scorer
@@ -18,6 +22,7 @@ source and shaping stage records it (``observe``); the step applies what they re
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -37,16 +42,25 @@ _log = logging.getLogger("postrl.rewards")
 class Scorer:
     """``reward``: the config's ``reward`` section (evaluation and fault handling); ``rewards`` / ``shaping``: its
     stage lists; ``context``: what a reward that needs the model receives; ``tokenizer``: the policy's (step ends);
-    ``log``: the console; ``notice``: what changes the run (``postrl.train.run_state.Notices``: every mode)."""
+    ``log``: the console; ``notice``: what changes the run (``postrl.train.run_state.Notices``: every mode);
+    ``sources``: reward sources a driver adds before the config's, as ``(name, callable, weight)`` (names unique
+    among all sources; a source that is a class instance keeps its state as the driver made it)."""
 
     def __init__(self, reward: Any, rewards: list, shaping: list, context: RewardContext, tokenizer: Any,
-                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None):
+                 log: Callable[[str], None] | None = None, notice: Callable[..., None] | None = None,
+                 sources: list[tuple[str, Callable, float]] | None = None):
         self.cfg = reward
-        self.specs = rewards
-        self.rewards = stages.build_all("reward", rewards, section="rewards")
+        sources = list(sources or [])
+        names = [n for n, _, _ in sources]
+        clash = [n for i, n in enumerate(names) if n in names[:i] or n in {r.name for r in rewards}]
+        if clash:
+            raise ConfigError(f"rewards: two reward sources are named '{clash[0]}'; give each source its own name")
+        self.specs = [SimpleNamespace(name=n, weight=float(w), params={}) for n, _, w in sources] + list(rewards)
+        self.rewards = [stages.Stage("reward", n, fn, {}, (), label=n) for n, fn, _ in sources] + \
+            stages.build_all("reward", rewards, section="rewards")
         self.shaping = stages.build_all("shaping", shaping, section="shaping")
-        self.weights = torch.tensor(reward.weights if reward.weights is not None
-                                    else [r.weight for r in rewards], dtype=torch.float32)
+        config_weights = reward.weights if reward.weights is not None else [r.weight for r in rewards]
+        self.weights = torch.tensor([float(w) for _, _, w in sources] + list(config_weights), dtype=torch.float32)
         self.context = context
         self.tokenizer = tokenizer
         self.log = log
@@ -90,8 +104,9 @@ class Scorer:
                               strict=rc.strict, timeout=rc.timeout, workers=rc.workers, chunk_size=rc.chunk_size,
                               completion_ids=[ids[:n].tolist() for ids, n in zip(batch.completion_ids,
                                                                                  batch.lengths.long().tolist())],
-                              trainer_state=trainer_state(int(batch.extra.get("step", 0)),
-                                                          int(batch.extra.get("max_steps", 0))))
+                              trainer_state=batch.extra.get("trainer_state") or trainer_state(
+                                  int(batch.extra.get("step", 0)), int(batch.extra.get("max_steps", 0))),
+                              completion_messages=batch.extra.get("completion_messages"))
         step = int(batch.extra.get("step", 0)) + 1
         first, self.scored = self.scored == 0, self.scored + 1
         n = len(batch)

@@ -1,4 +1,9 @@
-"""The policy the trainer trains and its frozen reference: loaded, LoRA-wrapped, checkpointed as configured."""
+"""The policy the trainer trains and the frozen models beside it: loaded, LoRA-wrapped, checkpointed as configured.
+
+A frozen model of a run is one whose per-token log-probs of the batch's completions become a batch field that
+stages read by name (:data:`FROZEN`): the reference (``ref_logp``: the initial policy, a KL or f-divergence to it)
+and the teacher (``teacher_logp``: ``model.teacher.path``, on-policy distillation). The trainer computes a field
+only when a configured stage reads it (``Objective.reads``), with the one log-prob function of the run."""
 
 from __future__ import annotations
 
@@ -6,9 +11,12 @@ import copy
 from pathlib import Path
 from typing import Any, Callable
 
-from postrl.errors import PostrlError
+from postrl.errors import ConfigError, PostrlError
 from postrl.models import enable_gradient_checkpointing, load_model_and_tokenizer, lora, prepare_tokenizer
 from postrl.train.builtin import ensure_builtin
+
+# the frozen models' per-token log-prob fields (what a stage reads) -> the batch attribute that holds them
+FROZEN = {"ref_logp": "ref_logprobs", "teacher_logp": "teacher_logprobs"}
 
 
 def load_policy(cfg: Any, device: Any, log: Callable[[str], None], model: Any = None,
@@ -46,3 +54,32 @@ def reference_model(cfg: Any, model: Any, path: Path | None, device: Any, accel:
     ref.requires_grad_(False).eval().to(device)
     accel.apply(ref)
     return ref
+
+
+def frozen_model(path: str | Path, tokenizer: Any, device: Any, accel: Any, *, what: str,
+                 policy_name: str = "the policy") -> Any:
+    """The model folder ``path`` loaded frozen (float32, eval mode, no gradient, the speed layer's layers), after
+    checking that it reads the policy's tokens: its tokenizer's vocabulary (token -> id) must be the policy's and
+    its output must cover every id of it (a larger, padded embedding table is fine: Qwen2.5's sizes differ so).
+    A folder without ``config.json`` or another vocabulary is a one-line :class:`ConfigError` naming ``what`` (the
+    option) and the folder."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{what} {path}: not a model folder (no config.json)")
+    model, tok = load_model_and_tokenizer(p, "float32")
+    theirs = model.get_output_embeddings().weight.shape[0]
+    vocab = tokenizer.get_vocab()
+    if tok.get_vocab() != vocab or theirs < max(vocab.values(), default=-1) + 1:
+        raise ConfigError(f"{what} {path}: another vocabulary ({len(tok)} tokens, {theirs} output rows) than "
+                          f"{policy_name} ({len(tokenizer)} tokens); it must use the policy's tokenizer (its "
+                          f"log-probs are read on the policy's token ids)")
+    model.config.use_cache = False
+    model.requires_grad_(False).eval().to(device)
+    accel.apply(model)
+    return model
+
+
+def teacher_model(cfg: Any, tokenizer: Any, device: Any, accel: Any) -> Any:
+    """The frozen teacher (``model.teacher.path``, :func:`frozen_model`), or None when no teacher is set."""
+    path = cfg.model.teacher.path
+    return None if path is None else frozen_model(path, tokenizer, device, accel, what="model.teacher.path")

@@ -82,7 +82,7 @@ from postrl.rewards.label_free import _answer_key
 from postrl.step import Step
 from postrl.step.sampling import BatchSource
 from postrl.train.optim import make_optimizer, make_scheduler
-from postrl.train.policy import load_policy, reference_model
+from postrl.train.policy import frozen_model, load_policy, reference_model
 
 SETTINGS_FILE = "dpo.json"
 REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_logits")
@@ -386,20 +386,10 @@ class PreferenceTrainer:
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _load_ref(self, path: str):
-        """The model at ``--ref``, frozen, after checking that it reads the policy's tokens."""
-        p = Path(path)
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"--ref {path}: not a model folder (no config.json)")
-        ref, ref_tok = load_model_and_tokenizer(p, "float32")
-        mine = self.policy.get_input_embeddings().num_embeddings
-        theirs = ref.get_input_embeddings().num_embeddings
-        if mine != theirs or ref_tok.get_vocab() != self.tokenizer.get_vocab():
-            raise ConfigError(f"--ref {path}: another vocabulary ({len(ref_tok)} tokens, {theirs} embeddings) than the "
-                              f"policy {self.s.model} ({len(self.tokenizer)} tokens, {mine} embeddings); the "
-                              f"reference must use the policy's tokenizer")
-        ref.requires_grad_(False).eval().to(self.device)
-        self.accel.apply(ref)
-        return ref
+        """The model at ``--ref``, frozen, after checking that it reads the policy's tokens
+        (:func:`postrl.train.policy.frozen_model`)."""
+        return frozen_model(path, self.tokenizer, self.device, self.accel, what="--ref",
+                            policy_name=f"the policy {self.s.model}")
 
     def _open(self) -> None:
         """A new run: the settings, empty logs, no checkpoint or summary of an earlier run in the folder."""

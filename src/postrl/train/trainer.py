@@ -2,10 +2,10 @@
 checkpoints, and nothing else.
 
 One step (docs/DEVELOPING.md, "One step"): the step's batch (``step/sampling.py``: prompts -> rollout -> rewards
-and shaping -> expansions and filters) -> KL in the reward -> advantages -> (old / reference log-probs) -> the
-objective (``losses/objective.py``) over epochs x mini-batches x micro-batches -> optimizer -> the step's end
-(every stateful stage, once) -> metrics, alarms, samples, checkpoint. The trainer names no stage and asks none
-what it is.
+and shaping -> expansions and filters) -> KL in the reward -> advantages -> (old log-probs; the frozen models'
+log-probs the stages read: the reference's, the teacher's, train/policy.py) -> the objective
+(``losses/objective.py``) over epochs x mini-batches x micro-batches -> optimizer -> the step's end (every stateful
+stage, once) -> metrics, alarms, samples, checkpoint. The trainer names no stage and asks none what it is.
 
 All randomness of step s derives from (seed, s, rank): prompts, sampling and mini-batch shuffling. A resumed run
 therefore only needs the weights, optimizer and scheduler state to continue exactly as the uninterrupted run.
@@ -40,7 +40,7 @@ from postrl.step.sampling import BatchSource
 from postrl.train import checkpoint as ckpt
 from postrl.train import run_state
 from postrl.train.optim import clip_into_step, clip_target, make_optimizer, make_scheduler
-from postrl.train.policy import load_policy, reference_model
+from postrl.train.policy import FROZEN, load_policy, reference_model, teacher_model
 from postrl.train.processes import Processes
 
 class Trainer:
@@ -92,9 +92,25 @@ class Trainer:
         for msg in self.step.warnings:
             self._warn(msg)
         self.objective = self.step.objective
-        self.needs_ref = "ref_logp" in self.objective.reads
-        self.ref_model = reference_model(cfg, model, self.model_path, self.acc.device, self.accel) \
-            if self.needs_ref else None  # (None with LoRA: the policy's disabled adapter)
+        # the frozen models whose per-token log-probs are batch fields a stage reads (train/policy.py FROZEN): the
+        # reference (ref_logp; None with LoRA: the policy with its adapter disabled) and the teacher (teacher_logp)
+        # the teacher (model.teacher.path) is loaded for the stages that declare they need it (distill, teacher_hint)
+        uses_teacher = "teacher_logp" in self.objective.reads or any("teacher" in s.needs
+                                                                     for s in self.step.all_stages)
+        if cfg.model.teacher.path is not None and not uses_teacher:
+            self._warn(f"model.teacher.path={cfg.model.teacher.path}: no configured stage uses a teacher (regularizer "
+                       f"distill, expansion teacher_hint), so it is not loaded")
+        self.teacher = teacher_model(cfg, self.tokenizer, self.acc.device, self.accel) if uses_teacher else None
+        self.frozen: dict[str, Any] = {}
+        if "ref_logp" in self.objective.reads:
+            self.frozen["ref_logp"] = reference_model(cfg, model, self.model_path, self.acc.device, self.accel)
+        if "teacher_logp" in self.objective.reads:
+            if self.teacher is None:
+                raise ConfigError("a loss or regularizer reads teacher_logp: set model.teacher.path (a model folder "
+                                  "with the policy's vocabulary)")
+            self.frozen["teacher_logp"] = self.teacher
+        self.needs_ref = "ref_logp" in self.frozen
+        self.ref_model = self.frozen.get("ref_logp")
         resetting = self.step.needing("reference_reset")
         if resetting and self.ref_model is None:
             s = resetting[0]
@@ -113,6 +129,8 @@ class Trainer:
         self.params = list(self.model.parameters())
         self.clip_opt = clip_target(self.acc, self.optimizer)  # the clip folded into the fused step, where it can be
         self.backend = self._make_backend()
+        self.teacher_backend = None if self.teacher is None else \
+            self.accel.generator(self.teacher, self.tokenizer, batch_size=cfg.rollout.batch_size)
         r = cfg.rollout
         self.ctx = ModelContext(self.policy, self.tokenizer, self.acc.device, temperature=r.temperature or 1.0,
                                 micro_batch_size=cfg.train.micro_batch_size, chat_template=cfg.model.chat_template,
@@ -121,7 +139,8 @@ class Trainer:
                                                         ignore_eos=r.ignore_eos, logprobs=r.logprobs),
                                 generate=self.backend.generate, pad_id=self.backend.pad_id,
                                 score=lambda b: self.step.score(b, observe=False), logprob_fn=self.accel.logprobs,
-                                autocast=self.mixed)
+                                autocast=self.mixed, teacher=self.teacher,
+                                teacher_generate=None if self.teacher_backend is None else self.teacher_backend.generate)
         self.batches = BatchSource(self.step, self.source, self.ctx, seed=cfg.seed,
                                    prompts_per_step=cfg.train.prompts_per_step, rollout=cfg.rollout,
                                    chat_template=cfg.model.chat_template, environment=cfg.environment,
@@ -202,11 +221,13 @@ class Trainer:
                 run_state.truncate_jsonl(self.run_dir / name, self.start_step)
 
     # ------------------------------------------------------------------------------------------------ log-probs
-    def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The reference model's log-probs: the frozen copy's, or with LoRA the policy's with its adapter disabled
-        (the base weights, which LoRA never changes)."""
-        if self.ref_model is not None:
-            return self.ctx.logprobs(batch, model=self.ref_model)[0]
+    def frozen_logprobs(self, batch: RolloutBatch, field: str) -> torch.Tensor:
+        """[N, T] log-probs of the batch's completion tokens under the frozen model of ``field`` (``ref_logp``: the
+        reference, the frozen copy's or with LoRA the policy's with its adapter disabled, the base weights, which
+        LoRA never changes; ``teacher_logp``: the teacher), at the rollout temperature like the policy's."""
+        model = self.frozen[field]
+        if model is not None:
+            return self.ctx.logprobs(batch, model=model)[0]
         with self.policy.disable_adapter():  # (reference_model gives None only with LoRA)
             return self.ctx.logprobs(batch)[0]
 
@@ -216,6 +237,13 @@ class Trainer:
         self.ref_model.load_state_dict(self.policy.state_dict())
         self.ref_reset_step = step
 
+    def fill_frozen(self, batch: RolloutBatch) -> None:
+        """Each frozen model's field the stages read that the batch lacks (``batch.ref_logprobs``,
+        ``batch.teacher_logprobs``), computed once per batch."""
+        for field, attr in FROZEN.items():
+            if field in self.frozen and getattr(batch, attr) is None:
+                setattr(batch, attr, self.frozen_logprobs(batch, field))
+
     # ------------------------------------------------------------------------------------------------ the step
     def kl_in_reward(self, batch: RolloutBatch) -> None:
         """``kl.placement=reward`` (``Step.kl_penalty``): the KL from the policy that generated the batch and the
@@ -223,7 +251,7 @@ class Trainer:
         if not self.objective.kl_in_reward or len(batch) == 0:
             return
         batch.old_logprobs = self.ctx.logprobs(batch)[0]
-        batch.ref_logprobs = self._ref_logprobs(batch)
+        batch.ref_logprobs = self.frozen_logprobs(batch, "ref_logp")
         self.step.kl_penalty(batch)
 
 
@@ -235,8 +263,7 @@ class Trainer:
         t0 = time.perf_counter()
         if multi_pass and batch.old_logprobs is None:  # the policy that generated the batch
             batch.old_logprobs = self.ctx.logprobs(batch)[0]
-        if self.needs_ref and batch.ref_logprobs is None:
-            batch.ref_logprobs = self._ref_logprobs(batch)
+        self.fill_frozen(batch)  # the reference's / teacher's log-probs the stages read
         self.step.observe_objective(batch)  # the stateful regularisers observe the batch (old / ref log-probs in place)
         t_ref = time.perf_counter() - t0
         loss_mask = batch.completion_mask * batch.valid.unsqueeze(-1).float()
@@ -392,6 +419,8 @@ class Trainer:
                         raise stop.stop(self.run_dir, done, signum, self.main)
                 after = self._eval_after or self.evaluate("after", self.steps)
                 self.backend.close()  # what the backend holds besides the model
+                if self.teacher_backend is not None:
+                    self.teacher_backend.close()
                 if saved != self.steps:
                     self.save(self.steps)
                 if self.main:
@@ -404,6 +433,8 @@ class Trainer:
                     run_state.write_json_atomic(self.run_dir / "summary.json", summary)
         except BaseException as exc:
             self.backend.close()
+            if self.teacher_backend is not None:
+                self.teacher_backend.close()
             if self.main and run_state.read_status(self.run_dir) is None:
                 run_state.record_end(self.run_dir, done, exc, stop)
             raise
