@@ -35,7 +35,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from postrl.accel.decoder import _ONEDNN_MIN_HIDDEN, blas_controller
+from postrl.accel import decoder
 from postrl.accel.matmul import OneDNNLinear, _mm
 
 
@@ -88,7 +88,7 @@ class ThreadPolicy:
 
         onednn_gen = False
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
-            onednn_gen = hidden > _ONEDNN_MIN_HIDDEN  # the decode steps' products, numpy steps included
+            onednn_gen = hidden > decoder._ONEDNN_MIN_HIDDEN  # the decode steps' products, numpy steps included
             kw.setdefault("onednn", {"update": True, "generation": onednn_gen})
         if decode == "numpy" and not onednn_gen:
             kw.setdefault("numpy", ("generation",))
@@ -173,7 +173,7 @@ class ThreadPolicy:
             if phase in self.numpy:
                 blas.limit(limits=c)  # undone when ``blas`` exits
 
-        blas = blas_controller() if phase in self.numpy else None
+        blas = decoder.blas_controller() if phase in self.numpy else None
         try:
             with torch.inference_mode(), blas.limit(limits=old) if blas is not None else nullcontext():
                 for c in cands:  # warm-up: first-call allocations

@@ -73,7 +73,6 @@ from postrl.train import checkpoint as ckpt
 from postrl.train import run_state
 from postrl.config import load_config
 from postrl.data import load_source
-from postrl.models import load_model_and_tokenizer
 from postrl.reward_models import load_reward_model
 from postrl.reward_models.model import step_pieces
 from postrl.rewards import RewardContext, score_batch
