@@ -35,6 +35,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from postrl.errors import ConfigError, PostrlError
+from postrl import recipes
+from postrl.config import _merge, dump_yaml, load_config, read_yaml
+from postrl.report.console import ConsoleReporter
+from postrl.report.html import CSS, _colors, _e, _fig, _png, config_diff
+from postrl.report.rundir import load_run
 
 __all__ = ["Spec", "Variant", "Cell", "load_spec", "parse_spec", "plan", "run_comparison", "interval", "paired_t",
            "t_cdf", "t_quantile", "cell_metrics", "summarize", "auc"]
@@ -211,8 +216,6 @@ def _variant(raw, name: str, where: str, root: Path) -> Variant:
             raise ConfigError(f"{where}.config: file '{config}' does not exist")
     recipe = raw.get("recipe")
     if recipe is not None:
-        from postrl import recipes
-
         recipes.path(str(recipe))  # unknown recipe: one line listing the valid ones
     return Variant(name=name, recipe=recipe, config=config, overrides=_overrides(raw.get("overrides"), where),
                    description=str(raw.get("description", "")))
@@ -270,8 +273,6 @@ def parse_spec(data: dict, root: Path = Path("."), default_name: str = "compare"
 
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file (see docs/compare.md)."""
-    from postrl.config import read_yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"spec file '{p}' does not exist")
@@ -281,9 +282,6 @@ def load_spec(path: str | Path) -> Spec:
 def cell_config(spec: Spec, variant: Variant, seed: int, run_dir: Path):
     """The cell's Config: defaults <- recipe (the variant's, else the base's) <- base config file <- variant
     config file <- base overrides <- variant overrides <- seed and output_dir. A mistake names the variant."""
-    from postrl import recipes
-    from postrl.config import _merge, load_config, read_yaml
-
     data: dict = {}
     recipe = variant.recipe or spec.base.recipe
     if recipe:
@@ -316,8 +314,6 @@ def plan(spec: Spec) -> list[Cell]:
 
 def cell_state(cell: Cell) -> str:
     """'done' (summary.json covers the cell's steps), 'resume' (a complete checkpoint to continue from) or 'new'."""
-    from postrl.report.rundir import load_run
-
     d = cell.run_dir
     if not d.is_dir():
         return "new"
@@ -345,7 +341,7 @@ def _prepare(cell: Cell) -> bool:
 
 
 def _run_in_process(cell: Cell) -> None:
-    from postrl.report.console import ConsoleReporter
+    # lazy: postrl.compare stays importable without torch (with --jobs > 1 the cells train in subprocesses)
     from postrl.train.trainer import Trainer
 
     resume = _prepare(cell)
@@ -359,8 +355,6 @@ def _run_subprocess(cell: Cell) -> None:
     """``python -m postrl train --quiet`` on the cell's resolved config (or ``--resume``), output in
     RUN_DIR/../seed-S.log, with this process's import path; a failure is a PostrlError naming the cell and its
     log."""
-    from postrl.config import dump_yaml
-
     resume = _prepare(cell)
     cell.run_dir.parent.mkdir(parents=True, exist_ok=True)
     cfg_file = cell.run_dir.parent / f"seed-{cell.seed}.yaml"
@@ -427,8 +421,6 @@ def _num(v) -> float | None:
 def cell_metrics(run_dir: Path, extra: list[str] = (), final_window: int = 1, auc_key: str = "accuracy") -> dict:
     """{metric: {"final": x, "best": x or None}} of one finished run directory, and "_curves": {metric: (steps,
     values)} for the plots (see the module docstring for which metrics and how final / best are taken)."""
-    from postrl.report.rundir import load_run
-
     run = load_run(run_dir)
     out: dict = {}
     curves: dict = {}
@@ -552,8 +544,6 @@ def console_table(results: dict):
 
 def _band_plot(results: dict, metric: str, colors: dict[str, str]):
     """One figure: per variant the mean over seeds at each step and a band of the 95% interval of that mean."""
-    from postrl.report.html import _fig, _png
-
     fig, ax = _fig(metric)
     drawn = False
     for vname, by_metric in results["curves"].items():
@@ -585,9 +575,6 @@ def _band_plot(results: dict, metric: str, colors: dict[str, str]):
 def build_html(results: dict, out: Path, run_dirs: dict[str, Path] | None = None) -> Path:
     """report.html: the summary table (mean and 95% interval of every metric's final and best value), the paired
     tests, the config differences between variants, and every curve with bands."""
-    from postrl.report.html import CSS, _colors, _e, config_diff
-    from postrl.report.rundir import load_run
-
     spec = results["spec"]
     names = list(results["variants"])
     colors = dict(zip(names, _colors(len(names))))

@@ -21,6 +21,7 @@ from postrl.environments.reward import environment as environment_reward
 from postrl.generation import encode_prompt, fit_prompts
 from postrl.environments import episodes
 from postrl.generation import SamplingParams
+from postrl.calibration import ias_samples, success_bound
 
 Episodes = Callable[[list[dict], int, SamplingParams, int], RolloutBatch]
 
@@ -174,8 +175,6 @@ def evaluate_ias(backend, tokenizer, rows: list[dict], prm: Any, *, calibrator: 
     gives it >= 1. Returns ``ias/accuracy``, ``ias/mean_n``, ``ias/compute_saved`` (1 - mean_n / n_max),
     ``ias/oracle`` (a correct completion among the N_i), ``ias/fixed_accuracy`` and ``ias/fixed_oracle``
     (Best-of-n_max), ``ias/mean_bound`` (mean p_i), ``ias/n_hist`` (problems per N)."""
-    from postrl.calibration import ias_samples, success_bound
-
     if not rows:
         return {}
     prompts = [r["prompt"] for r in rows]

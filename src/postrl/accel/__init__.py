@@ -30,6 +30,9 @@ import torch
 from postrl.accel.cpu import ThreadPolicy, keep_freed_memory
 from postrl.errors import ConfigError
 from postrl.logprobs import completion_logprobs
+from postrl.accel import fused, matmul
+from postrl.accel.decoder import StaticDecoder, decode_library
+from postrl.rollout.hf import HFGenerator
 
 __all__ = ["Accel", "plain", "prepare"]
 
@@ -55,18 +58,12 @@ class Accel:
     def apply(self, model: torch.nn.Module) -> None:
         """The same layer library for another model of the run (the frozen reference model)."""
         if self.matmul == "onednn":
-            from postrl.accel.matmul import use_onednn
-
-            use_onednn(model)
+            matmul.use_onednn(model)
 
     def generator(self, model, tokenizer, batch_size: int | None = None):
         """An :class:`~postrl.rollout.hf.HFGenerator` for ``model`` with this layer's decoder and thread policy."""
-        from postrl.rollout.hf import HFGenerator
-
         decoder = None
         if self.decode is not None:
-            from postrl.accel.decoder import StaticDecoder
-
             decoder = partial(StaticDecoder, library=self.decode)
         return HFGenerator(model, tokenizer, batch_size, decoder=decoder, threads=self.threads)
 
@@ -77,8 +74,6 @@ class Accel:
         ``FUSED_MAX_POSITIONS`` positions); else, and with mode off, by the model's own forward."""
         logits = None
         if self.fused:
-            from postrl.accel import fused
-
             if fused.applies(model, prompt_ids.shape[1], completion_ids.shape[1]):
                 logits = fused.fused_completion_logits(model, prompt_ids, prompt_mask, completion_ids)
         return completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, temperature, logits=logits, **kw)
@@ -104,8 +99,6 @@ def prepare(model: torch.nn.Module, cfg, device: torch.device | str | None = Non
     static decoder (in torch) applies. A choice that cannot run here is a :class:`ConfigError`."""
     if cfg.mode == "off":
         return plain(cfg.threads)
-    from postrl.accel import matmul
-    from postrl.accel.decoder import StaticDecoder, decode_library
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

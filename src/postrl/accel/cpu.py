@@ -35,6 +35,9 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
+from postrl.accel import decoder
+from postrl.accel.matmul import OneDNNLinear, _mm
+
 
 # Models up to this hidden size generate on one thread (``for_model``): a decode step's products are too small for a
 # second thread to pay, and a fixed count keeps sampling bit-reproducible (a measured choice may differ between
@@ -82,12 +85,10 @@ class ThreadPolicy:
         inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
         if threads is None and hidden <= SMALL_HIDDEN:
             kw.setdefault("pinned", {"generation": 1})  # tiny decode operators; bit-reproducible sampling
-        from postrl.accel.matmul import OneDNNLinear
-        from postrl.accel.decoder import _ONEDNN_MIN_HIDDEN
 
         onednn_gen = False
         if any(type(m) is OneDNNLinear for m in model.modules()):  # as the update and the decoder use it
-            onednn_gen = hidden > _ONEDNN_MIN_HIDDEN  # the decode steps' products, numpy steps included
+            onednn_gen = hidden > decoder._ONEDNN_MIN_HIDDEN  # the decode steps' products, numpy steps included
             kw.setdefault("onednn", {"update": True, "generation": onednn_gen})
         if decode == "numpy" and not onednn_gen:
             kw.setdefault("numpy", ("generation",))
@@ -130,7 +131,7 @@ class ThreadPolicy:
 
             return unit_np, reps
         if self.onednn.get(phase):
-            from postrl.accel.matmul import _mm as linear
+            linear = _mm
 
             def grad_w(h, x):  # [inter, hidden], as the oneDNN layer's backward computes it
                 return linear(x.t(), h.t()).t()
@@ -172,9 +173,7 @@ class ThreadPolicy:
             if phase in self.numpy:
                 blas.limit(limits=c)  # undone when ``blas`` exits
 
-        from postrl.accel.decoder import blas_controller
-
-        blas = blas_controller() if phase in self.numpy else None
+        blas = decoder.blas_controller() if phase in self.numpy else None
         try:
             with torch.inference_mode(), blas.limit(limits=old) if blas is not None else nullcontext():
                 for c in cands:  # warm-up: first-call allocations

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from postrl.accel.matmul import OneDNNLinear, _mm, onednn_grad_input, onednn_grad_weight
+from postrl.accel.decoder import StaticDecoder, _LINEAR
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Spec, or None when not supported
@@ -49,8 +50,6 @@ def spec_for(model) -> _Spec | None:
     if not isinstance(model, torch.nn.Module):
         return None
     if model not in _SPECS:
-        from postrl.accel.decoder import StaticDecoder
-
         _SPECS[model] = _Spec(model) if StaticDecoder.supports(model) else None
     spec = _SPECS[model]
     if spec is None:
@@ -146,8 +145,6 @@ class _Spec:
 
     def same_params(self, model) -> bool:
         """Whether the model still holds the parameters (and linear layer classes) this spec was made from."""
-        from postrl.accel.decoder import _LINEAR
-
         if list(model.model.layers) != self.layers or any(
                 type(lin) not in _LINEAR for layer in self.layers
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,

@@ -69,6 +69,7 @@ def digit_fraction(prompts, completions, **_):
 
 def correct_reward(prompts, completions, answer=None, task=None, **_):
     """postrl's ``correct`` (the task verifier), with only the columns it needs (TRL passes many kwargs)."""
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.rewards.builtin import correct
 
     return correct(prompts, completions, task=task, answer=answer)
@@ -115,6 +116,7 @@ def measure_peaks(quick: bool = False) -> dict:
     """
     import torch
 
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.accel import matmul as mm_lib
 
     old = torch.get_num_threads()
@@ -226,6 +228,7 @@ def generation_bound(shape: dict, rows: int, prompt_len: int, T: int, bandwidth:
 
 # ------------------------------------------------------------------------------------------------ model
 def build_bench_model(path: str | Path, size: str, seed: int = 0) -> Path:
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.models.tiny import build_local
 
     path = Path(path)
@@ -286,6 +289,7 @@ class LoadMeter:
         self.t0, self.busy0, self.own0 = time.perf_counter(), _machine_busy_s(), _tree_cpu_s(self.pids)
 
     def stop(self) -> dict:
+        # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
         from postrl.accel.cpu import usable_cores
 
         wall = time.perf_counter() - self.t0
@@ -361,6 +365,7 @@ class _Proto:
 
 
 def _bench_rows(spec: Spec, steps: int) -> list[dict]:
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.data import load_source
 
     src = load_source({"name": "arithmetic"})
@@ -386,6 +391,7 @@ def _policy_threads(policy) -> str:
 def _postrl_worker(spec: Spec, proto: _Proto) -> None:
     import torch
 
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.config import load_config
     from postrl.train.trainer import Trainer
 
@@ -682,6 +688,7 @@ def _scaling_point(spec: Spec, root: Path, procs: int, log: Any) -> dict:
 
 def run_steps_main(argv: list[str]) -> int:
     """``python -m postrl.benchmark run-steps SPEC OUT``: postrl only, no parent protocol; rank 0 writes OUT."""
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.config import load_config
     from postrl.train.trainer import Trainer
 
@@ -809,6 +816,7 @@ def run(quick: bool = False, sizes: list[str] | None = None, lengths: list[int] 
     for name in also or []:  # e.g. trl@1: TRL with 1 torch thread; postrl:accel.mode=off: postrl with overrides
         variants[name] = parse_variant(name)
     summaries = []
+    # lazy: the CLI's parser and the TRL side's worker import this module without postrl's torch code
     from postrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()

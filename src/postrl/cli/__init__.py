@@ -20,6 +20,8 @@ from postrl.cli import (budget, calibrate, check_logprobs, compare, config, doct
 from postrl.cli import eval as eval_command
 from postrl.cli.common import show_warnings_as_lines
 from postrl.errors import PostrlError
+from postrl.benchmark.harness import add_parser as add_bench_parser
+from postrl.launch import relaunch_if_needed
 
 __all__ = ["main", "build_parser", "quiet_openmp_spin"]
 
@@ -49,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for command in _BEFORE_BENCH:
         command.add_parser(sub)
-    from postrl.benchmark.harness import add_parser as add_bench_parser  # postrl bench: side by side with TRL
-
-    add_bench_parser(sub)
+    add_bench_parser(sub)  # postrl bench: side by side with TRL
     for command in _AFTER_BENCH:
         command.add_parser(sub)
     return p
@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     """The ``postrl`` command (console script and ``python -m postrl``); returns the exit status."""
     quiet_openmp_spin()
     show_warnings_as_lines()
-    from postrl.launch import relaunch_if_needed
-
     try:
         status = relaunch_if_needed(list(sys.argv[1:] if argv is None else argv))
     except PostrlError as e:

@@ -20,7 +20,7 @@ def _option(text: str) -> tuple[str, float, float]:
 
 
 def run(args) -> int:
-    from postrl.diagnostics.budget import estimate_noise, gradient_variance, plan_budget, plan_options, signal_var
+    from postrl.diagnostics.budget import estimate_noise, gradient_variance, plan_options, signal_var
     from postrl.io import read_jsonl
 
     measured = None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from postrl.cli.common import add_import_paths
+from postrl.errors import ConfigError
+
 
 def run(args) -> int:
     from pathlib import Path
 
     from rich.console import Console
 
-    from postrl.cli.common import add_import_paths
     from postrl.compare import cell_state, load_spec, plan, run_comparison
 
     add_import_paths(args.spec)
@@ -16,8 +18,6 @@ def run(args) -> int:
     if args.out:
         spec.out = Path(args.out)
     if args.jobs < 1:
-        from postrl.errors import ConfigError
-
         raise ConfigError(f"--jobs: expected at least 1, got {args.jobs}")
     console = Console()
     if not console.is_terminal:  # a log file: the table's full width, not 80 columns

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from postrl.errors import ConfigError
+
 # postrl.models.merge.METHODS (not imported here: it loads torch, and `postrl --help` must not)
 METHODS = ("linear", "task_arithmetic", "ties", "dare", "dare_ties", "update_selective")
 
@@ -48,7 +50,6 @@ def run(args) -> int:
     import shutil
     from pathlib import Path
 
-    from postrl.errors import ConfigError
     from postrl.models.merge import check_options, merge_folders
     from postrl.train.checkpoint import _fsync_tree, _publish
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from postrl.cli.common import add_import_paths
 from postrl.errors import PostrlError
+from postrl import registry
 
 _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
 
@@ -92,8 +93,6 @@ def stage_parameters(fn) -> list[dict]:
 
 
 def _entries(name: str, kind: str | None) -> list:
-    from postrl import registry
-
     if ":" in name:  # a user's stage by import path, resolved like a config's
         return [registry.entry(kind or "reward", name)]
     found = [e for e in registry.all_entries() if e.name == name and (kind is None or e.kind == kind)]
@@ -105,7 +104,7 @@ def _entries(name: str, kind: str | None) -> list:
 
 
 def _describe(e) -> dict:
-    from postrl import registry, stages
+    from postrl import stages
 
     fn = e.fn
     mod = getattr(fn, "__module__", None) or type(fn).__module__
@@ -144,8 +143,6 @@ def _render(d: dict) -> None:
 
 
 def run(args) -> int:
-    from postrl import registry
-
     if args.kind is not None and args.kind not in registry.KINDS:
         raise PostrlError(f"--kind '{args.kind}': valid kinds: {', '.join(registry.KINDS)}")
     if args.name is not None:

@@ -7,6 +7,7 @@ import sys
 
 from postrl.cli.common import add_import_paths, split_args
 from postrl.errors import PostrlError
+from postrl import registry
 
 
 def run(args) -> int:
@@ -21,8 +22,6 @@ def run(args) -> int:
     cfg = load_config(path, overrides)
     specs = [RewardSpec(name=n, weight=1.0) for n in args.reward] if args.reward else list(cfg.rewards)
     if args.reward:
-        from postrl import registry
-
         for s in specs:
             registry.entry("reward", s.name)  # unknown name: one-line error listing the valid ones
     rows = load_source(cfg.task.model_dump()).eval_rows(args.n, cfg.seed)

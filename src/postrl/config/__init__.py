@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from postrl import registry
 from postrl.config.diagnostics import DiagnosticsConfig, LoggingConfig
 from postrl.errors import ConfigError
 
@@ -640,7 +641,8 @@ def check_stages(cfg: Config) -> None:
     (``postrl.stages.check_params``: the annotations of the stage's keyword-only parameters, and its registered
     ``check``); what a check derives from the run (e.g. a length from ``rollout.max_new_tokens``) is written
     into the config, so ``postrl config show`` shows it."""
-    from postrl import registry, stages
+    # stages, data and rewards load torch: postrl.config stays importable without it (the CLI, the alarms)
+    from postrl import stages
     from postrl.data import load_source
     from postrl.rewards import columns_in_kwargs
 

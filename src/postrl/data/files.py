@@ -28,6 +28,7 @@ from postrl.seeding import stable_hash
 from postrl.io import read_jsonl
 from postrl.errors import ConfigError, DataError
 from postrl.registry import register
+from postrl import registry
 
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 _SPLIT_SEED = "postrl-eval-split"
@@ -144,8 +145,6 @@ def check_prompt(prompt: Any, where: str) -> str | list[dict]:
 
 def _verifier(verifier: str) -> str:
     """a registered task with a verifier (not a data source)"""
-    from postrl import registry
-
     try:
         cls = registry.get("task", verifier)
     except ConfigError as e:  # unknown name: the registry's message lists the valid ones
@@ -245,6 +244,7 @@ class RowsSource(PromptSource):
 
     @staticmethod
     def verify(completion: str, row: dict) -> float | None:
+        # circular at import: postrl.data imports this module
         from postrl.data import verify_row
 
         return verify_row(completion, row)

@@ -26,6 +26,7 @@ from postrl.seeding import stable_hash
 from postrl.errors import ConfigError
 from postrl.registry import register
 from postrl.stages import parameters
+from postrl import registry
 
 HELD_OUT_MOD = 10
 MAX_DIGITS = 1000  # arithmetic operands: a product has up to 2000 digits, within Python's int <-> str limit (4300)
@@ -116,8 +117,6 @@ def digit_range(task: str) -> Any:
     each defaulting to the task's own default."""
 
     def check(params: dict, run: Any, where: str) -> dict:
-        from postrl import registry
-
         p = {**{k: d for k, (_, d) in parameters(registry.get("task", task)).items()}, **params}
         if p["min_digits"] > p["digits"]:
             raise ConfigError(f"{where}.min_digits: expected a value <= digits ({p['digits']}), got {p['min_digits']}")

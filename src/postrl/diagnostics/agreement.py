@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from postrl.context import ModelContext
 from postrl.generation import Generation, SamplingParams, encode_prompt, fit_prompts
+from postrl.data import load_source
 
 BAND = 0.1
 """A token is outside when its probability ratio exp(d) is below 1 - BAND or above 1 + BAND."""
@@ -154,8 +155,6 @@ def check_agreement(model: Any, tokenizer: Any, cfg: Any, *, generator: Any, log
     configured top-p / top-k when the config has one, else ``probe_top_p`` (default 0.9) / ``probe_top_k``
     (default off); given explicitly they override the config's. With temperature 0 (greedy) no filter applies and
     the filter rows are left out."""
-    from postrl.data import load_source
-
     r = cfg.rollout
     model.train()  # the update's forward (dropout included, if the model has any); the generator samples in eval
     rows = load_source(cfg.task.model_dump()).eval_rows(prompts, cfg.seed)

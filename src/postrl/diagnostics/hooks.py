@@ -22,6 +22,10 @@ import torch
 from postrl.io import read_jsonl
 from postrl.diagnostics.metrics import memory_metrics, mismatch_metrics
 from postrl.diagnostics.monitors import Alarm, Watchdog
+from postrl.diagnostics.sinks import make_sinks
+from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
+from postrl.generation import SamplingParams
+from postrl.logprobs import completion_logprobs
 
 
 class Diagnostics:
@@ -53,8 +57,6 @@ class Diagnostics:
         self.skipped_total = int(sum(float(m.get("nan_guard/skipped", 0) or 0) for m in logged))
         self.sinks = []
         if main and cfg.logging.sinks:
-            from postrl.diagnostics.sinks import make_sinks
-
             self.sinks = make_sinks(list(cfg.logging.sinks), self.run_dir, run_config,
                                     run_name=cfg.logging.run_name, project=cfg.logging.project,
                                     mlflow_uri=cfg.logging.mlflow_uri)
@@ -212,10 +214,6 @@ class Diagnostics:
         ratio 1 at the point of measurement); the negative log-likelihood of the completions when every advantage
         is zero (the objective is then flat).
         """
-        from postrl.diagnostics.stability import adam_preconditioner, stability_threshold, top_eigenvalue
-        from postrl.logprobs import completion_logprobs
-        from postrl.generation import SamplingParams
-
         p = self.cfg.edge_of_stability
         obj = self.objective
         temp = self.run_cfg.rollout.temperature or 1.0

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from postrl.rewards import score_batch
+
 FILLER = "Let me think about this step by step. "
 
 
@@ -98,8 +100,6 @@ class ProbeResult:
 
 def run_probe(rows: list[dict], specs: list, *, probes: list[Probe] | None = None, context=None) -> ProbeResult:
     """Score every probe built from ``rows`` with every reward spec (objects with name, params, weight)."""
-    from postrl.rewards import score_batch
-
     probes = probes or PROBES
     prompts, completions, which = [], [], []
     keys = [k for k in (rows[0] if rows else {}) if k != "prompt"]

@@ -43,6 +43,7 @@ import inspect
 from typing import Any
 
 from postrl.errors import ConfigError
+from postrl import stages
 
 
 class Environment:
@@ -82,8 +83,6 @@ async def _await(aw: Any) -> Any:
 def make(name: str, params: dict | None = None) -> Any:
     """One instance of the environment registered as ``name`` (or ``module:Class``) with ``params``
     (``postrl.stages.build``: the parameters validated, the class instantiated)."""
-    from postrl import stages
-
     try:
         return stages.build("environment", name, dict(params or {}), where="environment").fn
     except (TypeError, ValueError) as e:

@@ -46,14 +46,13 @@ from postrl.environments import Environment, call
 from postrl.environments.tools import ToolEnvironment
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl import registry
 
 SCORE_KEYS = ("prompt", "completion", "answer", "state", "task", "info", "parser")
 
 
 def resolve(path: str, field: str) -> Any:
     """The object at import path ``module:attr`` (``field`` names the config field in errors)."""
-    from postrl import registry
-
     if not isinstance(path, str) or ":" not in path:
         raise ConfigError(f"environment.{field}: expected an import path 'module:name', got {path!r}")
     return registry.find("environment", path).fn

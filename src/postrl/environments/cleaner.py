@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from postrl.batch import RolloutBatch
-from postrl.environments.episodes import TURN_COUNTERS, turn_index
+from postrl.environments.turns import TURN_COUNTERS, turn_index
 from postrl.environments.tools import OPEN
 
 

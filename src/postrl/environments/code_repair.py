@@ -8,8 +8,9 @@ from typing import Annotated
 from annotated_types import Ge, Gt
 
 from postrl.environments import Environment
-from postrl.rewards.code import sandbox_errors
+from postrl.rewards.code import code_reshaped, extract_code, reshaped_score, sandbox_errors
 from postrl.registry import register
+from postrl.sandbox import Limits, run
 
 
 FAILURE_CAUSES = ("syntax", "compile", "runtime", "semantic", "timeout", "memory", "output_limit", "killed",
@@ -84,8 +85,6 @@ class CodeRepairEnv(Environment):
         return str(row["prompt"])
 
     def _run(self, code: str):
-        from postrl.sandbox import Limits, run
-
         with sandbox_errors():
             res = run(code, self.row["tests"], limits=Limits(timeout=self.timeout, memory_mb=self.memory_mb))
         self.runs += 1
@@ -94,8 +93,6 @@ class CodeRepairEnv(Environment):
         return res
 
     def step(self, action: str) -> tuple[str, float | None, bool, dict]:
-        from postrl.rewards.code import code_reshaped, extract_code, reshaped_score
-
         code = extract_code(action)
         res = self._run(code)
         for _ in range(self.timeout_retries):

@@ -31,6 +31,8 @@ from postrl.groups import group_index, group_stats, valid_mask
 from postrl.registry import register
 from postrl.seeding import stable_hash
 from postrl.stages import StepEnd, Stateful
+from postrl.generation import left_pad
+from postrl.logprobs import completion_logprobs
 
 
 def turn_starts(turn_ends: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -416,8 +418,6 @@ class OPRL(Stateful):
 
     def _logratio(self, prompt_ids, prompt_mask, completion_ids, grad: bool = False) -> torch.Tensor:
         """log pi_prm - log pi_ref per completion token [n, T] (temperature 1)."""
-        from postrl.logprobs import completion_logprobs
-
         self._ensure()
         vocab = self.prm.get_output_embeddings().weight.shape[0]
         top = int(max(completion_ids.max(), prompt_ids.max())) if completion_ids.numel() else 0
@@ -484,8 +484,6 @@ class OPRL(Stateful):
         return out
 
     def _tensors(self, recs: list):
-        from postrl.generation import left_pad
-
         p_ids, p_mask = left_pad([r[2] for r in recs], 0)
         W = max(max(len(r[3]) for r in recs), 1)
         c_ids = torch.zeros((len(recs), W), dtype=torch.long)

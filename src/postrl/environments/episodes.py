@@ -69,15 +69,14 @@ import torch
 from postrl.batch import RolloutBatch
 from postrl.seeding import stable_hash
 from postrl.environments import call
+from postrl.environments.cleaner import purify as purify_batch
 from postrl.environments.tools import CLOSE, schemas
+from postrl.environments.turns import TURN_COUNTERS, turn_index
 from postrl.errors import PostrlError
 from postrl.generation import SamplingParams
 from postrl.generation import left_pad
 
 COUNTERS = ("tool_calls", "tool_errors", "malformed_calls", "user_errors")
-TURN_COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")  # also kept per turn: turn_<name> [N, K]
-
-
 def uses_template(tokenizer: Any, chat_template: str) -> bool:
     return chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
 
@@ -369,21 +368,7 @@ def rollout(ctx: Any, rows: list[dict], group_size: int, seeds: list[int], make_
         sampler_logprobs=c_lp, truncated=~finished, prompts=[rows[row_of[r]].get("prompt", "") for r in range(N)],
         completions=[tok.decode(c, skip_special_tokens=True) for c in comp], columns=columns, extra=ex)
     if purify == "cleaner":
-        from postrl.environments.cleaner import purify as purify_batch
-
         batch = purify_batch(ctx, batch, similarity=purify_similarity)
     elif purify != "none":
         raise PostrlError(f"environment.purify: expected none or cleaner, got '{purify}'")
     return batch
-
-
-def turn_index(turn_ends: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """[N, T] long: k on the model tokens of turn k (the tokens up to ``turn_ends[:, k]`` after turn k-1's end,
-    in the loss mask), -1 on environment tokens and padding."""
-    T = completion_mask.shape[1]
-    t = torch.arange(T)
-    ends = turn_ends.clone()
-    before = (ends[:, None, :] < t[None, :, None]) & (ends[:, None, :] >= 0)          # [N, T, K]
-    k = before.sum(-1)
-    inside = k < (ends >= 0).sum(-1, keepdim=True)
-    return torch.where(inside & (completion_mask > 0), k, torch.full_like(k, -1))

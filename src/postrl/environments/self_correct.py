@@ -23,6 +23,7 @@ from annotated_types import Ge
 from postrl import registry
 from postrl.environments import Environment
 from postrl.registry import register
+from postrl.data import verify_row
 
 INSTRUCTION = ("There might be an error in the solution above because of lack of understanding of the question. "
                "Please correct the error, if any, and rewrite the solution.")
@@ -47,16 +48,12 @@ class SelfCorrect(Environment):
         self.k = 0
 
     def reset(self, row: dict) -> str:
-        from postrl.data import verify_row
-
         if verify_row("", row) is None:
             raise ValueError(f"self_correct: the row has no task verifier (task={row.get('task')!r})")
         self.row, self.k = dict(row), 0
         return str(row["prompt"])
 
     def step(self, action: str) -> tuple[str, float | None, bool, dict]:
-        from postrl.data import verify_row
-
         self.k += 1
         reward = float(verify_row(action, self.row))
         done = self.k >= self.attempts

@@ -12,6 +12,8 @@ from annotated_types import Ge, Gt
 from postrl.environments.chat import endpoint_chat
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.io import load_object
+from postrl.rewards.judge import parse_score
 
 CONTRIBUTION_PROMPT = (
     "Task:\n{prompt}\n\nThe assistant's steps so far:\n{history}\n\nStep {k}:\n{action}\nResult:\n{observation}\n\n"
@@ -20,8 +22,6 @@ CONTRIBUTION_PROMPT = (
 
 
 def _judge_one(base_url: str, model: str, text: str, timeout: float, api_key_env: str) -> float:
-    from postrl.rewards.judge import parse_score
-
     reply = endpoint_chat(base_url, model, [{"role": "user", "content": text}], timeout=timeout, max_tokens=64,
                           api_key_env=api_key_env)
     return parse_score(reply, 10.0)
@@ -67,8 +67,6 @@ def steptool(reward: torch.Tensor, turn_ends: torch.Tensor, turn_tool_calls: tor
     if contribution or judge_url:
         fn = None
         if contribution:
-            from postrl.io import load_object
-
             fn = load_object(contribution, "shaping.steptool.contribution")
 
         def one(i: int) -> list[float] | None:

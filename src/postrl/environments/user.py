@@ -20,6 +20,8 @@ from postrl.environments import Environment
 from postrl.environments.chat import ChatError, LocalChat, call_with_timeout, endpoint_chat
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.data import verify_row
+from postrl.io import load_object
 
 DEFAULT_PERSONA = ("You are a user talking to an assistant. Your goal: {goal}. Reply with one short message; reveal "
                    "what the assistant asks for, one thing at a time. When your goal is met, reply {stop}.")
@@ -60,8 +62,6 @@ class SimulatedUser(Environment):
                  reward_fn: str | None = None, success: float = 1.0, stop: str = "###STOP###",
                  timeout: Annotated[float, Gt(0)] = 30.0, max_tokens: Annotated[int, Ge(1)] = 128,
                  temperature: Annotated[float, Ge(0)] = 0.0, api_key_env: str = "OPENAI_API_KEY"):
-        from postrl.io import load_object
-
         self.base_url, self.model, self.timeout = base_url, model, float(timeout)
         self.max_tokens, self.temperature, self.api_key_env = max_tokens, temperature, api_key_env
         self.local = LocalChat(user_model, max_tokens=max_tokens, temperature=temperature) if user_model else None
@@ -84,8 +84,6 @@ class SimulatedUser(Environment):
         if self.reward_fn is not None:
             r = self.reward_fn(text, self.row)
         else:
-            from postrl.data import verify_row
-
             r = verify_row(text, self.row)
         return None if r is None else float(r)
 

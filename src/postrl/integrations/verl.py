@@ -94,6 +94,12 @@ from postrl.errors import ConfigError, PostrlError
 from postrl.generation import SamplingParams
 from postrl.groups import dense_ids
 from postrl.logprobs import filtered_token_logprobs
+from postrl.config import Config, load_config
+from postrl.diagnostics.metrics import mismatch_metrics
+from postrl.diagnostics.monitors import Alarm
+from postrl.losses.kl import kl_k3
+from postrl.rewards.core import wants
+from postrl.step import Step
 
 ENV_CONFIG = "POSTRL_CONFIG"
 PREFIX = "postrl_"
@@ -121,9 +127,6 @@ class Run:
     call by their ``postrl_<name>``: the configured one with its parameters, any other with its defaults."""
 
     def __init__(self, path: str):
-        from postrl.config import Config, load_config
-        from postrl.step import Step
-
         self.path = path
         self.config = load_config(path) if path else Config()
         self.step = Step(self.config)
@@ -329,8 +332,6 @@ def _loud(msg: str) -> None:
 def check_scoring(step: Any) -> None:
     """Refuse what verl's per-response reward call cannot feed: shaping that needs a group, process (step)
     rewards, rewards reading token ids or groups."""
-    from postrl.rewards.core import wants
-
     scorer = step.scorer
     for s in scorer.shaping:
         if "group_ids" in s.reads:
@@ -349,8 +350,6 @@ def check_config(cfg: Any) -> None:
     """Everything of a postrl config that must hold to run it on verl, checked before launch (``postrl export
     verl``) and at the plug-in's start-up: the advantage estimator and policy loss read only what verl passes, the
     aggregation has a verl mode, the rewards and shaping run per response. One-line :class:`ConfigError`."""
-    from postrl.step import Step
-
     step = Step(cfg)
     adv = step.advantage
     for s in [adv, step.objective.loss, *step.objective.regularizers]:
@@ -457,9 +456,6 @@ def batch_metrics(data: Any) -> dict[str, float]:
     log-probs to the reference's, per token) and ``entropy`` (mean -log p of the sampled tokens, an unbiased
     estimate of the token entropy of the sampling policy). Without the rows' ``uid`` no group statistic is
     reported (rather than a wrong one)."""
-    from postrl.diagnostics.metrics import mismatch_metrics
-    from postrl.losses.kl import kl_k3
-
     batch, grouped = rollout_batch(data)
     m = run().step.metrics(batch, {})
     if not grouped:
@@ -502,8 +498,6 @@ def diagnose(data: Any) -> dict[str, float]:
 def unmeasured_filter_alarm(r: Run, measured: bool) -> Any:
     """The ``filtered_sampling`` alarm when the postrl config samples with top-p / top-k, the trainer's log-probs
     are uncorrected (``rollout.logprobs: full``) and verl's batch does not show the kept mass; None otherwise."""
-    from postrl.diagnostics.monitors import Alarm
-
     s = r.sampling
     if measured or not s.filters or s.logprob_filter() or not r.config.diagnostics.filtered_sampling.enabled:
         return None

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from postrl.errors import PostrlError
+from postrl.models import lora
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,8 +73,6 @@ def cache_keyword(model) -> str | None:
     """The name under which ``model.forward`` takes a key/value cache: ``cache`` (transformers >= 5.24, which
     deprecates the old name) or ``past_key_values`` (earlier versions); None when it takes neither."""
     import inspect
-
-    from postrl.models import lora
 
     if lora.is_lora(model):  # a peft model's forward passes its **kwargs to the model it adapts
         model = model.get_base_model()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib import resources
 
 from postrl.errors import ConfigError
+from postrl.config import yaml_load
 
 
 def names() -> list[str]:
@@ -28,8 +29,6 @@ def path(name: str):
 
 def load(name: str) -> dict:
     """The recipe as a config mapping."""
-    from postrl.config import yaml_load
-
     data = yaml_load(path(name).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe '{name}': expected a mapping at the top level")

@@ -24,6 +24,7 @@ from pathlib import Path
 from postrl.diagnostics.engines import ENGINES
 from postrl.diagnostics.monitors import sort_key, unread, unread_text
 from postrl.report.rundir import Run, load_run
+from postrl.train.run_state import describe_holder, describe_status, holder_alive, read_notices
 
 RUNNING_SECONDS = 300.0  # a run whose metrics.jsonl changed this recently and has no summary counts as running
 
@@ -84,15 +85,12 @@ def diagnose(path: str | Path) -> Diagnosis:
         notes.append(f"training reward {a:.3f} -> {b:.3f} (mean of the first / last {k} steps)")
     for q in run.quarantined():
         notes.append(f"checkpoint {q.name} was unusable on resume and moved aside")
-    from postrl.train.run_state import read_notices
 
     return Diagnosis(run, status, ranked, notes, detail, read_notices(run.path))
 
 
 def _where(run: Run) -> tuple[str, str | None]:
     """(finished | running | stopped, detail): see the module docstring for the order of the evidence."""
-    from postrl.train.run_state import describe_holder, describe_status, holder_alive
-
     if run.foreign is not None:
         if run.finished:
             return "finished", None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from postrl.errors import PostrlError
+from postrl.diagnostics.engines import flatten
 
 
 @dataclass
@@ -316,7 +317,6 @@ def _wandb_run(p: Path) -> Foreign | None:
     if not hist and not config:
         raise PostrlError(f"'{target}': the W&B run has logged nothing yet (a run still open in its process is "
                           "written when it finishes)")
-    from postrl.diagnostics.engines import flatten
 
     if "actor_rollout_ref" in config or any(k.startswith(("critic/", "actor/", "response_length/")) for k in keys):
         engine, settings = "verl", flatten(config)

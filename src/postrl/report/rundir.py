@@ -22,6 +22,11 @@ from pathlib import Path
 
 from postrl.io import read_jsonl
 from postrl.errors import PostrlError
+from postrl.config import yaml_load
+from postrl.diagnostics.engines import settings_config, translate
+from postrl.diagnostics.monitors import replay
+from postrl.report.foreign import read
+from postrl.train.run_state import read_holder, read_status
 
 
 @dataclass
@@ -63,14 +68,10 @@ class Run:
 
     def holder(self) -> dict | None:
         """The process that holds (or, killed, last held) the run's lock: {pid, host, started}, or None."""
-        from postrl.train.run_state import read_holder
-
         return read_holder(self.path)
 
     def end_status(self) -> dict | None:
         """status.json: how the last process ended without finishing (stopped / aborted / failed), or None."""
-        from postrl.train.run_state import read_status
-
         return read_status(self.path)
 
     def quarantined(self) -> list[Path]:
@@ -116,8 +117,6 @@ class Run:
         a monitor existed is diagnosed too), and merged with the alarms recorded in metrics.jsonl.
         """
         if self._alarms is None:
-            from postrl.diagnostics.monitors import replay
-
             replayed, final = replay(self.metrics, self.evals, self.config, engine=self.engine)
             per_step: list[list[dict]] = []
             for m, rep in zip(self.metrics, replayed):
@@ -148,8 +147,6 @@ def load_run(path: str | Path) -> Run:
     if not p.exists():
         raise PostrlError(f"'{p}': no such run directory or file")
     if not (p.is_dir() and ((p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file())):
-        from postrl.report.foreign import read
-
         other = read(p)
         if other is None:
             raise PostrlError(f"'{p}': not a run postrl reads (a postrl run directory: config.yaml, metrics.jsonl; "
@@ -158,8 +155,6 @@ def load_run(path: str | Path) -> Run:
         return _foreign_run(p, other)
     config: dict = {}
     if (p / "config.yaml").is_file():
-        from postrl.config import yaml_load
-
         try:
             config = yaml_load((p / "config.yaml").read_text()) or {}
         except Exception:  # noqa: BLE001 - a damaged config must not stop the diagnosis
@@ -175,8 +170,6 @@ def load_run(path: str | Path) -> Run:
 
 
 def _foreign_run(path: Path, other) -> Run:
-    from postrl.diagnostics.engines import settings_config, translate
-
     metrics = [translate(other.engine, r) for r in other.rows]
     evals = [translate(other.engine, e) for e in other.evals]
     if other.engine == "postrl":  # postrl's own W&B sink: its config is postrl's

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from postrl.errors import PostrlError
+from postrl.models.tiny import SIZES, build_model, build_tokenizer
 
 __all__ = ["BagOfTokensConfig", "BagOfTokensModel", "load_backbone", "hidden_size"]
 
@@ -116,8 +117,6 @@ def load_backbone(spec: str | Path, seed: int = 0, lm_head: bool = False):
     _transformers_quiet()
     spec_s = str(spec)
     if spec_s.startswith("tiny:"):
-        from postrl.models.tiny import SIZES, build_model, build_tokenizer
-
         size = spec_s.split(":", 1)[1]
         if size not in SIZES:
             raise PostrlError(f"backbone '{spec_s}': unknown tiny size '{size}'; valid: {', '.join(SIZES)}")
@@ -129,8 +128,6 @@ def load_backbone(spec: str | Path, seed: int = 0, lm_head: bool = False):
         raise PostrlError(f"backbone '{spec_s}': a bag-of-tokens encoder has no language-model head; --lm-reg needs "
                           f"a causal LM (a model folder or tiny:<size>)")
     if spec_s.startswith("bag:"):
-        from postrl.models.tiny import build_tokenizer
-
         try:
             dim = int(spec_s.split(":", 1)[1])
         except ValueError:

@@ -38,6 +38,11 @@ from typing import Callable, Sequence
 import torch
 
 from postrl.errors import ConfigError
+from postrl.generation import SamplingParams, encode_prompt
+from postrl.io import load_object
+from postrl.models import check_model_folder, load_model_and_tokenizer
+from postrl.rollout.hf import HFGenerator
+from postrl.seeding import derive_seed
 
 __all__ = ["CRITIQUE_MARKER", "critique_request", "with_critique", "Critic", "attach_critiques", "cloud_scores"]
 
@@ -73,12 +78,8 @@ class Critic:
         if self._fn is not None or self._gen is not None:
             return
         if ":" in self.spec and not Path(self.spec).is_dir():
-            from postrl.io import load_object
-
             self._fn = load_object(self.spec, "critic")
             return
-        from postrl.models import check_model_folder, load_model_and_tokenizer
-        from postrl.rollout.hf import HFGenerator
 
         folder = check_model_folder(self.spec, "critic")
         model, tok = load_model_and_tokenizer(folder, "float32")
@@ -86,8 +87,6 @@ class Critic:
         self._gen = (HFGenerator(model, tok, batch_size=self.batch_size), tok)
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], n: int = 1, seed: int = 0) -> list[list[str]]:
-        from postrl.seeding import derive_seed
-
         self._load()
         requests = [critique_request(p, r) for p, r in zip(prompts, responses)]
         seeds = [derive_seed(seed, p, r) for p, r in zip(prompts, responses)]
@@ -100,7 +99,6 @@ class Critic:
                 raise ConfigError(f"critic '{self.spec}': expected a list of {len(requests)} lists of {n} critique "
                                   f"texts (one list per request)")
             return out
-        from postrl.generation import SamplingParams, encode_prompt
 
         gen, tok = self._gen
         ids = [encode_prompt(tok, q, self.chat_template) for q in requests]

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from postrl.errors import DataError
+from postrl.data import read_rows
 
 __all__ = ["PreferencePair", "read_preferences", "check_preferences"]
 
@@ -146,6 +147,4 @@ def check_preferences(rows: list[dict], source: str = "preferences", *, allow_li
 
 def read_preferences(path: str | os.PathLike, *, allow_lists: bool = False, bias_column: str = "bias"):
     """Read and check a preference file (see the module docstring)."""
-    from postrl.data import read_rows
-
     return check_preferences(read_rows(path), str(Path(path)), allow_lists=allow_lists, bias_column=bias_column)

@@ -31,6 +31,9 @@ from typing import Sequence
 
 import torch
 
+from postrl.calibration import ece
+from postrl.errors import ConfigError
+
 __all__ = ["pairwise_accuracy", "best_of_many_accuracy", "preference_ece", "starc_distance", "aggregate_ensemble",
            "canonicalise", "teacher_variance", "UWO_LAMBDA"]
 
@@ -54,8 +57,6 @@ def best_of_many_accuracy(r_correct, r_wrong: Sequence[Sequence[float]]) -> floa
 
 def preference_ece(r_chosen, r_rejected, beta: float = 1.0, n_bins: int = 10) -> float:
     """ECE of sigmoid(beta (r_c - r_r)), symmetrised over both orderings."""
-    from postrl.calibration import ece
-
     d = beta * (torch.as_tensor(r_chosen, dtype=torch.float64) - torch.as_tensor(r_rejected, dtype=torch.float64))
     p = torch.sigmoid(d)
     return ece(torch.cat([p, 1 - p]).numpy(), torch.cat([torch.ones_like(p), torch.zeros_like(p)]).numpy(), n_bins)
@@ -110,6 +111,5 @@ def aggregate_ensemble(scores: torch.Tensor, how: str = "mean", uwo_lambda: floa
         return scores.min(-1).values
     if how == "uwo":
         return scores.mean(-1) - uwo_lambda * scores.var(-1, unbiased=False)
-    from postrl.errors import ConfigError
 
     raise ConfigError(f"ensemble aggregate '{how}': valid: mean, min, uwo")

@@ -43,6 +43,8 @@ from torch import nn
 
 from postrl.errors import PostrlError
 from postrl.reward_models.backbones import hidden_size, load_backbone
+from postrl.generation import encode_prompt
+from postrl.reasoning_steps import step_spans
 
 __all__ = ["RewardModel", "RewardEnsemble", "load_reward_model", "step_pieces", "reduce_steps", "CONFIG_NAME"]
 
@@ -62,8 +64,6 @@ def step_pieces(text: str, delimiter: str = "\n\n", steps: Sequence[str] | None 
     run's step texts, e.g. the trainer's ``steps`` column) is given, they are located in order in ``text``
     instead; a step that cannot be found raises ValueError.
     """
-    from postrl.reasoning_steps import step_spans
-
     if steps is None:
         bounds = [end for _, _, end in step_spans(text, delimiter)]
     else:
@@ -162,8 +162,6 @@ class RewardModel(nn.Module):
     def _prompt_ids(self, prompt: str) -> list[int]:
         ids = self._prompt_cache.get(prompt)
         if ids is None:
-            from postrl.generation import encode_prompt
-
             ids = encode_prompt(self.tokenizer, prompt, self.chat_template) if prompt else []
             if len(self._prompt_cache) < 100_000:
                 self._prompt_cache[prompt] = ids

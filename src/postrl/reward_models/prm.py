@@ -30,6 +30,9 @@ from postrl.errors import ConfigError, DataError
 from postrl.reward_models.backbones import load_backbone
 from postrl.reward_models.model import RewardModel, step_pieces
 from postrl.reward_models.train import RMTrainConfig
+from postrl.data import read_rows
+from postrl.generation import SamplingParams, encode_prompt
+from postrl.rollout.hf import HFGenerator
 
 __all__ = ["StepRecord", "mc_step_labels", "hf_sampler", "train_prm", "fit_prm", "read_step_records"]
 
@@ -100,10 +103,6 @@ def hf_sampler(model, tokenizer, *, max_new_tokens: int = 32, temperature: float
 
     The prompt is encoded like the policy's (``encode_prompt``), the prefix tokenised without special tokens.
     """
-    from postrl.generation import encode_prompt
-    from postrl.generation import SamplingParams
-    from postrl.rollout.hf import HFGenerator
-
     gen = HFGenerator(model, tokenizer, batch_size=batch_size)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=list(stop))
 
@@ -188,8 +187,6 @@ def fit_prm(backbone: str, records: Sequence[StepRecord], cfg: RMTrainConfig | N
 
 def read_step_records(path) -> list[StepRecord]:
     """Step records from a JSONL/JSON/parquet file with ``prompt``, ``completion``, ``labels`` (list of numbers)."""
-    from postrl.data import read_rows
-
     out = []
     for i, r in enumerate(read_rows(path), 1):
         for f in ("prompt", "completion", "labels"):

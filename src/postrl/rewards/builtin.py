@@ -30,6 +30,8 @@ from pydantic import AfterValidator
 
 from postrl.errors import PostrlError
 from postrl.registry import register
+from postrl.data import verify_row
+from postrl.data.reasoning_gym import ReasoningGymSource
 
 EXTRACT_MODES = ("none", "answer_tag", "boxed", "last_number", "auto")
 Extract = Literal["none", "answer_tag", "boxed", "last_number", "auto"]  # where the answer is (module docstring)
@@ -134,8 +136,6 @@ def correct(prompts, completions, task=None, **columns):
     the per-completion columns (not ``trainer_state``, ``log_extra``, ``log_metric``: one for the whole call).
     A row without a verifier does not apply to this reward (None, TRL's semantics: the other sources score it).
     """
-    from postrl.data import verify_row
-
     keys = [k for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)]
     out = []
     for i, c in enumerate(completions):
@@ -310,8 +310,6 @@ def reasoning_gym_reward(prompts, completions, rg_dataset=None, rg_entry=None, r
     stripped) picks the answer passed to the scorer, e.g. 'answer_tag' for ``<answer>`` formats; no extractable
     answer scores 0.0.
     """
-    from postrl.data.reasoning_gym import ReasoningGymSource
-
     n = len(completions)
     rg_dataset = rg_dataset or [None] * n
     rg_entry = rg_entry or [None] * n

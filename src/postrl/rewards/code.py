@@ -32,6 +32,7 @@ from postrl.sandbox.errors import SandboxConfigError, SandboxDataError, SandboxE
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
 from postrl.sandbox import Limits, SandboxResult, default_pool
+from postrl.sandbox.testspec import unit_keys
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _LAST: threading.local = threading.local()
@@ -375,8 +376,6 @@ class VeRPOWeightedTests(Stateful):
 
 
 def _unit_keys(tests: Any) -> list[str]:
-    from postrl.sandbox.testspec import unit_keys
-
     with sandbox_errors():
         return unit_keys(tests)
 

@@ -24,11 +24,12 @@ from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.errors import ConfigError
 from postrl.registry import register
+from postrl.rewards.model import load_cached
 
 
 def _model(path: str, device: str, what: str):
+    # lazy: postrl.reward_models.model loads transformers, which the rewards package does not need
     from postrl.reward_models.model import RewardModel
-    from postrl.rewards.model import load_cached
 
     rm = load_cached(path, device)
     if not isinstance(rm, RewardModel) or rm.kind == "prm":

@@ -22,6 +22,8 @@ from annotated_types import Ge, Gt, Le
 from postrl.errors import ConfigError
 from postrl.io import load_object
 from postrl.registry import register
+from postrl.generation import encode_prompt, left_pad
+from postrl.rewards.label_free import _sample
 
 DEFAULT_RUBRIC = (
     "You are a strict grader. Read the task, the reference answer (if any) and the response. Score the response "
@@ -250,15 +252,11 @@ def self_judge(prompts, completions, context=None, *, mode: Literal["generate", 
     """
     import torch
 
-    from postrl.generation import encode_prompt, left_pad
-
     if context is None or context.model is None:
         raise ValueError("self_judge needs the policy (the trainer's RewardContext) to judge with")
     tok, model = context.tokenizer, context.model
     texts = [template.format(prompt=p, completion=c) for p, c in zip(prompts, completions)]
     if mode == "generate":
-        from postrl.rewards.label_free import _sample
-
         out: list = []
         for t in texts:
             scores = [s for s in (parse_self_score(r, max_score)

@@ -16,6 +16,8 @@ from annotated_types import Ge, Le
 from postrl.io import column_flag
 from postrl.registry import register
 from postrl.rewards.builtin import Extract, extract_answer, normalize_text, parse_number
+from postrl import registry
+from postrl.generation import encode_prompt
 
 _PURE_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:/\d+)?")
 
@@ -148,8 +150,6 @@ def novelty(prompts, completions, group_ids, *, n: Annotated[int, Ge(1)] = 3, un
     if embed is not None:
         import torch
 
-        from postrl import registry
-
         vecs = torch.as_tensor(registry.get("reward", embed)(list(completions)), dtype=torch.float32)
         vecs = torch.nn.functional.normalize(vecs, dim=-1)
         sim = (vecs @ vecs.T).tolist()
@@ -230,8 +230,6 @@ def co_reward(prompts, completions, group_ids, paraphrase_id=None, paraphrase=No
 def _sample(context, text: str, n: int, max_new_tokens: int, temperature: float) -> list[str]:
     """n completions of ``text`` sampled from the policy in ``context`` (a RewardContext), decoded."""
     import torch
-
-    from postrl.generation import encode_prompt
 
     tok = context.tokenizer
     ids = torch.tensor([encode_prompt(tok, text, context.chat_template)] * n, device=context.device)

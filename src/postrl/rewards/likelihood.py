@@ -8,6 +8,8 @@ import torch
 from annotated_types import Ge
 
 from postrl.registry import register
+from postrl.generation import encode_prompt
+from postrl.logprobs import completion_logprobs
 
 
 @register("reward", "likelihood", source="Likelihood-Based Reward Designs for General LLM Reasoning")
@@ -25,9 +27,6 @@ def likelihood(prompts, completions, answer=None, context=None, *, answer_marker
     batches of ``batch_size``. Defaults: answer_marker=None, reduce='sum', batch_size=16. A missing or empty
     reference gives None. The reward is <= 0 and on the scale of log-probabilities: combine with care (weights).
     """
-    from postrl.logprobs import completion_logprobs
-    from postrl.generation import encode_prompt
-
     if context is None or context.model is None:
         raise ValueError("likelihood needs the policy (a RewardContext from the trainer)")
     if answer is None:

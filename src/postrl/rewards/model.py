@@ -56,8 +56,11 @@ from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
 from postrl.registry import register
-from postrl.reward_models.metrics import UWO_LAMBDA
+from postrl.reward_models.metrics import UWO_LAMBDA, aggregate_ensemble
 from postrl.stages import StepEnd, Stateful
+from postrl.calibration import ConditionalOT, load_calibrator, step_bucket
+from postrl.errors import ConfigError
+from postrl.reward_models.critique import Critic, cloud_scores
 
 MAX_MEMBERS = 8
 _CACHE_SIZE = 64
@@ -75,6 +78,7 @@ def _device(device: str) -> str:
 
 def load_cached(path: str, device: str = "cpu"):
     """The reward model / ensemble in ``path`` (loaded once per process, reloaded when re-written)."""
+    # lazy: postrl.reward_models.model loads transformers, which the rewards package does not need
     from postrl.reward_models import load_reward_model
 
     cfg = Path(path) / "reward_model.json"
@@ -88,7 +92,6 @@ def load_cached(path: str, device: str = "cpu"):
 def _calibrator(path: str | None):
     if path is None:
         return None
-    from postrl.calibration import load_calibrator
 
     with _LOCK:
         if path not in _CALIBRATORS:
@@ -134,8 +137,6 @@ def step_scores_hidden(path: str, prompts, completions, *, steps=None, batch_siz
 
 
 def _calibrate_steps(steps: torch.Tensor, cal, step_buckets: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    from postrl.calibration import step_bucket
-
     s = steps.numpy().astype(np.float64)
     ok = ~np.isnan(s)
     if ok.any():
@@ -148,9 +149,6 @@ def _calibrate_steps(steps: torch.Tensor, cal, step_buckets: int, hidden: torch.
 def _check_feature_calibrator(cal, path: str, calibrator: str, width: int) -> None:
     """``calibrator_features: hidden`` needs a conditional_ot calibrator fitted on as many features as the PRM's
     hidden state has."""
-    from postrl.calibration import ConditionalOT
-    from postrl.errors import ConfigError
-
     if not isinstance(cal, ConditionalOT):
         raise ConfigError(f"rewards.model.calibrator_features: hidden needs a conditional_ot calibrator (postrl "
                           f"calibrate --method conditional_ot --features-field features), '{calibrator}' is "
@@ -163,18 +161,15 @@ def _check_feature_calibrator(cal, path: str, calibrator: str, width: int) -> No
 
 def _score(path, prompts, completions, steps, *, member, aggregate, uwo_lambda, reduce, calibrator, step_buckets,
            batch_size, device, calibrator_features: str = "none") -> list:
-    from postrl.reward_models import aggregate_ensemble, reduce_steps
+    # lazy: postrl.reward_models.model loads transformers
+    from postrl.reward_models import reduce_steps
 
     model = load_cached(path, device)
     if (getattr(model, "meta", None) or {}).get("critique"):
-        from postrl.errors import ConfigError
-
         raise ConfigError(f"rewards.model.path: '{path}' was trained on critiques (postrl rm train --critic): it "
                           f"reads prompt + response + critique; score with the reward 'cloud'")
     cal = _calibrator(calibrator)
     if calibrator_features == "hidden" and (cal is None or getattr(model, "kind", None) != "prm"):
-        from postrl.errors import ConfigError
-
         raise ConfigError("rewards.model.calibrator_features: hidden needs a PRM (postrl prm train) and a "
                           "'calibrator'")
     if getattr(model, "kind", None) == "prm":
@@ -256,8 +251,6 @@ def _folder_kind(path: str) -> str | None:
 
 def _online_check(params: dict, run, where: str) -> dict:
     """The run must have the verifier that labels the pairs, and the folder must hold an outcome model."""
-    from postrl.errors import ConfigError
-
     verifier = params.get("verifier", "correct")
     if run is not None:
         names = [r.name for r in run.rewards]
@@ -329,7 +322,7 @@ class OnlineRewardModel(Stateful):
 
     # ------------------------------------------------------------------------------------------------ the model
     def _ensure(self) -> None:
-        from postrl.errors import ConfigError
+        # lazy: postrl.reward_models.model loads transformers
         from postrl.reward_models import RewardModel, load_reward_model
 
         if self.model is not None:
@@ -348,8 +341,6 @@ class OnlineRewardModel(Stateful):
 
     def scores(self, prompts, completions) -> torch.Tensor:
         """[N] scores under the current weights (a K-head model aggregated; cached until the next update)."""
-        from postrl.reward_models import aggregate_ensemble
-
         with self._lock:
             self._ensure()
             keys = list(zip(prompts, completions))
@@ -380,8 +371,6 @@ class OnlineRewardModel(Stateful):
 
     def observe(self, prompts, completions, group_ids, raw_rewards, raw_reward_names) -> None:
         """Record the step's (prompt, correct, incorrect) pairs of a batch that trains."""
-        from postrl.errors import ConfigError
-
         names = list(raw_reward_names)
         if self.verifier not in names:
             raise ConfigError(f"rewards.model_online: no verifier to label pairs: the batch has no reward column "
@@ -392,6 +381,7 @@ class OnlineRewardModel(Stateful):
 
     def end_step(self, step: StepEnd) -> dict:
         """One Bradley-Terry step on every process's pairs of this step (see the class docstring)."""
+        # lazy: postrl.reward_models.train loads transformers
         from postrl.reward_models.train import online_step
 
         pairs = list(self.observed)
@@ -435,8 +425,6 @@ _CRITICS: dict[tuple, Any] = {}
 
 
 def _cloud_check(params: dict, run, where: str) -> dict:
-    from postrl.errors import ConfigError
-
     k, t = int(params.get("samples", 1)), float(params.get("temperature", 0.0))
     if k > 1 and t <= 0:
         raise ConfigError(f"{where}.temperature: samples={k} critiques need temperature > 0 (greedy decoding writes "
@@ -461,9 +449,6 @@ def cloud_reward(prompts, completions, *, path: str, critic: str | None = None, 
     not depend on its batch); a K-head model's heads are averaged. "Critique-out-Loud Reward Models" (CLoud).
     Shapes: prompts / completions [N] -> [N] scores.
     """
-    from postrl.errors import ConfigError
-    from postrl.reward_models.critique import Critic, cloud_scores
-
     model = load_cached(path, device)
     meta = (getattr(model, "meta", None) or {}).get("critique") or {}
     spec = critic or meta.get("critic")

@@ -20,6 +20,7 @@ from postrl.errors import ConfigError, DataError
 from postrl.io import read_jsonl
 from postrl.registry import register
 from postrl.seeding import derive_seed, stable_hash
+from postrl.rewards.semantic import embed
 
 DP_RFT = "DP-RFT: Learning to Generate Synthetic Text via Differentially Private Reinforcement Fine-Tuning"
 _WORD = re.compile(r"\w+")
@@ -38,7 +39,6 @@ def hashed_embedding(texts: list[str], dim: int = 1024) -> torch.Tensor:
 def _embed(texts: list[str], encoder: str | None, dim: int) -> torch.Tensor:
     if encoder is None:
         return hashed_embedding(texts, dim)
-    from postrl.rewards.semantic import embed
 
     return embed(texts, encoder)
 

@@ -24,6 +24,7 @@ from postrl.generation import encode_prompt, left_pad
 from postrl.logprobs import completion_logits
 from postrl.registry import register
 from postrl.rewards.dense import _char_ends, _policy_rows
+from postrl.models import load_model_and_tokenizer
 
 _MODELS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
@@ -39,8 +40,6 @@ def load_mle(path: str, device: str = "cpu"):
     key = (str(p.resolve()), device, cfg.stat().st_mtime_ns)
     with _LOCK:
         if key not in _MODELS:
-            from postrl.models import load_model_and_tokenizer
-
             try:
                 model, tok = load_model_and_tokenizer(p)
             except PostrlError as e:

@@ -34,6 +34,7 @@ from postrl.rewards.code import sandbox_errors
 from postrl.rewards import RewardContext, score_batch
 from postrl.rewards.core import trainer_state, wants
 from postrl.reasoning_steps import split_steps, step_token_ends
+from postrl.sandbox import capabilities
 
 _log = logging.getLogger("postrl.rewards")
 
@@ -73,8 +74,6 @@ class Scorer:
         """Where a reward runs code in the sandbox (it declares ``needs=('sandbox',)``), say at start-up what this
         machine cannot enforce."""
         if any("sandbox" in s.needs for s in self.rewards) and (self.log or self.notice) is not None:
-            from postrl.sandbox import capabilities
-
             with sandbox_errors():
                 warning = capabilities().get("warning")
             if warning:

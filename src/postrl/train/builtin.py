@@ -16,6 +16,8 @@ from postrl.data import load_source
 from postrl.models.builtin import SHIPPED, builtin_name, cache_root, find_builtin
 from postrl.models.tiny import build_model, build_tokenizer
 from postrl.train.sft import run_sft
+from postrl import recipes
+from postrl.config import Config, load_config
 
 
 def ensure_builtin(cfg, log: Callable[[str], None] = print, use_shipped: bool = True) -> Path:
@@ -54,9 +56,6 @@ def ship(dest: Path = SHIPPED, log: Callable[[str], None] = print, recipe: str |
     cache) and put it in ``dest``, replacing the model of the same task and size shipped there before. ``make
     builtin`` (``make builtin-calculator``) runs this."""
     import tempfile
-
-    from postrl import recipes
-    from postrl.config import Config, load_config
 
     cfg = Config() if recipe is None else load_config(None, [], base=recipes.load(recipe))
     old_cache = os.environ.get("POSTRL_CACHE")

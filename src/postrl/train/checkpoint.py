@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from postrl.errors import ConfigError, PostrlError
+from postrl.models import lora
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -239,7 +240,6 @@ def save_final_model(run_dir: str | os.PathLike, model, tokenizer, lora_save: st
         shutil.rmtree(tmp)
     try:
         tmp.mkdir(parents=True)
-        from postrl.models import lora
 
         if lora.is_lora(model) and lora_save in ("merged", "both"):
             lora.save_merged(model, tmp)
@@ -606,8 +606,6 @@ def _load_weights(ckpt: Path, files: list[Path], model) -> None:
     from safetensors.torch import load_file
 
     if files == [ckpt / ADAPTER_FILE]:  # model.lora: the adapter alone (the base weights are model.path's)
-        from postrl.models import lora
-
         lora.load_adapter_weights(model, files[0])
         return
     model_keys = set(model.state_dict().keys())

@@ -62,15 +62,26 @@ from typing import Callable, Sequence
 
 import torch
 
-from postrl import stages
+from postrl import accel, stages
 from postrl.batch import RolloutBatch
 from postrl.context import ModelContext
 from postrl.errors import ConfigError, DataError, PostrlError
-from postrl.generation import encode_prompt, left_pad
+from postrl.generation import SamplingParams, encode_prompt, left_pad
 from postrl.reward_models.data import PreferencePair
 from postrl.seeding import derive_seed
 from postrl.train import checkpoint as ckpt
 from postrl.train import run_state
+from postrl.config import load_config
+from postrl.data import load_source
+from postrl.reward_models import load_reward_model
+from postrl.reward_models.model import step_pieces
+from postrl.rewards import RewardContext, score_batch
+from postrl.rewards.builtin import extract_answer, normalize_text
+from postrl.rewards.label_free import _answer_key
+from postrl.step import Step
+from postrl.step.sampling import BatchSource
+from postrl.train.optim import make_optimizer, make_scheduler
+from postrl.train.policy import frozen_model, load_policy, reference_model
 
 SETTINGS_FILE = "dpo.json"
 REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_logits")
@@ -134,8 +145,6 @@ class PreferenceSettings:
     def run_config(self):
         """The postrl :class:`~postrl.config.Config` sections this run shares with ``postrl train`` (model, LoRA,
         optimizer, gradient checkpointing, speed layer), validated as ``postrl train`` validates them."""
-        from postrl.config import load_config
-
         lora = {"r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "save": self.lora_save}
         return load_config(None, [], base={
             "seed": self.seed,
@@ -287,10 +296,6 @@ class PreferenceTrainer:
 
     def __init__(self, settings: PreferenceSettings, train: Sequence[PreferencePair], held: Sequence[PreferencePair],
                  run_dir: str | Path, *, resume: bool = False, log: Callable[[str], None] = print):
-        from postrl import accel
-        from postrl.train.optim import make_optimizer, make_scheduler
-        from postrl.train.policy import load_policy, reference_model
-
         settings.check()
         self.s, self.run_dir, self.log = settings, Path(run_dir), log
         self.stage = build_loss(settings.loss, settings.loss_params)
@@ -382,8 +387,6 @@ class PreferenceTrainer:
     def _load_ref(self, path: str):
         """The model at ``--ref``, frozen, after checking that it reads the policy's tokens
         (:func:`postrl.train.policy.frozen_model`)."""
-        from postrl.train.policy import frozen_model
-
         return frozen_model(path, self.tokenizer, self.device, self.accel, what="--ref",
                             policy_name=f"the policy {self.s.model}")
 
@@ -642,14 +645,6 @@ def _policy_batches(cfg, prompts: int, log: Callable[[str], None]):
     """(generation backend, the step, batch source, rounds, tokenizer) for sampling ``prompts`` prompts of the
     config's task from ``model.path``, G = ``rollout.group_size`` completions each, scored by the config's rewards
     and shaping (through the step's :class:`~postrl.step.sampling.BatchSource`)."""
-    from postrl import accel
-    from postrl.data import load_source
-    from postrl.generation import SamplingParams
-    from postrl.rewards import RewardContext
-    from postrl.step import Step
-    from postrl.step.sampling import BatchSource
-    from postrl.train.policy import load_policy
-
     if cfg.rollout.group_size < 2:
         raise ConfigError("rollout.group_size: a pair needs at least 2 completions per prompt, got "
                           f"{cfg.rollout.group_size}")
@@ -703,9 +698,6 @@ SSB_TEMPLATE = ("{prompt}\n\nTwo attempts at this problem follow. This attempt i
 def _answer_of(text: str) -> str:
     """The key incorrect rollouts are grouped by: their extracted answer as ``majority_vote`` compares answers
     (numbers by value), else the whole normalised text."""
-    from postrl.rewards.builtin import extract_answer, normalize_text
-    from postrl.rewards.label_free import _answer_key
-
     return _answer_key(extract_answer(text, "auto")) or f"text:{normalize_text(text)}"
 
 
@@ -751,9 +743,6 @@ def generate_ssb(cfg, prompts: int, *, verifier: str = "correct", threshold: flo
     distils the teacher's token distributions (the reference reading ``ref_prompt``) into the student reading the
     bare problem. Counts: prompts, completions, with_both (prompts with a correct and an incorrect rollout),
     teacher_verified, rows."""
-    from postrl.generation import SamplingParams
-    from postrl.rewards import score_batch
-
     backend, step, source, rounds, per_round, tok = _policy_batches(cfg, prompts, log)
     stage = next((st for st in step.scorer.rewards if st.name == verifier), None)
     if stage is None:
@@ -820,11 +809,6 @@ def generate_dapo(cfg, prompts: int, prm_path: str, *, verifier: str | None = No
     ``rejected_advantage``, ``chosen_final``, ``rejected_final``, ``value`` (V(s)), and the prompt's columns;
     ``postrl dpo ROWS --loss dapo_step`` trains on them. Counts: prompts, states, skipped (a step out of tokens or
     two equal steps), rows."""
-    from postrl.generation import SamplingParams
-    from postrl.reward_models import load_reward_model
-    from postrl.reward_models.model import step_pieces
-    from postrl.rewards import score_batch
-
     prm = load_reward_model(prm_path)
     if getattr(prm, "kind", None) != "prm":
         raise ConfigError(f"--dapo {prm_path}: the critic must be a process reward model (postrl prm train), got "

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from postrl.io import read_jsonl
 from postrl.errors import PostrlError
+from postrl.config import dump_yaml, read_yaml, yaml_load
 
 LOCK_FILE = "run.lock"
 STATUS_FILE = "status.json"
@@ -339,8 +340,6 @@ def record_end(run_dir: Path, step: int, exc: BaseException, stop: StopSignals) 
 
 
 def _recorded_config(run_dir: Path) -> dict:
-    from postrl.config import read_yaml
-
     return read_yaml(run_dir / "config.yaml")
 
 
@@ -368,8 +367,6 @@ def resume_steps(run_dir: str | os.PathLike, requested: int, ckpt_step: int, say
 def record_config(run_dir: str | os.PathLike, cfg) -> bool:
     """Rewrite ``run_dir/config.yaml`` with ``cfg`` when its content differs (a resume with overrides); True
     when written."""
-    from postrl.config import dump_yaml, yaml_load
-
     path = Path(run_dir) / "config.yaml"
     text = dump_yaml(cfg)
     if path.is_file() and yaml_load(path.read_text()) == yaml_load(text):
