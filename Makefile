@@ -40,7 +40,7 @@ demo: $(CORE)
 test: $(DEV)
 	$(PY) -m pytest -q -m "not slow"
 
-# `make soak`: the slow tests (the 1,000-step soak of the demo config, docs/reliability.md), outside `make test`.
+# `make soak`: the slow tests (the 2,000-step soak of the demo config, docs/reliability.md), outside `make test`.
 soak: $(DEV)
 	$(PY) -m pytest -q -m slow
 

@@ -1,6 +1,6 @@
 """Soak (scripts/soak.py): memory and file descriptors stay flat after warm-up; the logs grow linearly with steps.
 
-The 1,000-step soak of the demo configuration is `make soak` (marked slow, outside `make test`; its figures are in
+The 2,000-step soak of the demo configuration is `make soak` (marked slow, outside `make test`; its figures are in
 docs/reliability.md); `make test` runs a short one on the nano model."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def test_short_soak_keeps_descriptors_flat_and_logs_linear(model_dir, tmp_path):
                     + ["train.save_every=10", "train.samples_every=1"], every=0.25, workdir=tmp_path)
     s = res["summary"]
     assert s["steps"] == 40
+    assert s["rss_mib_at_half"] is not None  # readings in the second half, for its slope
     assert s["fds_end"] <= s["fds_after_warmup"] + 2  # no descriptor leaked per step (checkpoints every 10 steps)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 40  # one line per step: metrics.jsonl grows linearly
@@ -35,11 +36,13 @@ def test_short_soak_keeps_descriptors_flat_and_logs_linear(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_config_soak_1000_steps(tmp_path):
-    """The demo configuration for 1,000 steps: RSS after warm-up grows by less than 5 MiB per 100 steps and the
-    descriptors end where they were after warm-up."""
-    res = soak.soak(1000, [], every=2.0, workdir=tmp_path)
+def test_demo_config_soak_2000_steps(tmp_path):
+    """The demo configuration for 2,000 steps (about 8 minutes on 2 cores): over the second half of the steps RSS
+    grows by less than 2.5 MiB per 100 steps (measured 1.2, docs/reliability.md: the heap meets a batch larger
+    than all before it ever more rarely, a leak goes on at its rate) and the descriptors end
+    where they were after warm-up."""
+    res = soak.soak(2000, [], every=2.0, workdir=tmp_path)
     s = res["summary"]
-    assert s["steps"] == 1000
-    assert s["rss_mib_per_100_steps"] < 5.0
+    assert s["steps"] == 2000
+    assert s["rss_mib_per_100_steps_second_half"] < 2.5
     assert s["fds_end"] <= s["fds_after_warmup"] + 2
