@@ -119,3 +119,12 @@ def test_presample_then_train_without_a_reference_model(model_dir, tmp_path):
 def test_f_divergence_rehearsal_needs_the_rehearsal_expansion():
     with pytest.raises(ConfigError, match="regularizers.0: f_divergence_rehearsal needs the pre-sampled"):
         load_config(None, ["regularizers=[{name: f_divergence_rehearsal, coef: 0.1}]"])
+
+
+def test_presample_of_the_builtin_model_samples_the_policy_train_starts_from(tmp_path):
+    """model.path=builtin is the built-in warm start postrl train loads (shipped / cached), not a fresh random
+    init: with --only-correct it keeps completions that the verifier scores 1 (a random init solves none)."""
+    out = tmp_path / "rehearsal.jsonl"
+    assert main(["presample", "--out", str(out), "--prompts", "8", "--samples", "8", "--only-correct"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows and all(r["correct"] == 1.0 for r in rows)

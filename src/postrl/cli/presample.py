@@ -48,8 +48,8 @@ def run(args) -> int:
     from postrl.config import load_config
     from postrl.data import load_source
     from postrl.models import load_model_and_tokenizer
-    from postrl.models.tiny import build_model, build_tokenizer
     from postrl.config import MAX_ROWS_PER_STEP
+    from postrl.train.builtin import ensure_builtin
 
     check_option("--prompts", args.prompts, low=1, high=MAX_ROWS_PER_STEP)
     check_option("--samples", args.samples, low=1, high=MAX_ROWS_PER_STEP)
@@ -57,11 +57,9 @@ def run(args) -> int:
     add_import_paths(path)
     cfg = load_config(path, overrides)
     source = load_source(cfg.task.model_dump())
-    if cfg.model.path == "builtin":
-        tokenizer = build_tokenizer()
-        model = build_model(tokenizer, size=cfg.model.builtin_size, seed=cfg.seed)
-    else:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype)
+    # the model postrl train starts from: the built-in one is its shipped / cached warm start, not a fresh init
+    model_path = ensure_builtin(cfg, log=log) if cfg.model.path == "builtin" else cfg.model.path
+    model, tokenizer = load_model_and_tokenizer(model_path, cfg.model.dtype)
     model.eval()
     backend = accel.prepare(model, cfg.accel).generator(model, tokenizer)
     rows = source.train_rows(0, args.prompts, cfg.seed)
