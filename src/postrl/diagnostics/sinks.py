@@ -134,7 +134,7 @@ class MlflowSink(Sink):
         exp = self.client.get_experiment_by_name(project)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project)
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
-        flat = _flatten(config)
+        flat = flatten(config)
         from mlflow.entities import Param
 
         params = [Param(k[:250], str(v)[:6000]) for k, v in flat.items()]
@@ -177,14 +177,16 @@ def make_sinks(names: list[str], run_dir: str | Path, config: dict, *, run_name:
     return out
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as one level of dotted keys (``{'loss': {'name': 'x'}}`` -> ``{'loss.name': 'x'}``; a list
+    of dicts by index: ``rewards.0.name``)."""
     out: dict[str, Any] = {}
     if isinstance(d, dict):
         for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
     elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
         for i, v in enumerate(d):
-            out.update(_flatten(v, f"{prefix}{i}."))
+            out.update(flatten(v, f"{prefix}{i}."))
     else:
         out[prefix[:-1]] = d
     return out

@@ -22,6 +22,7 @@ from annotated_types import Ge
 
 from postrl import registry
 from postrl.environments import Environment
+from postrl.environments.turns import taken_turn_rewards
 from postrl.registry import register
 from postrl.data import verify_row
 
@@ -75,12 +76,7 @@ def score_bonus(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, env_errors:
     the abstract gives no value: assumed). Shapes: turn_rewards [N, K >= 2], turn_ends [N, K] -> reward [N],
     turn_rewards [N, K].
     """
-    has = turn_ends >= 0
-    r = turn_rewards.double()
-    failed = (torch.isnan(r) & has).any(-1)
-    if env_errors is not None:
-        failed |= env_errors > 0
-    r = torch.where(has, torch.nan_to_num(r, nan=0.0), torch.zeros_like(r))
+    r, has, failed = taken_turn_rewards(turn_rewards, turn_ends, env_errors)
     r1, r2 = r[:, 0], r[:, 1] if r.shape[1] > 1 else torch.zeros_like(r[:, 0])
     out = torch.zeros_like(r)
     if stage == "II":

@@ -18,6 +18,7 @@ from annotated_types import Ge, Gt, Le
 
 from postrl.environments import Environment
 from postrl.environments.chat import ChatError, LocalChat, call_with_timeout, endpoint_chat
+from postrl.environments.turns import taken_turn_rewards
 from postrl.errors import ConfigError
 from postrl.registry import register
 from postrl.data import verify_row
@@ -132,12 +133,7 @@ def trajectory_score(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, env_er
     trajectory-level scoring (its abstract names the study, not the formulas: the three forms are assumed).
     Shapes: turn_rewards [N, K], turn_ends [N, K], env_errors [N] -> reward [N].
     """
-    has = turn_ends >= 0
-    r = turn_rewards.double()
-    failed = (torch.isnan(r) & has).any(-1)
-    if env_errors is not None:
-        failed |= env_errors > 0
-    r = torch.where(has, torch.nan_to_num(r, nan=0.0), torch.zeros_like(r))
+    r, has, failed = taken_turn_rewards(turn_rewards, turn_ends, env_errors)
     K = r.shape[1]
     if mode == "sum":
         out = r.sum(-1)

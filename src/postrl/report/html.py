@@ -17,6 +17,7 @@ from pathlib import Path
 
 from postrl.diagnostics.engines import ENGINES
 from postrl.diagnostics.monitors import ORDER
+from postrl.diagnostics.sinks import flatten
 from postrl.report.rundir import Run, load_run
 
 STYLES = ["-", "--", ":", "-."]
@@ -167,22 +168,9 @@ def _alarm_timeline(runs: list[Run], colors: list[str]) -> str | None:
     return _png(fig)
 
 
-def _flatten(d, prefix: str = "") -> dict:
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
-        for i, v in enumerate(d):
-            out.update(_flatten(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = d
-    return out
-
-
 def config_diff(runs: list[Run]) -> dict[str, list]:
     """Flattened config keys whose values differ between runs (``output_dir`` excluded) -> value per run."""
-    flats = [_flatten(r.config) for r in runs]
+    flats = [flatten(r.config) for r in runs]
     keys = sorted(set().union(*flats)) if flats else []
     missing = object()
     out = {}

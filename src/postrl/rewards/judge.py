@@ -38,6 +38,13 @@ class JudgeError(Exception):
     """One judge call that failed (HTTP error, timeout, unreadable reply); reported per entry."""
 
 
+def _each(one, n: int, concurrency: int) -> list:
+    """[one(0), ..., one(n - 1)], up to ``concurrency`` calls at once (each judge call waits on the network)."""
+    if not n:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, n))) as pool:
+        return list(pool.map(one, range(n)))
+
 def parse_score(content: str, max_score: float) -> float:
     """The ``score`` of a JSON reply, divided by ``max_score``; JudgeError when the reply is not such JSON."""
     obj = parse_json_reply(content)
@@ -136,10 +143,7 @@ def judge(prompts, completions, answer=None, *, base_url: str = "http://127.0.0.
         except JudgeError as e:
             return e
 
-    if not completions:
-        return []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(completions)))) as pool:
-        return list(pool.map(one, range(len(completions))))
+    return _each(one, len(completions), concurrency)
 
 
 # ---------------------------------------------------------------------------------------------- cognitive bias
@@ -183,10 +187,7 @@ def bias_judge(prompts: list[str], chosen: list[str], rejected: list[str], *, ju
         except JudgeError as e:
             return e
 
-    if not prompts:
-        return []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts)))) as pool:
-        return list(pool.map(one, range(len(prompts))))
+    return _each(one, len(prompts), concurrency)
 
 
 # ---------------------------------------------------------------------------------------------- the policy as judge
