@@ -36,15 +36,41 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import types
 import typing
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Callable, Mapping
+
+from pydantic import AfterValidator
 
 from postrl import registry
 from postrl.batch import RolloutBatch
 from postrl.errors import ConfigError
+
+
+# ------------------------------------------------------------------------------------ shared parameter types
+
+
+def _compiles(pattern: str) -> str:
+    """a regular expression (Python re)"""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"expected a valid regular expression ({e}), got {pattern!r}") from None
+    return pattern
+
+
+def _tag_name(tag: str) -> str:
+    """a tag name (letters, digits, _ or -)"""
+    if not re.fullmatch(r"[\w-]+", tag):
+        raise ValueError(f"expected a tag name (letters, digits, _ or -) like 'think', got {tag!r}")
+    return tag
+
+
+Regex = Annotated[str, AfterValidator(_compiles)]  # a stage parameter that is a regular expression (Python re)
+TagName = Annotated[str, AfterValidator(_tag_name)]  # a stage parameter that names a tag: <think>, <answer>, ...
 
 FILTER_KINDS = ("filter", "selector", "sampling", "expansion")
 

@@ -26,10 +26,10 @@ from fractions import Fraction
 from typing import Annotated, Literal
 
 from annotated_types import Ge, MinLen
-from pydantic import AfterValidator
 
 from postrl.errors import PostrlError
 from postrl.registry import register
+from postrl.stages import Regex, TagName
 from postrl.data import verify_row
 from postrl.data.reasoning_gym import ReasoningGymSource
 
@@ -37,24 +37,6 @@ EXTRACT_MODES = ("none", "answer_tag", "boxed", "last_number", "auto")
 Extract = Literal["none", "answer_tag", "boxed", "last_number", "auto"]  # where the answer is (module docstring)
 
 
-def _compiles(pattern: str) -> str:
-    """a regular expression (Python re)"""
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"expected a valid regular expression ({e}), got {pattern!r}") from None
-    return pattern
-
-
-def _tag_name(tag: str) -> str:
-    """a tag name (letters, digits, _ or -)"""
-    if not re.fullmatch(r"[\w-]+", tag):
-        raise ValueError(f"expected a tag name (letters, digits, _ or -) like 'think', got {tag!r}")
-    return tag
-
-
-Regex = Annotated[str, AfterValidator(_compiles)]  # a regular expression (Python ``re`` syntax)
-TagName = Annotated[str, AfterValidator(_tag_name)]
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 

@@ -16,20 +16,18 @@ the rows, their encoded prompts, the run's generator and sampling parameters, on
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Callable, Literal
 
 import torch
 from annotated_types import Ge, MinLen
-from pydantic import AfterValidator
 from typing_extensions import Required, TypedDict
 
 from postrl.errors import ConfigError
 from postrl.generation import Generation, SamplingParams, decorate_prompt
 from postrl.registry import register
 from postrl.seeding import derive_seed
-from postrl.stages import parameters
+from postrl.stages import Regex, TagName, parameters
 
 
 @dataclass
@@ -155,22 +153,6 @@ def generate_multi_temperature(generate: Callable, prompt_ids: list[list[int]], 
 _PA = "Prompt Augmentation Scales up GRPO Training on Mathematical Reasoning"
 
 
-def _regex(pattern: str) -> str:
-    """a regular expression (Python re)"""
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"expected a valid regular expression ({e}), got {pattern!r}") from None
-    return pattern
-
-
-def _tag(tag: str) -> str:
-    """a tag name (letters, digits, _ or -)"""
-    if not re.fullmatch(r"[\w-]+", tag):
-        raise ValueError(f"expected a tag name (letters, digits, _ or -) like 'think', got {tag!r}")
-    return tag
-
-
 class Template(TypedDict, total=False):
     """One prompt template of ``prompt_augmentation``'s pool (a mapping in the config)."""
 
@@ -179,8 +161,8 @@ class Template(TypedDict, total=False):
     prefix: str                              # text before the query
     suffix: str                              # text after the query
     response_prefix: str                     # text that opens the response (part of the prompt's tokens)
-    format: Annotated[str, AfterValidator(_regex)]  # the format it asks for: a regex the response must fullmatch
-    tags: Annotated[list[Annotated[str, AfterValidator(_tag)]], MinLen(1)]  # ... or exactly these tag blocks
+    format: Regex  # the format it asks for: a regex the response must fullmatch
+    tags: Annotated[list[TagName], MinLen(1)]  # ... or exactly these tag blocks
 
 
 def _templates_check(params: dict, run: Any, where: str) -> dict:
