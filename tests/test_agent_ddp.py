@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from test_ddp_state import SCRIPT
-from test_train import model_dir, small  # noqa: F401  (the session's nano model)
+from test_train import free_port, model_dir, small  # noqa: F401  (model_dir: the session's nano model)
 
 
 def test_archer_and_topocurate_hold_the_same_state_on_both_ranks(model_dir, tmp_path):  # noqa: F811
@@ -22,7 +22,7 @@ def test_archer_and_topocurate_hold_the_same_state_on_both_ranks(model_dir, tmp_
                  "filters=[{name: topocurate, pool_factor: 2}]")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
            str(script), str(tmp_path), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from test_train import model_dir, small  # noqa: F401  (the session's nano model)
+from test_train import free_port, model_dir, small  # noqa: F401  (model_dir: the session's nano model)
 
 STATEFUL = [
     "shaping=[{name: weighted_sum}, {name: running_norm}, {name: dataset_median, key: task}, "
@@ -46,7 +46,7 @@ def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     env["CUDA_VISIBLE_DEVICES"] = ""  # (gloo on the CPU, also where a GPU is present)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
            str(script), str(tmp_path), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_discriminator_and_hwe_threshold_are_the_same_on_both_ranks(model_dir, t
                  "regularizers=[{name: chi2_occupancy, coef: 0.1, max_tokens: 64}, {name: ares_kl, coef: 0.0}]")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29542",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
            str(script), str(tmp_path), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

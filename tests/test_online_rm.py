@@ -19,7 +19,7 @@ from postrl.errors import ConfigError
 from postrl.reward_models import PreferencePair, RMTrainConfig, fit_reward_model, fit_prm, StepRecord
 from postrl.reward_models.train import online_step
 from postrl.stages import StepEnd
-from test_train import crash_in_step, metrics, model_dir, resume, run_inprocess  # noqa: F401 - model_dir: fixture
+from test_train import crash_in_step, free_port, metrics, model_dir, resume, run_inprocess  # noqa: F401 - model_dir: fixture
 
 
 @registry.register("reward", "has_digit_test", source="test: 1 when the completion holds a digit")
@@ -257,7 +257,7 @@ def test_two_processes_train_one_reward_model(model_dir, rm_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        "29547", str(script), str(tmp_path), *args], env=env, capture_output=True, text=True,
+                        free_port(), str(script), str(tmp_path), *args], env=env, capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,14 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("nano")
     build_local(path, size="nano", seed=0)  # save_pretrained of model and tokenizer
     return path
+
+
+def free_port() -> str:
+    """A TCP port free now, for a 2-process test's rendezvous (a fixed one collides when two test runs share the
+    machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 def small(model_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -158,7 +167,7 @@ def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port(),
            "-m", "postrl", "train", "--quiet", *small(model_dir, two, *extra)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -237,7 +246,7 @@ def test_readme_multi_process_command(tmp_path):
     hang (the processes chose different forward paths from their own data)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-           "--main_process_port", "29534", "-m", "postrl", "train", "train.steps=3"]
+           "--main_process_port", free_port(), "-m", "postrl", "train", "train.steps=3"]
     r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
