@@ -7,7 +7,6 @@ Written under HF_HOME=./hf_home as hub snapshots, so from_pretrained finds them 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
