@@ -4,7 +4,7 @@
 #   2. the TRL adapter (postrl.integrations.trl.GRPOTrainer) against TRL's own GRPOTrainer, same settings;
 #   3. `postrl bench --device cuda --quick`.
 # Step times and the end of each run go to stdout and to $OUT (or ./gpu-check). Packages the machine lacks come as
-# wheels in .whl/ (pydantic, trl, datasets, ...): see docs/DEVELOPING.md, "GPU checks".
+# wheels in .whl/ (pydantic, trl, datasets, ...): see docs/DEVELOPING.md, "Scripts".
 set -u
 OUT=${OUT:-gpu-check}
 RUNS=${RUNS:-/tmp/postrl-gpu-runs}  # models and run directories (only logs go to $OUT)
