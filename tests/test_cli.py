@@ -4,7 +4,6 @@ folder and the config's folder as the console script runs them, warnings as one 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from postrl import registry
 from postrl.cli import build_parser, main
 from postrl.cli.common import add_import_paths, format_warning
 from postrl.cli.methods import stage_parameters
+from test_layers import cycles, module_graph
 
 SRC = Path(postrl.__file__).resolve().parents[1]  # the folder that holds the postrl package
 PKG = SRC / "postrl"
@@ -67,75 +67,10 @@ def test_help_does_not_load_torch():
 
 # ------------------------------------------------------------------------------------------------ import graph
 def _module_graph() -> dict[str, set[str]]:
-    """Module -> postrl modules it imports (top level or inside functions), from the source (ast)."""
-    mods = {}
-    for p in PKG.rglob("*.py"):
-        parts = list(p.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = p
-
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for m, p in mods.items():
-        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(p.read_text(), str(p))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                    base = ".".join(up + ([base] if base else []))
-                targets = [f"{base}.{a.name}" for a in node.names] + [base]
-            else:
-                continue
-            for t in targets:
-                r = resolve(t)
-                # a package and its own modules are one unit (importing a submodule runs its package's __init__)
-                if r and r != m and not m.startswith(r + ".") and not r.startswith(m + "."):
-                    graph[m].add(r)
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[frozenset]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[frozenset] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(frozenset(comp))
-
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
+    """tests/test_layers.py's module graph, a package and its own modules one unit (importing a submodule runs its
+    package's __init__)."""
+    return {m: {r for r in targets if not m.startswith(r + ".") and not r.startswith(m + ".")}
+            for m, targets in module_graph().items()}
 
 
 def test_no_import_cycle_through_the_cli_or_the_report():
@@ -144,7 +79,7 @@ def test_no_import_cycle_through_the_cli_or_the_report():
     assert not any(m.startswith("postrl.cli") for m in graph["postrl.report.html"] | graph["postrl.diagnostics.sinks"])
     # postrl.bench's own entry point still calls postrl.cli.main (the benchmark moves into its own package,
     # which drops that edge); every other cycle through the CLI or the report is an error
-    bad = [sorted(c) for c in _cycles(graph) if any(m.startswith(("postrl.cli", "postrl.report")) for m in c)
+    bad = [sorted(c) for c in cycles(graph) if any(m.startswith(("postrl.cli", "postrl.report")) for m in c)
            and c != {"postrl.cli", "postrl.bench"}]
     assert bad == []
 

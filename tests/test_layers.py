@@ -50,8 +50,9 @@ def _top(name: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 else name
 
 
-def _package_edges() -> dict[str, set[str]]:
-    """package -> the packages it imports (module level and inside functions), as the import_cycles tool counts."""
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the postrl modules it imports (module level and inside functions), from the source (ast); an import
+    of ``a.b.c`` counts for the longest prefix that is a module."""
     mods = _modules()
 
     def resolve(name: str) -> str | None:
@@ -59,10 +60,9 @@ def _package_edges() -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    edges: dict[str, set[str]] = {}
+    graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        edges.setdefault(_top(m), set())
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -74,10 +74,50 @@ def _package_edges() -> dict[str, set[str]]:
                 targets = [base + "." + a.name for a in node.names] + [base]
             else:
                 continue
-            for t in targets:
-                r = resolve(t)
-                if r and _top(r) != _top(m):
-                    edges[_top(m)].add(_top(r))
+            graph[m].update(r for r in map(resolve, targets) if r and r != m)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_edges() -> dict[str, set[str]]:
+    """package -> the packages it imports (module level and inside functions), as the import_cycles tool counts."""
+    edges: dict[str, set[str]] = {}
+    for m, targets in module_graph().items():
+        edges.setdefault(_top(m), set()).update(_top(r) for r in targets if _top(r) != _top(m))
     return edges
 
 
@@ -98,41 +138,14 @@ def test_the_kernel_imports_only_the_kernel():
     assert not bad, f"kernel modules importing packages above the kernel: {bad}"
 
 
+def test_cycles_finds_the_strongly_connected_components():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [frozenset("abc")]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_no_import_cycle_between_packages():
-    edges = _package_edges()
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    cycles: list[list[str]] = []
-    counter = [0]
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-
-    for v in list(edges):
-        if v not in index:
-            visit(v)
-    assert not cycles, f"package cycles: {cycles}"
+    found = [sorted(c) for c in cycles(_package_edges())]
+    assert not found, f"package cycles: {found}"
 
 
 def _doc_names() -> list[tuple[str, str]]:
