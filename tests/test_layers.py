@@ -16,7 +16,7 @@ SRC = ROOT / "src"
 
 # The kernel: the bottom layer (docs/DEVELOPING.md). It imports no other postrl package.
 KERNEL = {"postrl", "postrl.errors", "postrl.batch", "postrl.registry", "postrl.stages", "postrl.fields", "postrl.context",
-          "postrl.generation", "postrl.logprobs", "postrl.groups", "postrl.seeding", "postrl.io", "postrl.jsonstate",
+          "postrl.generation", "postrl.logprobs", "postrl.groups", "postrl.seeding", "postrl.io", "postrl.jsonstate", "postrl.heads",
           "postrl.reasoning_steps"}
 # Layers, bottom to top: a package may import its own layer's packages only as the graph allows (no cycle) and the
 # layers below. The kernel and the self-contained sandbox are layer 0.

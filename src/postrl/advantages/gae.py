@@ -17,8 +17,8 @@ from typing import Annotated, Callable
 import torch
 from annotated_types import Ge, Gt, Le
 
-from postrl import jsonstate
 from postrl.groups import valid_mask
+from postrl.heads import ScalarHead
 from postrl.advantages import masked_whiten
 from postrl.registry import register
 from postrl.stages import StepEnd, Stateful
@@ -82,8 +82,7 @@ class GAE(Stateful):
                  value_clip: Annotated[float, Gt(0)] | None = 0.5):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self.value_lr, self.value_epochs, self.value_clip = value_lr, value_epochs, value_clip
-        self.head: torch.nn.Linear | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.head = ScalarHead(value_lr)  # V(s_t) on the policy's hidden state
 
     # ---------------------------------------------------------------------------------------- the estimator
     def __call__(self, reward: torch.Tensor, completion_hidden: torch.Tensor, completion_mask: torch.Tensor,
@@ -118,18 +117,10 @@ class GAE(Stateful):
         return self.fit(hidden, reward, mask, valid, values, all_reduce=step.all_reduce_mean)
 
     # ---------------------------------------------------------------------------------------- the value head
-    def _make_head(self, hidden: int) -> None:
-        self.head = torch.nn.Linear(hidden, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.value_lr, weight_decay=0.0)
-
     @torch.no_grad()
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """V(s_t) [N, T] from hidden states [N, T, H] (the head is created, zero-initialised, on first use)."""
-        if self.head is None:
-            self._make_head(hidden.shape[-1])
-        return self.head(hidden.float()).squeeze(-1)
+        return self.head(hidden)
 
     def fit(self, hidden: torch.Tensor, reward: torch.Tensor, completion_mask: torch.Tensor,
             valid: torch.Tensor | None, old_values: torch.Tensor,
@@ -144,13 +135,13 @@ class GAE(Stateful):
         feats = hidden[sel].float()
         target = returns[sel].float()
         old = old_values[sel].float()
-        if self.head is None:
-            self._make_head(hidden.shape[-1])
+        if not self.head.made:
+            self.head.make(hidden.shape[-1])
         n = max(int(sel.sum()), 1)
         loss_val = 0.0
         for _ in range(self.value_epochs):
-            self.optimizer.zero_grad(set_to_none=False)
-            pred = self.head(feats).squeeze(-1)
+            self.head.optimizer.zero_grad(set_to_none=False)
+            pred = self.head(feats)
             err = (pred - target) ** 2
             if self.value_clip is not None:
                 clipped = old + (pred - old).clamp(-self.value_clip, self.value_clip)
@@ -160,7 +151,7 @@ class GAE(Stateful):
             if all_reduce is not None:
                 for p in self.head.parameters():
                     all_reduce(p.grad)
-            self.optimizer.step()
+            self.head.optimizer.step()
             loss_val = float(loss.detach())
         ev = 0.0
         if sel.any():
@@ -171,14 +162,7 @@ class GAE(Stateful):
 
     # ---------------------------------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict:
-        if self.head is None:
-            return {}
-        return jsonstate.encode({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()})
+        return self.head.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
-        state = jsonstate.decode(state)
-        self._make_head(state["head"]["weight"].shape[-1])
-        self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.head.load_state_dict(state)

@@ -24,6 +24,7 @@ import torch
 from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
+from postrl.heads import ScalarHead, scalar_module
 from postrl.advantages import masked_whiten
 from postrl.advantages.turns import turn_mapo, turn_of_token
 from postrl.errors import ConfigError
@@ -66,26 +67,6 @@ def _last(has: torch.Tensor) -> torch.Tensor:
     return has & ~torch.cat([has[:, 1:], torch.zeros((has.shape[0], 1), dtype=torch.bool)], 1)
 
 
-def _head(dim: int, units: int) -> torch.nn.Module:
-    """A zero-initialised scalar head: linear (``units`` 0) or one hidden ReLU layer of ``units``."""
-    if units:
-        with torch.random.fork_rng(devices=[]):  # a fixed initialisation; the global generator is left alone
-            torch.manual_seed(stable_hash("postrl.credit.head", dim, units) % 2**31)
-            net = torch.nn.Sequential(torch.nn.Linear(dim, units), torch.nn.ReLU(), torch.nn.Linear(units, 1))
-        last = net[-1]
-    else:
-        net = last = torch.nn.Linear(dim, 1)
-    torch.nn.init.zeros_(last.weight)
-    torch.nn.init.zeros_(last.bias)
-    return net
-
-
-def _encode_module(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
-    if module is None:
-        return {}
-    return {"module": jsonstate.encode(module.state_dict()), "optimizer": jsonstate.encode(optimizer.state_dict())}
-
-
 # ================================================================================================ SPA
 
 
@@ -119,19 +100,12 @@ class SPA(Stateful):
                  eps: Annotated[float, Gt(0)] = 1e-6):
         self.grounding, self.exact, self.lr, self.epochs, self.units = grounding, exact, lr, epochs, units
         self.turn_params = {"gamma": gamma, "mix": mix, "scale": scale, "eps": eps}
-        self.head: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-
-    def _make(self, dim: int) -> None:
-        self.head = _head(dim, self.units)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.lr, weight_decay=0.0)
+        self.head = ScalarHead(lr, units, name="postrl.credit.head")  # the progress estimator
 
     def contributions(self, x: torch.Tensor, has: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
         """c' [N, K] (0 outside the episode's turns): the estimator's contributions, made exact when ``exact``."""
-        if self.head is None:
-            self._make(x.shape[-1])
         with torch.no_grad():
-            c = self.head(x).squeeze(-1).double() * has
+            c = self.head(x).double() * has
         if self.exact:
             k = has.sum(-1).clamp(min=1)
             R = torch.nan_to_num(reward.double(), nan=0.0)
@@ -171,36 +145,27 @@ class SPA(Stateful):
         R = torch.tensor([r for _, r in self.observed], dtype=torch.float32)
         flat = torch.cat(feats)
         owner = torch.cat([torch.full((len(f),), j, dtype=torch.long) for j, f in enumerate(feats)])
-        if self.head is None:
-            self._make(flat.shape[-1])
-
         def loss_now() -> torch.Tensor:
-            c = self.head(flat).squeeze(-1)
+            c = self.head(flat)
             total = torch.zeros(len(feats)).index_add(0, owner, c)
             return ((total - R) ** 2).mean()
 
         first = None
         for _ in range(self.epochs):
-            self.optimizer.zero_grad(set_to_none=False)
-            loss = loss_now()
+            loss = loss_now()  # (the first call makes the head)
+            self.head.optimizer.zero_grad(set_to_none=False)
             first = float(loss.detach()) if first is None else first
             loss.backward()
-            self.optimizer.step()
+            self.head.optimizer.step()
         with torch.no_grad():
-            total = torch.zeros(len(feats)).index_add(0, owner, self.head(flat).squeeze(-1))
+            total = torch.zeros(len(feats)).index_add(0, owner, self.head(flat))
         return {"loss": first, "abs_error": float((total - R).abs().mean())}
 
     def state_dict(self) -> dict:
-        return _encode_module(self.head, self.optimizer)
+        return self.head.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
-        st = jsonstate.decode(state)
-        w = next(v for k, v in st["module"].items() if k.endswith("weight"))
-        self._make(w.shape[-1])
-        self.head.load_state_dict(st["module"])
-        self.optimizer.load_state_dict(st["optimizer"])
+        self.head.load_state_dict(state)
 
 
 # ================================================================================================ ArCHer
@@ -246,7 +211,7 @@ class ArCHer(Stateful):
         self.updates = 0
 
     def _make(self, dim: int) -> None:
-        self.q, self.v = _head(dim, self.units), _head(dim, self.units)
+        self.q, self.v = (scalar_module(dim, self.units, "postrl.credit.head") for _ in range(2))
         self.q_target, self.v_target = copy.deepcopy(self.q), copy.deepcopy(self.v)
         self.optimizer = torch.optim.AdamW([*self.q.parameters(), *self.v.parameters()], lr=self.lr,
                                            weight_decay=0.0)

@@ -14,8 +14,8 @@ from typing import Annotated
 import torch
 from annotated_types import Ge, Gt, Le
 
-from postrl import jsonstate
 from postrl.groups import group_index, group_sum
+from postrl.heads import ScalarHead
 from postrl.registry import register
 from postrl.seeding import stable_hash
 from postrl.selection.filters import raw_column
@@ -208,22 +208,13 @@ class PromptCurriculum(PromptSelector):
                  epochs: Annotated[int, Ge(1)] = 10, reward: str = "correct"):
         super().__init__(reward, pool_factor)
         self.target, self.lr, self.epochs = target, lr, epochs
-        self.head: torch.nn.Linear | None = None
-        self.optimizer = None
+        self.head = ScalarHead(lr)  # the logit of V(q)
         self._features: dict[str, torch.Tensor] = {}
         self._stats = {"filter/pcl/value_loss": 0.0, "filter/pcl/predicted": 0.0}
 
-    def _make(self, hidden: int) -> None:
-        self.head = torch.nn.Linear(hidden, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.lr, weight_decay=0.0)
-
     @torch.no_grad()
     def predict(self, features: torch.Tensor) -> torch.Tensor:
-        if self.head is None:
-            self._make(features.shape[-1])
-        return torch.sigmoid(self.head(features.float()).squeeze(-1))
+        return torch.sigmoid(self.head(features))
 
     def select(self, rows: list, k: int, *, seed: int, group_size: int, features=None) -> list[int]:
         if features is None:
@@ -237,29 +228,22 @@ class PromptCurriculum(PromptSelector):
     def update(self, summaries: list) -> None:
         pairs = [(self._features[key], s / n) for key, s, n in summaries if key in self._features]
         self._features = {}  # the features of this step's selections
-        if not pairs or self.head is None:
+        if not pairs or not self.head.made:
             return
         x = torch.stack([p[0] for p in pairs])
         y = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
         for _ in range(self.epochs):
-            self.optimizer.zero_grad()
-            loss = ((torch.sigmoid(self.head(x).squeeze(-1)) - y) ** 2).mean()
+            self.head.optimizer.zero_grad()
+            loss = ((torch.sigmoid(self.head(x)) - y) ** 2).mean()
             loss.backward()
-            self.optimizer.step()
+            self.head.optimizer.step()
         self._stats["filter/pcl/value_loss"] = float(loss.detach())
 
     def metrics(self) -> dict:
         return dict(self._stats)
 
     def state_dict(self) -> dict:
-        if self.head is None:
-            return {}
-        return jsonstate.encode({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()})
+        return self.head.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:
-            return
-        state = jsonstate.decode(state)
-        self._make(state["head"]["weight"].shape[-1])
-        self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.head.load_state_dict(state)
