@@ -4,28 +4,18 @@ replay buffer and TopoCurate's score table are the same on both ranks and learne
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from test_ddp_state import SCRIPT
-from test_train import free_port, model_dir, small  # noqa: F401  (model_dir: the session's nano model)
+from test_ddp_state import SCRIPT, run_two_processes
+from test_train import model_dir, small  # noqa: F401  (the session's nano model)
 
 
 def test_archer_and_topocurate_hold_the_same_state_on_both_ranks(model_dir, tmp_path):  # noqa: F811
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
     args = small(model_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1",
                  "train.eval_size=2", "train.eval_k=1", "task.name=calculator", "task.digits=2",
                  "environment={name: calculator, max_turns: 2, max_total_tokens: 24}", "rewards=[{name: environment}]",
                  "rollout.max_new_tokens=8", "advantage={name: archer, critic_steps: 2, batch_size: 16}",
                  "filters=[{name: topocurate, pool_factor: 2}]")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-           str(script), str(tmp_path), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_two_processes(SCRIPT, tmp_path, args)
     s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert s0["world"] == s1["world"] == 2
     assert json.dumps(s0["stages"], sort_keys=True) == json.dumps(s1["stages"], sort_keys=True)

@@ -38,18 +38,23 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_path):  # noqa: F811
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    args = small(model_dir, tmp_path / "run", "train.steps=3", "train.save_every=0", "accel.threads=1",
-                 "train.eval_size=4", "train.eval_k=1", *STATEFUL)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+
+def run_two_processes(script: str, tmp_path, args: list[str]) -> None:
+    """Run ``script`` (a Python source: argv is the folder, then ``args``) under torchrun, 2 processes, DDP over
+    gloo on the CPU (also where a GPU is present), rendezvous on a free port; fails the test with its stderr."""
+    path = tmp_path / "run.py"
+    path.write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # (gloo on the CPU, also where a GPU is present)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-           str(script), str(tmp_path), *args]
+           str(path), str(tmp_path), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_path):  # noqa: F811
+    run_two_processes(SCRIPT, tmp_path, small(model_dir, tmp_path / "run", "train.steps=3", "train.save_every=0",
+                                              "accel.threads=1", "train.eval_size=4", "train.eval_k=1", *STATEFUL))
     s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert s0["world"] == s1["world"] == 2
     a, b = s0["stages"], s1["stages"]
@@ -70,17 +75,10 @@ def test_every_stateful_stage_holds_the_same_state_on_both_ranks(model_dir, tmp_
 def test_discriminator_and_hwe_threshold_are_the_same_on_both_ranks(model_dir, tmp_path):  # noqa: F811
     """ares' smoothed HWE threshold and chi2_occupancy's discriminator (trained once per step on both ranks'
     tokens, gathered in rank order) come out identical on both ranks."""
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    args = small(model_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1",
-                 "train.eval_size=4", "train.eval_k=1", "advantage={name: ares, window: 1}",
-                 "regularizers=[{name: chi2_occupancy, coef: 0.1, max_tokens: 64}, {name: ares_kl, coef: 0.0}]")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-           str(script), str(tmp_path), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_two_processes(SCRIPT, tmp_path, small(
+        model_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1", "train.eval_size=4",
+        "train.eval_k=1", "advantage={name: ares, window: 1}",
+        "regularizers=[{name: chi2_occupancy, coef: 0.1, max_tokens: 64}, {name: ares_kl, coef: 0.0}]"))
     s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     a, b = s0["stages"], s1["stages"]
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)

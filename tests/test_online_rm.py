@@ -19,7 +19,8 @@ from postrl.errors import ConfigError
 from postrl.reward_models import PreferencePair, RMTrainConfig, fit_reward_model, fit_prm, StepRecord
 from postrl.reward_models.train import online_step
 from postrl.stages import StepEnd
-from test_train import crash_in_step, free_port, metrics, model_dir, resume, run_inprocess  # noqa: F401 - model_dir: fixture
+from test_ddp_state import run_two_processes
+from test_train import crash_in_step, metrics, model_dir, resume, run_inprocess  # noqa: F401 - model_dir: fixture
 
 
 @registry.register("reward", "has_digit_test", source="test: 1 when the completion holds a digit")
@@ -246,20 +247,9 @@ tr.train()
 def test_two_processes_train_one_reward_model(model_dir, rm_dir, tmp_path):
     """torchrun, 2 processes (DDP over gloo): each rank labels pairs on its own rows; the step gathers them, so
     both ranks take the same steps and end with the same reward-model weights and optimizer state."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "run.py"
-    script.write_text(DDP_SCRIPT)
     args = online_args(model_dir, rm_dir, tmp_path / "run", "train.steps=2", "train.save_every=0", "accel.threads=1")
     args = [a.replace("has_digit_test", "'test_online_rm:has_digit'") for a in args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        free_port(), str(script), str(tmp_path), *args], env=env, capture_output=True, text=True,
-                       timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_two_processes(DDP_SCRIPT, tmp_path, args)
     s0, s1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert s0["world"] == s1["world"] == 2
     a, b = s0["stages"]["rewards"]["1:model_online"], s1["stages"]["rewards"]["1:model_online"]
