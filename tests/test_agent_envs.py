@@ -4,17 +4,15 @@ localhost, a callable, a tiny local model) and trajectory scores."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from agent_helpers import ctx_for, scripted
+from fake_chat import ChatEndpoint
 from postrl import stages
 from postrl.environments import Environment, episodes, make
 from postrl.environments.calculator import CalculatorEnv
@@ -129,31 +127,15 @@ def test_steptool_turn_rewards(tmp_path, monkeypatch):
         stages.build("shaping", "steptool", {"contribution": "a:b", "judge_url": "http://x"})
 
 
-class _Judge(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        text = body["messages"][-1]["content"]
-        reply = "not json" if "Task:\np1" in text else '{"score": 5}' if "Step 1:" in text else '{"score": 10}'
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+def _step_judge(body: dict) -> str:
+    text = body["messages"][-1]["content"]
+    return "not json" if "Task:\np1" in text else '{"score": 5}' if "Step 1:" in text else '{"score": 10}'
 
 
 def test_steptool_contribution_from_an_llm_judge_endpoint():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-        out = stages.build("shaping", "steptool", {"alpha": 0.5, "judge_url": url, "judge_timeout": 5.0})(
+    with ChatEndpoint(_step_judge) as srv:
+        out = stages.build("shaping", "steptool", {"alpha": 0.5, "judge_url": srv.url, "judge_timeout": 5.0})(
             steptool_batch())
-    finally:
-        srv.shutdown()
-        srv.server_close()
     # episode 0: judge 5/10 on step 1, 10/10 on step 2 -> (0 + 0.5, 0.25 + 1.0, outcome 1); episode 1's judge
     # answered something that is not JSON: its reward fails, counted
     assert out["turn_rewards"][0].tolist() == pytest.approx([0.5, 1.25, 1.0])
@@ -209,38 +191,19 @@ def test_self_correct_without_verifier_is_an_environment_error():
 # ------------------------------------------------------------------------------------------------ UserRL
 
 
-class _User(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append(body)
-        last = body["messages"][-1]["content"]
-        if "SLOW" in last:
-            time.sleep(1.0)
-        if "HTTP500" in last:
-            self.send_response(500)
-            self.end_headers()
-            return
-        text = "" if "EMPTY" in last else "ok thanks ###STOP###" if "bye" in last else "my city is oslo"
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+def _user_reply(body: dict) -> str | int:
+    last = body["messages"][-1]["content"]
+    if "SLOW" in last:
+        time.sleep(1.0)
+    if "HTTP500" in last:
+        return 500
+    return "" if "EMPTY" in last else "ok thanks ###STOP###" if "bye" in last else "my city is oslo"
 
 
 @pytest.fixture()
 def user_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _User)
-    srv.requests = []
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", srv
-    srv.shutdown()
-    srv.server_close()
+    with ChatEndpoint(_user_reply) as srv:
+        yield srv.url, srv
 
 
 def test_simulated_user_over_a_local_endpoint(user_server):

@@ -42,6 +42,7 @@ from postrl.reward_models import (
     starc_distance,
     step_pieces,
 )
+from fake_chat import ChatEndpoint
 
 torch.set_num_threads(1)
 
@@ -640,41 +641,17 @@ def test_parquet_preferences(tmp_path):
         read_preferences(tmp_path / "bad.parquet")
 
 
-class _BiasJudge:
+def _bias_judge() -> ChatEndpoint:
     """A local OpenAI-compatible endpoint standing in for an LLM judge: a comparison whose task carries a
     bandwagon cue ('Most people prefer') is likely biased (score 9 of 10), others not (1); 'BROKEN' replies
     without a score."""
 
-    def __init__(self):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        import threading
+    def reply(body: dict) -> str:
+        user = body["messages"][-1]["content"]
+        return ('{"grade": 1}' if "BROKEN" in user else
+                '{"score": 9, "reason": "bandwagon"}' if "Most people prefer" in user else '{"score": 1}')
 
-        requests = self.requests = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                requests.append(body)
-                user = body["messages"][-1]["content"]
-                text = ('{"grade": 1}' if "BROKEN" in user else
-                        '{"score": 9, "reason": "bandwagon"}' if "Most people prefer" in user else '{"score": 1}')
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    return ChatEndpoint(reply)
 
 
 def test_cli_rm_train_judged_by_an_llm_judge_endpoint_and_by_a_function(tmp_path, capsys, monkeypatch):
@@ -683,7 +660,7 @@ def test_cli_rm_train_judged_by_an_llm_judge_endpoint_and_by_a_function(tmp_path
         cue = "Most people prefer c. " if p.bias >= 0.5 else ""
         rows.append({"prompt": cue, "chosen": p.chosen, "rejected": p.rejected})
     data = write_jsonl(tmp_path / "prefs.jsonl", rows)
-    judge = _BiasJudge()
+    judge = _bias_judge()
     try:
         out = tmp_path / "rm"
         rc = cli_main(["rm", "train", str(data), "--backbone", "bag:4", "--out", str(out), "--lr", "3e-2",

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +19,7 @@ from postrl.rewards.core import group_chunks, run_parallel
 from postrl.rewards.judge import judge
 from postrl.rewards.label_free import majority_vote, novelty
 from postrl.rewards.likelihood import likelihood
+from fake_chat import ChatEndpoint
 
 nan = math.nan
 
@@ -517,48 +516,26 @@ def test_likelihood_matches_direct_log_prob():
 # ------------------------------------------------------------------------------------------------ judge
 
 
-class _Judge(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append(body)
-        user = body["messages"][-1]["content"]
-        if "SLOW" in user:
-            time.sleep(4.0)
-        if "HTTP500" in user:
-            self.send_response(500)
-            self.end_headers()
-            return
-        content = {"GOOD": '{"score": 8, "reason": "fine"}', "FENCED": '```json\n{"score": 10}\n```',
-                   "BADJSON": "I think it deserves a 7", "RANGE": '{"score": 42}', "NOSCORE": '{"grade": 3}'}
-        text = next((v for k, v in content.items() if k in user), '{"score": 0}')
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+def _judge_reply(body: dict) -> str | int:
+    user = body["messages"][-1]["content"]
+    if "SLOW" in user:
+        time.sleep(4.0)
+    if "HTTP500" in user:
+        return 500
+    content = {"GOOD": '{"score": 8, "reason": "fine"}', "FENCED": '```json\n{"score": 10}\n```',
+               "BADJSON": "I think it deserves a 7", "RANGE": '{"score": 42}', "NOSCORE": '{"grade": 3}'}
+    return next((v for k, v in content.items() if k in user), '{"score": 0}')
 
 
 @pytest.fixture()
 def judge_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
-    srv.requests = []
-    # the SLOW reply outlives the client's 0.3 s timeout: its BrokenPipe, printed later by the request thread,
-    # would land in another test's captured stderr
-    srv.handle_error = lambda request, client_address: None
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with ChatEndpoint(_judge_reply) as srv:
+        yield srv
 
 
 def test_judge_against_local_server(judge_server, monkeypatch):
     monkeypatch.setenv("POSTRL_TEST_KEY", "sk-test")
-    url = f"http://127.0.0.1:{judge_server.server_address[1]}/v1"
+    url = judge_server.url
     comps = ["GOOD", "FENCED", "BADJSON", "RANGE", "NOSCORE", "HTTP500", "SLOW", "meh"]
     registry.register("reward", "t_judge", source="test")(judge)
     out = score_batch(["q"] * 8, comps, {"group_ids": list(range(8)), "answer": ["42"] * 8},
