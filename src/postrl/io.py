@@ -4,7 +4,8 @@
 is not a JSON object, or a file that is not UTF-8 text, is a one-line :class:`~postrl.errors.DataError` naming
 the file and line) or lenient (a run's own logs: a line cut by a crash, or still being written, is skipped; a
 missing file reads as no rows). ``load_object("pkg.mod:name", what)`` imports a module and returns its attribute,
-or raises one :class:`~postrl.errors.ConfigError` line naming ``what``.
+or raises one :class:`~postrl.errors.ConfigError` line naming ``what``. ``load_once(path, build, *key)`` builds
+what a file holds once per process (again when the file changes).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from postrl.errors import ConfigError, DataError
 
@@ -87,3 +89,19 @@ def column_flag(value: Any, where: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     raise DataError(f"{where}: expected true or false, got {value!r}")
+
+
+_LOADED: dict[tuple, Any] = {}
+_LOADED_LOCK = threading.RLock()  # a build may load another file (an encoder for a corpus)
+
+
+def load_once(path: str | os.PathLike, build: Callable[[], Any], *key: Any) -> Any:
+    """``build()`` once per process for the file ``path`` (its resolved name and modification time) and ``key``;
+    built again when the file is re-written. For what a stage reads from a file on every call (a model folder's
+    config, a corpus, an index). Builds run one at a time; an exception is not cached."""
+    p = Path(path)
+    full = (str(p.resolve()), p.stat().st_mtime_ns if p.exists() else 0, *key)
+    with _LOADED_LOCK:
+        if full not in _LOADED:
+            _LOADED[full] = build()
+        return _LOADED[full]

@@ -55,6 +55,7 @@ import torch
 from annotated_types import Ge, Gt, Le
 
 from postrl import jsonstate
+from postrl.io import load_once
 from postrl.registry import register
 from postrl.reward_models.metrics import UWO_LAMBDA, aggregate_ensemble
 from postrl.stages import StepEnd, Stateful
@@ -64,8 +65,7 @@ from postrl.reward_models.critique import Critic, cloud_scores
 
 MAX_MEMBERS = 8
 _CACHE_SIZE = 64
-_LOCK = threading.RLock()  # one model computes at a time; a concurrent caller waits and then hits the cache
-_MODELS: dict[tuple, Any] = {}
+_LOCK = threading.RLock()  # one model computes at a time
 _LAST: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _CALIBRATORS: dict[str, Any] = {}
 
@@ -81,12 +81,8 @@ def load_cached(path: str, device: str = "cpu"):
     # lazy: postrl.reward_models.model loads transformers, which the rewards package does not need
     from postrl.reward_models import load_reward_model
 
-    cfg = Path(path) / "reward_model.json"
-    key = (str(path), _device(device), cfg.stat().st_mtime_ns if cfg.is_file() else 0)
-    with _LOCK:
-        if key not in _MODELS:
-            _MODELS[key] = load_reward_model(path, device=_device(device))
-        return _MODELS[key]
+    return load_once(Path(path) / "reward_model.json", lambda: load_reward_model(path, device=_device(device)),
+                     "reward_model", _device(device))
 
 
 def _calibrator(path: str | None):

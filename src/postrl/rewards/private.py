@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated
@@ -17,7 +16,7 @@ import torch
 from annotated_types import Ge, Gt
 
 from postrl.errors import ConfigError, DataError
-from postrl.io import read_jsonl
+from postrl.io import load_once, read_jsonl
 from postrl.registry import register
 from postrl.seeding import derive_seed, stable_hash
 from postrl.rewards.semantic import embed
@@ -43,28 +42,23 @@ def _embed(texts: list[str], encoder: str | None, dim: int) -> torch.Tensor:
     return embed(texts, encoder)
 
 
-_PRIVATE: dict[tuple, torch.Tensor] = {}
-_LOCK = threading.Lock()
-
-
 def private_embeddings(path: str, text_field: str, encoder: str | None, dim: int) -> torch.Tensor:
     """Embeddings [M, H] of the private corpus ``path`` (JSON lines with ``text_field``), once per process."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"rewards.dp_nn_votes.private: '{path}' is not a file (JSON lines with '{text_field}')")
-    key = (str(p.resolve()), p.stat().st_mtime_ns, text_field, encoder, dim)
-    with _LOCK:
-        if key not in _PRIVATE:
-            rows = read_jsonl(p, strict=True)
-            texts = []
-            for i, r in enumerate(rows, 1):
-                if not isinstance(r.get(text_field), str):
-                    raise DataError(f"{p}: row {i} needs a string '{text_field}'")
-                texts.append(r[text_field])
-            if not texts:
-                raise DataError(f"{p}: no private rows")
-            _PRIVATE[key] = _embed(texts, encoder, dim)
-        return _PRIVATE[key]
+
+    def build() -> torch.Tensor:
+        texts = []
+        for i, r in enumerate(read_jsonl(p, strict=True), 1):
+            if not isinstance(r.get(text_field), str):
+                raise DataError(f"{p}: row {i} needs a string '{text_field}'")
+            texts.append(r[text_field])
+        if not texts:
+            raise DataError(f"{p}: no private rows")
+        return _embed(texts, encoder, dim)
+
+    return load_once(p, build, "private", text_field, encoder, dim)
 
 
 def nn_votes(private: torch.Tensor, synthetic: torch.Tensor) -> torch.Tensor:

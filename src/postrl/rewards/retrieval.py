@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal
@@ -17,7 +16,7 @@ import torch
 from annotated_types import Ge, Le
 
 from postrl.errors import ConfigError, DataError
-from postrl.io import read_jsonl
+from postrl.io import load_once, read_jsonl
 from postrl.registry import register
 
 CONVSEARCH = ("ConvSearch-R1: Enhancing Query Reformulation for Conversational Search with Reasoning via "
@@ -77,8 +76,6 @@ class BM25:
         return int((s > best).sum()) + 1
 
 
-_INDEXES: dict[tuple, tuple[BM25, dict[str, int]]] = {}
-_LOCK = threading.Lock()
 
 
 def load_index(path: str, id_field: str, text_field: str, k1: float, b: float) -> tuple[BM25, dict[str, int]]:
@@ -88,16 +85,15 @@ def load_index(path: str, id_field: str, text_field: str, k1: float, b: float) -
     if not p.is_file():
         raise ConfigError(f"rewards.rank_incentive.corpus: '{path}' is not a file (JSON lines of passages with "
                           f"'{id_field}' and '{text_field}')")
-    key = (str(p.resolve()), p.stat().st_mtime_ns, id_field, text_field, k1, b)
-    with _LOCK:
-        if key not in _INDEXES:
-            rows = read_jsonl(p, strict=True)
-            for i, r in enumerate(rows, 1):
-                if id_field not in r or not isinstance(r.get(text_field), str):
-                    raise DataError(f"{p}: row {i} needs '{id_field}' and a string '{text_field}'")
-            _INDEXES[key] = (BM25([r[text_field] for r in rows], k1, b), {str(r[id_field]): j
-                                                                          for j, r in enumerate(rows)})
-        return _INDEXES[key]
+
+    def build() -> tuple[BM25, dict[str, int]]:
+        rows = read_jsonl(p, strict=True)
+        for i, r in enumerate(rows, 1):
+            if id_field not in r or not isinstance(r.get(text_field), str):
+                raise DataError(f"{p}: row {i} needs '{id_field}' and a string '{text_field}'")
+        return BM25([r[text_field] for r in rows], k1, b), {str(r[id_field]): j for j, r in enumerate(rows)}
+
+    return load_once(p, build, "bm25", id_field, text_field, k1, b)
 
 
 def rank_incentive_value(rank: int | None) -> float:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import torch
 from annotated_types import Ge
 
 from postrl.errors import ConfigError
+from postrl.io import load_once
 from postrl.registry import register
 from postrl.rewards.builtin import TagName
 from postrl.rewards.text import tagged
-
-_ENCODERS: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
-
 
 def load_encoder(path: str, device: str = "cpu"):
     """(model, tokenizer) of the encoder folder ``path`` (``AutoModel`` / ``AutoTokenizer`` from a folder written
@@ -26,22 +22,22 @@ def load_encoder(path: str, device: str = "cpu"):
     if not cfg.is_file():
         raise ConfigError(f"rewards.encoder '{path}': no config.json in it (expected a folder written by "
                           "save_pretrained, e.g. a small BERT-like encoder)")
-    key = (str(p.resolve()), device, cfg.stat().st_mtime_ns)
-    with _LOCK:
-        if key not in _ENCODERS:
-            from transformers import AutoModel, AutoTokenizer
-            from transformers.utils import logging as hf_logging
 
-            hf_logging.set_verbosity_error()
-            try:
-                tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-                model = AutoModel.from_pretrained(p, local_files_only=True).to(device).eval()
-            except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
-                raise ConfigError(f"rewards.encoder '{path}': cannot load an encoder and its tokenizer from it "
-                                  f"({type(e).__name__}: {str(e)[:120]})") from None
-            tok.padding_side = "right"  # an encoder's absolute positions start at its first token
-            _ENCODERS[key] = (model, tok)
-        return _ENCODERS[key]
+    def build():
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        try:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+            model = AutoModel.from_pretrained(p, local_files_only=True).to(device).eval()
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
+            raise ConfigError(f"rewards.encoder '{path}': cannot load an encoder and its tokenizer from it "
+                              f"({type(e).__name__}: {str(e)[:120]})") from None
+        tok.padding_side = "right"  # an encoder's absolute positions start at its first token
+        return model, tok
+
+    return load_once(cfg, build, "encoder", device)
 
 
 @torch.no_grad()

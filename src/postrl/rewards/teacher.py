@@ -10,9 +10,8 @@ whose characters hold that token's end (as :mod:`postrl.rewards.dense` maps a re
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import torch
 from annotated_types import Ge
@@ -22,13 +21,10 @@ from postrl.context import ModelContext
 from postrl.errors import ConfigError, PostrlError
 from postrl.generation import encode_prompt, left_pad
 from postrl.logprobs import completion_logits
+from postrl.io import load_once
 from postrl.registry import register
 from postrl.rewards.dense import _char_ends, _policy_rows
 from postrl.models import load_model_and_tokenizer
-
-_MODELS: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
-
 
 def load_mle(path: str, device: str = "cpu"):
     """(model, tokenizer) of the MLE model folder (once per process; reloaded when its config changes)."""
@@ -37,15 +33,15 @@ def load_mle(path: str, device: str = "cpu"):
     if not cfg.is_file():
         raise ConfigError(f"advantage.mle_model '{path}': no config.json in it (expected a causal LM folder written "
                           "by save_pretrained, e.g. postrl sft's output)")
-    key = (str(p.resolve()), device, cfg.stat().st_mtime_ns)
-    with _LOCK:
-        if key not in _MODELS:
-            try:
-                model, tok = load_model_and_tokenizer(p)
-            except PostrlError as e:
-                raise ConfigError(f"advantage.mle_model: {e}".replace("model.path ", "")) from None
-            _MODELS[key] = (model.to(device).eval(), tok)
-        return _MODELS[key]
+
+    def build():
+        try:
+            model, tok = load_model_and_tokenizer(p)
+        except PostrlError as e:
+            raise ConfigError(f"advantage.mle_model: {e}".replace("model.path ", "")) from None
+        return model.to(device).eval(), tok
+
+    return load_once(cfg, build, "mle", device)
 
 
 def _same_vocab(a, b) -> bool:
