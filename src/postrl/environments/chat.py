@@ -21,6 +21,10 @@ class ChatError(Exception):
     """One model call that failed (HTTP error, timeout, unreadable or empty reply)."""
 
 
+class CallTimeout(ChatError):
+    """A call that ran past its time limit (:func:`call_with_timeout`)."""
+
+
 def endpoint_chat(base_url: str, model: str, messages: list[dict], *, timeout: float = 30.0,
                   temperature: float = 0.0, max_tokens: int = 256, api_key_env: str = "OPENAI_API_KEY") -> str:
     """The reply text of ``POST <base_url>/chat/completions`` (OpenAI format) for ``messages``."""
@@ -90,7 +94,7 @@ class LocalChat:
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
     """``fn()``'s result within ``timeout`` seconds; raises what it raised, or :class:`ChatError` when it runs
-    past the timeout (its daemon thread is abandoned)."""
+    past the timeout (:class:`CallTimeout`; its daemon thread is abandoned)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -103,7 +107,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise ChatError(f"no reply within {timeout:g}s")
+        raise CallTimeout(f"no reply within {timeout:g}s")
     if "error" in box:
         raise box["error"]
     return box.get("value")

@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import threading
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -69,6 +68,7 @@ import torch
 from postrl.batch import RolloutBatch
 from postrl.seeding import stable_hash
 from postrl.environments import call
+from postrl.environments.chat import CallTimeout, call_with_timeout
 from postrl.environments.cleaner import purify as purify_batch
 from postrl.environments.tools import CLOSE, schemas
 from postrl.environments.turns import TURN_COUNTERS, turn_index
@@ -142,22 +142,14 @@ def _made(make_env: Callable[[], Any]) -> Any:
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float) -> Any:
-    """``fn()`` in a daemon thread; its result, its exception, or a TimeoutError after ``timeout`` seconds (the
-    thread is abandoned)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 - returned to the caller, who ends the episode
-            box["out"] = e
-
-    t = threading.Thread(target=target, daemon=True, name="postrl-env-step")
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
+    """``fn()`` in a daemon thread (:func:`postrl.environments.chat.call_with_timeout`); its result, its exception,
+    or a TimeoutError after ``timeout`` seconds (the thread is abandoned)."""
+    try:
+        return call_with_timeout(fn, timeout)
+    except CallTimeout:
         return TimeoutError(f"environment step timed out after {timeout:g}s")
-    return box.get("out")
+    except BaseException as e:  # noqa: BLE001 - returned to the caller, who ends the episode
+        return e
 
 
 def _step_all(envs: list, actions: list[str], timeout: float | None = None) -> list:
